@@ -1,0 +1,101 @@
+"""Causal self-attention kernels behind one signature, and the choice among them.
+
+Every backend takes q, k, v shaped (batch, seq, heads, head_dim), the layout flash-attn
+uses natively, with k and v possibly having fewer (grouped) heads, and returns
+(batch, seq, heads, head_dim).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "flash", "sdpa", "eager")
+
+
+class AttentionBackendError(ValueError):
+    pass
+
+
+def flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def flash_attn_usable(device: torch.device) -> tuple[bool, str]:
+    """Whether flash-attn can run here, and if not, why (for the error message)."""
+    if device.type != "cuda":
+        return False, f"flash-attn needs a CUDA device, this run is on '{device.type}'"
+    if not flash_attn_installed():
+        return False, "the flash-attn package is not installed (pip install '.[gpu]')"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return False, f"flash-attn 2 needs compute capability >= 8.0, this GPU has {major}.x"
+    return True, ""
+
+
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Turn ``model.attention`` into the backend that will run, or raise naming the fix.
+
+    ``auto`` prefers flash-attn (CUDA, fp16/bf16 compute), else SDPA, which is itself a fused
+    kernel (flash or memory-efficient) on GPUs and a fused CPU kernel otherwise.
+    """
+    if requested not in BACKENDS:
+        raise AttentionBackendError(
+            f"model.attention={requested!r} is not a backend; choose one of {', '.join(BACKENDS)}"
+        )
+    if requested == "flash":
+        ok, why = flash_attn_usable(device)
+        if not ok:
+            raise AttentionBackendError(
+                f"model.attention=flash cannot run: {why}. "
+                "Use model.attention=sdpa (or auto to pick the best available)."
+            )
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise AttentionBackendError(
+                "model.attention=flash needs fp16/bf16 compute; set precision=bf16 "
+                "or use model.attention=sdpa for fp32."
+            )
+        return "flash"
+    if requested == "auto":
+        ok, _ = flash_attn_usable(device)
+        return "flash" if ok and dtype in (torch.float16, torch.bfloat16) else "sdpa"
+    return requested
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=2)
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0):
+    """Reference implementation: explicit causal mask, softmax in fp32."""
+    n_rep = q.shape[2] // k.shape[2]
+    k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+    t = q.shape[2]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p)
+    return (probs @ v).transpose(1, 2)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0):
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+    )
+    return out.transpose(1, 2)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0):
+    from flash_attn import flash_attn_func  # optional dependency, checked by resolve_backend
+
+    return flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)
+
+
+KERNELS = {"eager": eager_attention, "sdpa": sdpa_attention, "flash": flash_attention}

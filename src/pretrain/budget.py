@@ -1,0 +1,114 @@
+"""Parameter and FLOP counts, and the token budget a scaling rule gives.
+
+Conventions (stated once, used everywhere: plan, logs, MFU, scaling-law fits):
+
+- ``n_params``: every trainable parameter, counted once (tied matrices once), including
+  vocabulary padding. For GPT-2 this is the published count of the released checkpoints.
+- ``n_params_non_embedding``: minus the token and position embedding tables (Kaplan et al.
+  2020). With tied embeddings the output matrix is the embedding table and is excluded too.
+- ``flops_per_token``: training FLOPs per token, 6 * N_matmul + 12 * L * d_attn * T
+  (PaLM, Chowdhery et al. 2022, appendix B): N_matmul counts the parameters that take part in
+  matrix multiplies (everything except the position table and an untied input embedding,
+  whose lookups cost nothing; the output head counts whether tied or not), and the second
+  term is the attention scores and values (forward + backward, no causal discount).
+- Scaling rules use N = n_params (Hoffmann et al. 2022) unless ``budget.param_count`` is
+  ``non_embedding`` (Kaplan et al.), and compute C = 6 * N * D.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pretrain.config import BudgetConfig, ModelConfig
+from pretrain.model import GPT
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    non_embedding: int
+    matmul: int
+
+
+def count_params(cfg: ModelConfig) -> ParamCounts:
+    """Exact counts, from the module itself built on the meta device (no memory used)."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    tok = model.tok_emb.weight.numel()
+    pos = model.pos_emb.weight.numel() if model.pos_emb is not None else 0
+    non_embedding = total - tok - pos
+    matmul = total - pos - (0 if cfg.tie_embeddings else tok)
+    return ParamCounts(total=total, non_embedding=non_embedding, matmul=matmul)
+
+
+def flops_per_token(cfg: ModelConfig, counts: ParamCounts | None = None) -> int:
+    counts = counts or count_params(cfg)
+    d_attn = (cfg.d_model // cfg.n_head) * cfg.n_head
+    return 6 * counts.matmul + 12 * cfg.n_layer * d_attn * cfg.seq_len
+
+
+@dataclass(frozen=True)
+class Budget:
+    n_params: int
+    n_params_non_embedding: int
+    tokens: int
+    steps: int
+    global_batch_tokens: int
+    flops_per_token: int
+    total_flops: float
+    rule: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class BudgetError(ValueError):
+    pass
+
+
+def resolve_budget(model: ModelConfig, budget: BudgetConfig, global_batch_size: int) -> Budget:
+    """Tokens D from the rule, then steps = ceil(D / tokens per global batch)."""
+    counts = count_params(model)
+    n = counts.non_embedding if budget.param_count == "non_embedding" else counts.total
+    batch_tokens = global_batch_size * model.seq_len
+    kind = budget.kind
+    if kind == "tokens":
+        if not budget.tokens or budget.tokens <= 0:
+            raise BudgetError("budget.kind=tokens needs budget.tokens > 0 (e.g. budget.tokens=1e9)")
+        tokens, rule = int(budget.tokens), f"fixed {int(budget.tokens):,} tokens"
+    elif kind == "tokens_per_param":
+        if budget.tokens_per_param <= 0:
+            raise BudgetError("budget.tokens_per_param must be > 0 (Chinchilla: 20)")
+        tokens = math.ceil(budget.tokens_per_param * n)
+        rule = f"{budget.tokens_per_param:g} tokens/param x N={n:,}"
+    elif kind == "flops":
+        if not budget.flops or budget.flops <= 0:
+            raise BudgetError("budget.kind=flops needs budget.flops > 0 (e.g. budget.flops=1e20)")
+        tokens = math.ceil(budget.flops / (6 * n))
+        rule = f"C={budget.flops:.3g} FLOPs / (6 N={n:,})"
+    elif kind == "steps":
+        if not budget.steps or budget.steps <= 0:
+            raise BudgetError("budget.kind=steps needs budget.steps > 0")
+        tokens, rule = budget.steps * batch_tokens, f"fixed {budget.steps} steps"
+    else:
+        raise BudgetError(
+            f"budget.kind={kind!r} is unknown; use tokens, tokens_per_param, flops or steps"
+        )
+    if budget.param_count not in ("total", "non_embedding"):
+        raise BudgetError("budget.param_count must be 'total' or 'non_embedding'")
+    steps = max(1, math.ceil(tokens / batch_tokens))
+    fpt = flops_per_token(model, counts)
+    return Budget(
+        n_params=counts.total,
+        n_params_non_embedding=counts.non_embedding,
+        tokens=steps * batch_tokens,
+        steps=steps,
+        global_batch_tokens=batch_tokens,
+        flops_per_token=fpt,
+        total_flops=float(fpt) * steps * batch_tokens,
+        rule=rule,
+    )

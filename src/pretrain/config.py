@@ -1,0 +1,204 @@
+"""Structured config: the schema every recipe is checked against.
+
+Registered in Hydra's ConfigStore as ``base_config`` and put first in ``conf/config.yaml``'s
+defaults list, so every YAML file and command-line override is merged into these dataclasses:
+a misspelt key or a wrongly typed value is an error at composition time, not a silent no-op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    n_layer: int = 4
+    n_head: int = 4
+    # Grouped-query attention: None means n_kv_head = n_head (multi-head attention).
+    n_kv_head: int | None = None
+    d_model: int = 256
+    # MLP hidden width; None means 4 * d_model (GELU) or the LLaMA rule 8/3 * d_model
+    # rounded up to ffn_multiple_of (SwiGLU).
+    d_ff: int | None = None
+    ffn_multiple_of: int = 256
+    vocab_size: int = 50257
+    # Round the embedding/output rows up to a multiple of this (64 or 128 keeps matmuls
+    # aligned to tensor-core tiles); 1 = no padding. Padded rows never appear as targets.
+    pad_vocab_to: int = 1
+    seq_len: int = 1024
+    pos_emb: str = "learned"  # learned | rope
+    rope_theta: float = 10000.0
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # gelu | swiglu
+    bias: bool = True
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    init_std: float = 0.02
+    attention: str = "auto"  # auto | flash | sdpa | eager
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"
+    # Where the data comes from: "stdlib" (the embedded corpus: this Python's own standard
+    # library sources), a Hugging Face hub dataset name, or a builder for local files
+    # ("text", "json", "parquet") together with data_files.
+    source: str = "stdlib"
+    subset: str | None = None
+    split: str = "train"
+    data_files: list[str] = field(default_factory=list)
+    text_field: str = "text"
+    # Cap on documents read from the source (None = all); handy for huge hub corpora.
+    max_documents: int | None = None
+    # Tokenizer: a Hugging Face tokenizer name (e.g. "gpt2") or "bpe" to train a byte-level
+    # BPE of tokenizer_vocab_size on the corpus, saved beside the shards as tokenizer.json.
+    tokenizer: str = "bpe"
+    tokenizer_vocab_size: int = 4096
+    validation_fraction: float = 0.02
+    shard_tokens: int = 100_000_000
+    num_proc: int = 2
+    seed: int = 1234
+    # Prepared shards live in ${root}/${name}; prepared on first use when auto_prepare.
+    root: str = "data"
+    auto_prepare: bool = True
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+    # Master weights and optimizer state.
+    param_dtype: str = "float32"
+    # Matmul/activation dtype (autocast when it differs from param_dtype).
+    compute_dtype: str = "float32"
+    # Gradient reduction dtype across data-parallel ranks.
+    reduce_dtype: str = "float32"
+    loss_scaling: bool = False  # dynamic loss scaling (fp16 only)
+    fp8: bool = False
+    fp8_recipe: str = "tensorwise"  # tensorwise | rowwise
+    fp8_allow_emulation: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    name: str = "single"
+    tp: int = 1
+    pp: int = 1
+    # None: derived as world_size / (tp * pp).
+    dp: int | None = None
+    dp_shard: int | None = None
+    dp_replicate: int = 1
+    dp_mode: str = "zero3"  # ddp | zero2 | zero3
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zbv
+    virtual_stages: int = 1
+    micro_batch_size: int = 8
+    sequence_parallel: bool = False
+    activation_checkpointing: str = "none"  # none | selective | full
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 6e-4
+    # The global batch (in tokens) that lr was tuned for; lr_scaling adapts lr to the
+    # actual global batch: none, sqrt (Adam, Malladi et al. 2022) or linear (Goyal et al.).
+    ref_batch_tokens: int | None = None
+    lr_scaling: str = "none"  # none | sqrt | linear
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    fused: bool | None = None  # None: fused where the device supports it
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "cosine"
+    decay: str = "cosine"  # cosine | linear | wsd | constant
+    warmup_steps: int | None = None
+    warmup_tokens: int | None = None
+    # Fraction of steps spent decaying at the end of a WSD schedule.
+    decay_fraction: float = 0.2
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class BudgetConfig:
+    name: str = "fixed"
+    kind: str = "tokens"  # tokens | tokens_per_param | flops | steps
+    tokens: int | None = None
+    tokens_per_param: float = 20.0
+    flops: float | None = None
+    steps: int | None = None
+    # Which N the scaling rules use: total (Chinchilla/Hoffmann et al.) or
+    # non_embedding (Kaplan et al.).
+    param_count: str = "total"
+
+
+@dataclass
+class CheckpointConfig:
+    name: str = "default"
+    enabled: bool = False
+    interval_steps: int | None = None
+    interval_minutes: float | None = None
+    keep_last: int = 3
+    keep_every: int | None = None
+    async_save: bool = True
+    resume: bool = True
+    resume_from: str | None = None
+    load_weights_only: str | None = None
+
+
+@dataclass
+class LoggingConfig:
+    name: str = "default"
+    log_interval: int = 10
+    wandb: str = "offline"  # disabled | offline | online
+    wandb_project: str = "pretrain-recipes"
+    wandb_entity: str | None = None
+    progress_bar: bool | None = None  # None: only on an interactive terminal
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int = 32  # sequences per optimizer step
+    eval_interval: int = 100
+    eval_batches: int = 8
+    seed: int = 1337
+    device: str = "auto"  # auto | cpu | cuda
+    compile: bool = False
+    # Tokens generated from the trained model at the end (0 to skip).
+    sample_tokens: int = 0
+    sample_prompt: str = "def "
+    sample_temperature: float = 0.8
+    sample_top_k: int | None = 50
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run_name: str = "default"
+    runs_dir: str = "runs"
+    # Print the resolved plan as one JSON line and exit without training.
+    dry_run: bool = False
+    # Free-form notes a recipe can carry (source paper, intent); logged, never interpreted.
+    notes: Any = None
+
+
+def register_configs() -> None:
+    """Register the schema; conf/config.yaml lists ``base_config`` first in its defaults."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)

@@ -1,0 +1,90 @@
+"""Where metrics go: the console (or a progress bar), metrics.jsonl and wandb."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("pretrain")
+
+
+def format_metrics(m: dict[str, Any]) -> str:
+    parts = [f"step {m['step']}/{m['total_steps']}"]
+    fmt = {
+        "loss": "loss {:.4f}", "val_loss": "val_loss {:.4f}", "lr": "lr {:.2e}",
+        "grad_norm": "gnorm {:.3f}", "tokens_per_s": "{:,.0f} tok/s", "mfu": "MFU {:.1%}",
+        "memory_gb": "mem {:.2f} GB",
+    }
+    for key, f in fmt.items():
+        if m.get(key) is not None:
+            parts.append(f.format(m[key]))
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Only rank 0 creates one with ``enabled=True``; the others log nothing."""
+
+    def __init__(self, run_dir: Path, config: dict, total_steps: int, start_step: int,
+                 wandb_mode: str, project: str, entity: str | None,
+                 progress_bar: bool | None, enabled: bool = True):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.wandb = None
+        self.bar = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        if start_step == 0 and self.path.exists():
+            # A fresh start in an existing run directory: keep the old metrics, aside.
+            self.path.rename(run_dir / f"metrics.{int(time.time())}.jsonl")
+        self.file = self.path.open("a")
+        if wandb_mode != "disabled":
+            import wandb
+
+            self.wandb = wandb.init(project=project, entity=entity, dir=str(run_dir),
+                                    mode=wandb_mode, name=run_dir.name, config=config,
+                                    resume="allow", id=None)
+        if progress_bar is None:
+            progress_bar = sys.stderr.isatty()
+        if progress_bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        metrics = {"total_steps": self.total_steps, **metrics}
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if k != "step"},
+                           step=metrics["step"])
+        line = format_metrics(metrics)
+        if self.bar is not None:
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            # The console handler writes through tqdm so the bar stays at the bottom; the
+            # log file (Hydra's train.log) still gets the line.
+            with logging_redirect_tqdm(loggers=[logging.getLogger()]):
+                log.info(line)
+        else:
+            log.info(line)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()

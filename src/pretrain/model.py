@@ -1,0 +1,202 @@
+"""The GPT model: a plain nn.Module, read top to bottom.
+
+Defaults reproduce GPT-2 exactly (learned positions, pre-LayerNorm, GELU, tied embeddings,
+biases); options give the modern variants (RoPE, RMSNorm, SwiGLU, grouped-query attention,
+untied and padded vocabulary). Nothing here knows about parallelism, precision or
+compilation: those are applied from outside. Submodules are named so that tensor and
+pipeline parallel plans can address them (``layers.<i>.attn.wq`` ...), and ``tok_emb``,
+``pos_emb``, ``norm`` and ``lm_head`` may be set to None by a pipeline split.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pretrain.attention import KERNELS
+from pretrain.config import ModelConfig
+
+
+def padded_vocab_size(cfg: ModelConfig) -> int:
+    m = max(1, cfg.pad_vocab_to)
+    return math.ceil(cfg.vocab_size / m) * m
+
+
+def ffn_dim(cfg: ModelConfig) -> int:
+    if cfg.d_ff is not None:
+        return cfg.d_ff
+    if cfg.mlp == "swiglu":  # LLaMA: 2/3 of 4d, rounded up to a multiple
+        hidden = int(2 * 4 * cfg.d_model / 3)
+        m = cfg.ffn_multiple_of
+        return m * math.ceil(hidden / m)
+    return 4 * cfg.d_model
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """cos and sin for rotary embeddings, stacked as (2, seq, head_dim) in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.stack([angles.cos(), angles.sin()])
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, seq, heads, head_dim) by the 'rotate half' convention (as HF Llama)."""
+    t = x.shape[1]
+    cos, sin = rope[0, :t, None, :], rope[1, :t, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.n_kv_head = cfg.n_kv_head or cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.wq = nn.Linear(cfg.d_model, self.n_head * self.head_dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=cfg.bias)
+        self.wo = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.kernel = KERNELS["sdpa"]  # set by set_attention_backend
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 rather than n_head: under tensor parallelism each rank holds a slice of heads.
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        y = self.kernel(q, k, v, self.dropout if self.training else 0.0)
+        return self.wo(y.reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = ffn_dim(cfg)
+        self.swiglu = cfg.mlp == "swiglu"
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)  # up (and SiLU input)
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)  # down
+        self.w3 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if self.swiglu else None  # gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        vocab = padded_vocab_size(cfg)
+        self.tok_emb = nn.Embedding(vocab, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.pos_emb == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        # A dict keyed by the global layer index keeps names stable when a pipeline stage
+        # deletes the layers it does not own (the torchtitan convention).
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.norm = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, vocab, bias=False)
+        head_dim = cfg.d_model // cfg.n_head
+        rope = rope_tables(head_dim, cfg.seq_len, cfg.rope_theta) if cfg.pos_emb == "rope" else None
+        self.register_buffer("rope", rope, persistent=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the output matrix with the input embedding (GPT-2); call again after
+        moving a meta-device model to real memory, which unties them."""
+        if self.cfg.tie_embeddings and self.tok_emb is not None and self.lm_head is not None:
+            self.lm_head.weight = self.tok_emb.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 initialisation: N(0, init_std), residual projections scaled by
+        1/sqrt(2 * n_layer), zero biases, unit norms. Also rebuilds the RoPE tables, which a
+        meta-device construction leaves empty."""
+        std = self.cfg.init_std
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                scale = 1 / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("wo", "w2")) else 1
+                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+        if self.rope is not None:
+            head_dim = self.cfg.d_model // self.cfg.n_head
+            self.rope.copy_(
+                rope_tables(head_dim, self.cfg.seq_len, self.cfg.rope_theta, self.rope.device)
+            )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) -> logits (batch, seq, padded vocab). A pipeline stage
+        without the embedding receives hidden states (batch, seq, d_model) instead."""
+        h = tokens
+        if self.tok_emb is not None:
+            h = self.tok_emb(tokens)
+            if self.pos_emb is not None:
+                h = h + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+            h = self.drop(h)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)
+        return h
+
+    @torch.no_grad()
+    def generate(
+        self, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+        top_k: int | None = None, generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample continuations (no KV cache: for short samples from small models)."""
+        for _ in range(max_new_tokens):
+            context = tokens[:, -self.cfg.seq_len:]
+            logits = self(context)[:, -1, : self.cfg.vocab_size].float()
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+            tokens = torch.cat([tokens, nxt], dim=1)
+        return tokens
+
+
+def set_attention_backend(model: nn.Module, backend: str) -> None:
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.kernel = KERNELS[backend]

@@ -1,0 +1,74 @@
+"""AdamW with decay on matrices only, LR scaling with batch size, and the LR schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from pretrain.config import OptimConfig, ScheduleConfig
+
+
+def scaled_lr(cfg: OptimConfig, global_batch_tokens: int) -> float:
+    """``optim.lr`` was tuned at ``ref_batch_tokens``; adapt it to the actual global batch."""
+    if cfg.lr_scaling == "none" or not cfg.ref_batch_tokens:
+        return cfg.lr
+    ratio = global_batch_tokens / cfg.ref_batch_tokens
+    if cfg.lr_scaling == "sqrt":
+        return cfg.lr * math.sqrt(ratio)
+    if cfg.lr_scaling == "linear":
+        return cfg.lr * ratio
+    raise ValueError(f"optim.lr_scaling={cfg.lr_scaling!r}: use none, sqrt or linear")
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float,
+                    device: torch.device) -> torch.optim.AdamW:
+    """Weight decay on matrices (ndim >= 2) but not on embeddings, norms or biases."""
+    decay, no_decay = [], []
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
+    # An output head tied to the embedding is the embedding: it gets no decay either.
+    decay = [p for p in decay if id(p) not in embeddings]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+
+
+def warmup_steps(cfg: ScheduleConfig, global_batch_tokens: int) -> int:
+    if cfg.warmup_steps is not None and cfg.warmup_tokens is not None:
+        raise ValueError("set schedule.warmup_steps or schedule.warmup_tokens, not both")
+    if cfg.warmup_tokens is not None:
+        return math.ceil(cfg.warmup_tokens / global_batch_tokens)
+    return cfg.warmup_steps or 0
+
+
+def lr_multiplier(step: int, total: int, warmup: int, cfg: ScheduleConfig) -> float:
+    """Multiplier of the peak LR at optimizer step ``step`` (0-based) of ``total``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    lo = cfg.min_lr_ratio
+    if cfg.decay == "constant":
+        return 1.0
+    if cfg.decay == "wsd":  # warmup, stable at peak, then linear decay over the last fraction
+        decay_steps = max(1, math.ceil(cfg.decay_fraction * total))
+        start = total - decay_steps
+        if step < start:
+            return 1.0
+        return 1.0 - (1.0 - lo) * min(1.0, (step - start + 1) / decay_steps)
+    progress = min(1.0, (step - warmup + 1) / max(1, total - warmup))
+    if cfg.decay == "cosine":
+        return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * progress))
+    if cfg.decay == "linear":
+        return 1.0 - (1.0 - lo) * progress
+    raise ValueError(f"schedule.decay={cfg.decay!r}: use cosine, linear, wsd or constant")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int,
+                    global_batch_tokens: int) -> LambdaLR:
+    warmup = warmup_steps(cfg, global_batch_tokens)
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, warmup, cfg))
