@@ -1,0 +1,37 @@
+"""Compose the same config train.py sees, for the command-line tools.
+
+Tools take Hydra overrides exactly as train.py does (``+recipe=NAME key=value ...``) but
+do not need a run directory, so they use Hydra's compose API instead of ``@hydra.main``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf, open_dict
+
+from pretrain.config import Config, register_configs
+from pretrain.naming import register_resolvers
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:
+    """The resolved, schema-checked config for these overrides (as train.py would run it)."""
+    register_configs()
+    register_resolvers()
+    if not conf_dir.is_dir():
+        raise FileNotFoundError(
+            f"no Hydra config directory at {conf_dir}; run the tools from a checkout of the repo"
+        )
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)  # lets ${pretrain_run_name:} resolve
+        with open_dict(cfg):
+            cfg.run_name = str(cfg.run_name)
+            del cfg["hydra"]
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, Config)
+    return obj
