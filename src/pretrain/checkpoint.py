@@ -1,0 +1,264 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP).
+
+One directory per save, ``<run>/checkpoints/step_0001000/``, holding DCP's shard files and
+``.metadata`` plus our ``meta.json`` (step, tokens, samples consumed, layout, config, and the
+size of every file). It is written as ``step_0001000.tmp`` and renamed by rank 0 only once
+every rank's shards are on disk, so a directory without ``.tmp`` whose files match its
+``meta.json`` is complete; anything else is skipped with a warning and left in place.
+
+DCP stores every tensor globally by name, and the data position is stored as global samples
+consumed, so a checkpoint saved with one TP x PP x DP layout loads into another.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from pretrain.config import CheckpointConfig
+
+log = logging.getLogger("pretrain.checkpoint")
+
+STEP_DIR = re.compile(r"^step_(\d{7,})$")
+META = "meta.json"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+class ModelOptimizer(Stateful):
+    """Model and optimizer state as DCP wants it: fully-qualified names, DTensors for shards.
+
+    ``get_state_dict`` / ``set_state_dict`` hide the wrappers (FSDP2, compile, activation
+    checkpointing) so the names are those of the plain model, whatever the layout.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state["model"])
+            return
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def checkpoint_status(path: Path) -> str | None:
+    """None if ``path`` is a complete checkpoint, else why not (for the warning)."""
+    meta_path = path / META
+    if not (path / ".metadata").exists():
+        return "DCP .metadata is missing"
+    if not meta_path.exists():
+        return f"{META} is missing"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return f"{META} is unreadable ({e})"
+    for name, size in meta.get("files", {}).items():
+        f = path / name
+        if not f.exists():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} expected"
+    return None
+
+
+def read_meta(path: Path) -> dict:
+    return json.loads((Path(path) / META).read_text())
+
+
+def complete_checkpoints(folder: Path, warn: bool = True) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``folder``, oldest first; incomplete ones are named."""
+    found = []
+    if not folder.is_dir():
+        return found
+    for p in sorted(folder.iterdir()):
+        if p.name.endswith(".tmp") and p.is_dir():
+            if warn:
+                log.warning("checkpoint %s was never completed (a save was cut short); "
+                            "skipping it, not deleting it", p)
+            continue
+        m = STEP_DIR.match(p.name)
+        if not m or not p.is_dir():
+            continue
+        why = checkpoint_status(p)
+        if why is not None:
+            if warn:
+                log.warning("checkpoint %s is incomplete or corrupt (%s); skipping it, "
+                            "not deleting it", p, why)
+            continue
+        found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run directory, a checkpoints folder or one step directory -> a complete step dir."""
+    p = Path(path)
+    if STEP_DIR.match(p.name):
+        why = checkpoint_status(p)
+        if why:
+            raise CheckpointError(f"{p} is not a complete checkpoint: {why}")
+        return p
+    for folder in (p / "checkpoints", p):
+        found = complete_checkpoints(folder)
+        if found:
+            return found[-1][1]
+    raise CheckpointError(f"no complete checkpoint under {p} (looked for step_XXXXXXX "
+                          f"directories in {p / 'checkpoints'} and {p})")
+
+
+class CheckpointManager:
+    """Saves (async where possible), finalises, retains and finds checkpoints of one run."""
+
+    def __init__(self, folder: Path, cfg: CheckpointConfig):
+        self.folder = Path(folder)
+        self.cfg = cfg
+        self.pending: tuple[Future, Path, dict] | None = None
+        self.last_save_time = time.monotonic()
+        # Async saves run their collectives in a background thread: give them their own
+        # gloo group so they never interleave with the training step's collectives.
+        self.group = (dist.new_group(backend="gloo")
+                      if dist.is_initialized() and cfg.async_save else None)
+
+    # -- when ----------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        if not self.cfg.enabled:
+            return False
+        if self.cfg.interval_steps and step % self.cfg.interval_steps == 0:
+            return True
+        if self.cfg.interval_minutes:
+            elapsed = torch.tensor(time.monotonic() - self.last_save_time)
+            if dist.is_initialized():  # every rank must agree, or the save collective hangs
+                dist.broadcast(elapsed, src=0)
+            return elapsed.item() >= 60 * self.cfg.interval_minutes
+        return False
+
+    # -- save ----------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any], meta: dict, block: bool = False) -> None:
+        """Write ``state`` for ``step``. Async unless ``block`` or disabled in the config:
+        DCP stages a copy in memory and writes it while training goes on."""
+        self.wait()
+        final = self.folder / step_dir_name(step)
+        if final.exists():
+            log.info("checkpoint %s already exists; not overwriting it", final)
+            return
+        tmp = final.with_name(final.name + ".tmp")
+        if _rank() == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # our own leftover from a save that never completed
+            tmp.mkdir(parents=True)
+        _barrier()
+        t0 = time.perf_counter()
+        if self.cfg.async_save and not block:
+            fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+            self.pending = (fut, tmp, meta)
+            log.info("checkpoint step %d: async save started, training blocked %.2f s",
+                     step, time.perf_counter() - t0)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._finalise(tmp, meta)
+            log.info("checkpoint step %d saved to %s in %.2f s", step, final,
+                     time.perf_counter() - t0)
+        self.last_save_time = time.monotonic()
+
+    def wait(self) -> None:
+        """Finish a pending async save (every rank calls it)."""
+        if self.pending is None:
+            return
+        fut, tmp, meta = self.pending
+        self.pending = None
+        fut.result()
+        _barrier(self.group)
+        self._finalise(tmp, meta)
+
+    def poll(self) -> None:
+        """Finish a pending async save if its writes are done; cheap to call every step."""
+        if self.pending is not None:
+            done = torch.tensor(int(self.pending[0].done()))
+            if dist.is_initialized():
+                dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            if done.item():
+                self.wait()
+
+    def _finalise(self, tmp: Path, meta: dict) -> None:
+        """Rank 0, once all ranks wrote: record file sizes, rename into place, retain."""
+        _barrier()
+        if _rank() == 0:
+            files = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
+            meta = {**meta, "files": files, "saved_at": time.time()}
+            (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
+            final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+            tmp.rename(final)
+            log.info("checkpoint complete: %s (%.1f MB)", final, sum(files.values()) / 1e6)
+            self.retain()
+        _barrier()
+
+    def retain(self) -> None:
+        """Keep the newest keep_last plus every keep_every-th step; never the newest."""
+        found = complete_checkpoints(self.folder, warn=False)
+        keep = {p for _, p in found[-max(1, self.cfg.keep_last):]}
+        if self.cfg.keep_every:
+            keep |= {p for s, p in found if s % self.cfg.keep_every == 0}
+        for _, p in found:
+            if p not in keep:
+                shutil.rmtree(p)
+                log.info("checkpoint retention: removed %s", p)
+
+    # -- load ----------------------------------------------------------------------------
+
+    def latest(self) -> Path | None:
+        found = complete_checkpoints(self.folder)
+        return found[-1][1] if found else None
+
+    @staticmethod
+    def load(path: Path, state: dict[str, Any]) -> dict:
+        """Load ``state`` (Stateful values are updated in place) from ``path``; its meta."""
+        t0 = time.perf_counter()
+        dcp.load(state, checkpoint_id=str(path))
+        log.info("loaded checkpoint %s in %.2f s", path, time.perf_counter() - t0)
+        return read_meta(path)
+
+
+def load_model_weights(model: torch.nn.Module, path: Path) -> dict:
+    """Only the model weights of a checkpoint (for export, or to start a new run)."""
+    return CheckpointManager.load(path, {"model_optim": ModelOptimizer(model, None)})

@@ -1,0 +1,92 @@
+"""Export a checkpoint as a Hugging Face ``transformers`` model directory.
+
+    python tools/export_hf.py runs/tiny hf/tiny            # newest complete checkpoint of a run
+    python tools/export_hf.py runs/tiny/checkpoints/step_0000293 hf/tiny
+
+Writes safetensors weights, config.json, generation_config.json and the tokenizer, loadable
+with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``:
+GPT2LMHeadModel for the GPT-2 architecture, LlamaForCausalLM for RoPE/RMSNorm/SwiGLU.
+The reverse: ``python train.py ... checkpoint.load_weights_only=HF_DIR`` starts a run from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from pretrain.checkpoint import CheckpointError, load_model_weights, read_meta, resolve_checkpoint  # noqa: E402
+from pretrain.config import Config  # noqa: E402
+from pretrain.hf import ExportError, hf_config, to_hf_state_dict  # noqa: E402
+from pretrain.model import GPT  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def find_tokenizer(ckpt: Path, cfg: Config) -> Path | None:
+    for cand in (ckpt.parent.parent / "tokenizer.json",
+                 Path(cfg.data.root) / cfg.data.name / "tokenizer.json"):
+        if cand.exists():
+            return cand
+    return None
+
+
+def export(src: str, out: Path, dtype: str = "float32") -> Path:
+    ckpt = resolve_checkpoint(src)
+    meta = read_meta(ckpt)
+    if "config" not in meta:
+        raise CheckpointError(f"{ckpt}/meta.json has no config; cannot rebuild the model")
+    cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), meta["config"]))
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; choose a new output directory")
+    model = GPT(cfg.model)
+    load_model_weights(model, ckpt)
+    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+
+    hcfg = hf_config(cfg.model)
+    tok_path = find_tokenizer(ckpt, cfg)
+    tok = None
+    if tok_path is not None:
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_path), eos_token="<|endoftext|>",
+                                      bos_token="<|endoftext|>")
+        hcfg.eos_token_id = hcfg.bos_token_id = tok.eos_token_id
+    hf_model = AutoModelForCausalLM.from_config(hcfg)
+    hf_model.load_state_dict(to_hf_state_dict(cfg.model, model.state_dict()), strict=True)
+    hf_model.to(DTYPES[dtype])
+    out.mkdir(parents=True, exist_ok=True)
+    hf_model.generation_config = GenerationConfig(eos_token_id=hcfg.eos_token_id,
+                                                  bos_token_id=hcfg.bos_token_id)
+    hf_model.save_pretrained(out, safe_serialization=True)
+    if tok is not None:
+        tok.save_pretrained(out)
+    else:
+        print(f"warning: no tokenizer.json found for {ckpt}; exported the model only",
+              file=sys.stderr)
+    (out / "pretrain_meta.json").write_text(json.dumps(
+        {"checkpoint": str(ckpt), "step": meta.get("step"), "tokens": meta.get("tokens")}, indent=2))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", help="run directory, checkpoints folder or step_XXXXXXX directory")
+    ap.add_argument("out", type=Path, help="output directory (must be new or empty)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    args = ap.parse_args()
+    try:
+        out = export(args.source, args.out, args.dtype)
+    except (CheckpointError, ExportError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.source} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
