@@ -1,11 +1,56 @@
-"""Next-token cross-entropy."""
+"""Next-token cross-entropy that never holds the whole fp32 logits tensor.
+
+The logits of a 50k vocabulary in fp32 are the largest activation of a small GPT
+(batch x seq x 50257 x 4 bytes: 400 MB for 8 x 256 tokens), and plain ``F.cross_entropy``
+on bf16 logits keeps an fp32 copy plus fp32 log-probabilities for backward. Here the loss is
+computed over chunks of tokens: forward keeps only each token's log-sum-exp, backward
+rebuilds the softmax one chunk at a time and writes the gradient in the logits' own dtype.
+At most one chunk of fp32 exists at a time. Under tensor parallelism (DTensor logits
+sharded over the vocabulary, with ``loss_parallel``) the plain call is used.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+CHUNK_ELEMENTS = 2**24  # fp32 logits per chunk: 64 MB
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        n = logits.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for i in range(0, n, chunk):
+            part = logits[i:i + chunk].float()
+            lse[i:i + chunk] = torch.logsumexp(part, dim=-1)
+            picked = part.gather(1, targets[i:i + chunk, None]).squeeze(1)
+            total += (lse[i:i + chunk] - picked).sum()
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.chunk = chunk
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        n, chunk = logits.shape[0], ctx.chunk
+        grad = torch.empty_like(logits)
+        scale = grad_out.float() / n
+        for i in range(0, n, chunk):
+            p = torch.exp(logits[i:i + chunk].float() - lse[i:i + chunk, None])
+            p.scatter_add_(1, targets[i:i + chunk, None],
+                           torch.full_like(lse[i:i + chunk, None], -1.0))
+            grad[i:i + chunk] = (p * scale).to(grad.dtype)
+        return grad, None, None
+
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token loss. Computed in fp32 (autocast runs cross_entropy in fp32 too)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean token loss of logits (..., vocab) against targets (...), computed in fp32."""
+    logits, targets = logits.flatten(0, -2), targets.flatten()
+    n, vocab = logits.shape
+    chunk = max(1, CHUNK_ELEMENTS // vocab)
+    if type(logits) is not torch.Tensor or n <= chunk:  # DTensor (loss_parallel) or small
+        return F.cross_entropy(logits.float(), targets)
+    return _ChunkedCrossEntropy.apply(logits, targets, chunk)
