@@ -1,0 +1,97 @@
+"""Every recipe composes, validates and gives a dry-run plan; train.py prints it as JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from conftest import RECIPES, REPO
+
+from pretrain.budget import count_params, flops_per_token
+from pretrain.trainer import resolve_plan
+from pretrain.validate import check
+
+PLAN_KEYS = {"n_params", "n_params_non_embedding", "tokens", "steps", "global_batch_tokens",
+             "flops_per_token", "total_flops", "attention", "precision", "layout"}
+
+
+def test_recipes_found():
+    assert len(RECIPES) >= 10
+    assert {"tiny", "gpt2-124m", "gpt3-125m", "llama-tiny"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_composes_validates_and_plans(compose, recipe):
+    cfg = compose([f"+recipe={recipe}"])
+    assert cfg.run_name == recipe  # the deterministic run name is the recipe's
+    check(cfg)
+    plan, budget, _, _ = resolve_plan(cfg)
+    assert PLAN_KEYS <= plan.keys()
+    counts = count_params(cfg.model)
+    assert plan["n_params"] == counts.total
+    assert plan["n_params_non_embedding"] == counts.non_embedding
+    assert plan["global_batch_tokens"] == cfg.train.global_batch_size * cfg.model.seq_len
+    assert plan["tokens"] == plan["steps"] * plan["global_batch_tokens"]
+    assert plan["flops_per_token"] == flops_per_token(cfg.model)
+    assert plan["total_flops"] == pytest.approx(plan["flops_per_token"] * plan["tokens"])
+    assert plan["attention"] == "sdpa"  # auto on this CPU
+    assert plan["precision"] == cfg.precision.name
+    lay = plan["layout"]
+    assert (lay["tp"], lay["pp"], lay["dp"], lay["world_size"]) == (1, 1, 1, 1)
+    mbs = cfg.parallel.micro_batch_size
+    assert lay["grad_accum"] * mbs == cfg.train.global_batch_size
+    json.dumps(plan)  # the plan is printed as JSON: it must serialise
+
+
+def test_recipe_values(compose):
+    """Spot checks against the papers the recipes cite."""
+    plan = resolve_plan(compose(["+recipe=gpt2-124m"]))[0]
+    assert plan["n_params"] == 124_439_808
+    assert plan["steps"] == math.ceil(20 * 124_439_808 / (480 * 1024))  # Chinchilla, 0.5M batch
+    plan = resolve_plan(compose(["+recipe=gpt3-125m"]))[0]
+    assert plan["global_batch_tokens"] == 524_288  # 0.5M tokens (Table 2.1)
+    assert plan["steps"] == math.ceil(300e9 / 524_288)
+    assert plan["lr"] == pytest.approx(6e-4)
+    cfg = compose(["+recipe=gpt3-1.3b-chinchilla"])
+    assert cfg.model.name == "gpt3-1.3b" and cfg.budget.kind == "tokens_per_param"
+    plan = resolve_plan(cfg)[0]
+    assert plan["steps"] == math.ceil(20 * plan["n_params"] / (512 * 2048))
+    # LLaMA 1B recipe: sqrt LR scaling from a 0.5M- to a 1M-token batch.
+    plan = resolve_plan(compose(["+recipe=llama-1b-fineweb"]))[0]
+    assert plan["global_batch_tokens"] == 1_048_576
+    assert plan["lr"] == pytest.approx(3e-3 * math.sqrt(2))
+
+
+def test_cli_override_beats_recipe(compose):
+    cfg = compose(["+recipe=gpt3-125m", "model.n_layer=6", "optim.lr=1e-3"])
+    assert cfg.model.n_layer == 6 and cfg.model.d_model == 768
+    assert cfg.optim.lr == 1e-3
+    assert cfg.run_name == "gpt3-125m__model.n_layer=6,optim.lr=1e-3"
+
+
+def test_default_config_is_the_tiny_recipe(compose):
+    default, tiny = compose([]), compose(["+recipe=tiny"])
+    assert default.run_name == "default"
+    assert resolve_plan(default)[0] == resolve_plan(tiny)[0]
+
+
+def test_train_py_dry_run_prints_one_json_line(tmp_path):
+    data_root, runs = tmp_path / "data", tmp_path / "runs"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "+recipe=gpt3-125m", "dry_run=true",
+         "logging=quiet", f"data.root={data_root}", f"runs_dir={runs}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, proc.stdout
+    plan = json.loads(lines[0])
+    assert PLAN_KEYS <= plan.keys()
+    assert plan["n_params"] == 125_226_240
+    assert plan["steps"] == math.ceil(300e9 / 524_288)
+    assert plan["precision"] == "bf16" and plan["attention"] == "sdpa"
+    assert not data_root.exists()  # a dry run touches no data
+    assert not (runs / "gpt3-125m" / "metrics.jsonl").exists()
