@@ -1,20 +1,33 @@
-"""Train a recipe: ``python train.py +recipe=NAME key=value ...`` (see README.md)."""
+"""Train a recipe: ``python train.py +recipe=NAME key=value ...`` (see README.md).
+
+Several processes: ``torchrun --nproc_per_node=N train.py +recipe=NAME`` (N = tp*pp*dp), or
+``python tools/run_local.py +recipe=NAME``, which works N out from the recipe.
+"""
+
+import os
+import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from pretrain.config import register_configs
+from pretrain.config import register_configs, to_config
 from pretrain.naming import register_resolvers
 
 register_configs()
 register_resolvers()
+
+if int(os.environ.get("RANK", "0")) > 0:
+    # Under torchrun every rank composes the same config and the same run directory; only
+    # rank 0 lets Hydra write there (.hydra/, train.log). The others log warnings to stderr.
+    sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none",
+                 "hydra/hydra_logging=none"]
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from pretrain.trainer import run, to_config
+    from pretrain.trainer import run
 
     run(to_config(cfg), HydraConfig.get().runtime.output_dir)
 

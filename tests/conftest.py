@@ -80,7 +80,7 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
     The hydra node is kept while composing so that ``run_name`` resolves through the same
     resolver (and HydraConfig) as in a real run; it is then dropped, as @hydra.main does.
     """
-    from pretrain.trainer import to_config
+    from pretrain.config import to_config
 
     with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra.compose(config_name="config", overrides=list(overrides),

@@ -107,9 +107,6 @@ def test_no_data_files(tmp_path, in_work_dir):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.xfail(strict=True, reason="bug: prepare() accepts files holding no text and "
-                   "writes shards of bare EOS tokens (load_source checks len(ds) == 0 but the "
-                   "text builder yields one empty document per file)")
 def test_empty_data_files(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for name in ("a.txt", "b.txt", "c.txt"):
@@ -120,8 +117,6 @@ def test_empty_data_files(tmp_path, monkeypatch):
     assert not (tmp_path / "data" / DATA_NAME).exists()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: load_source calls Path().glob(f) on every data "
-                   "file, which raises NotImplementedError for an absolute path")
 def test_absolute_data_file_paths(tmp_path, work_dir):
     files = [str(work_dir / f) for f in CORPUS_FILES[:3]]
     out = prepare(make_data_config(tmp_path, data_files=files, validation_fraction=0.0))

@@ -43,9 +43,6 @@ def test_misspelt_key_is_an_error(compose, override, key):
     assert key in text
 
 
-@pytest.mark.xfail(strict=True, reason="bug: with Hydra's '+' (the fix Hydra's own error "
-                   "message suggests) a misspelt key is accepted and silently dropped by "
-                   "to_config, a no-op instead of an error")
 @pytest.mark.parametrize("override", ["+model.n_layr=3", "+train.sed=3"])
 def test_misspelt_key_with_plus_is_an_error(compose, override):
     with pytest.raises(Exception) as e:  # noqa: B017 - any error that names the key

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import OmegaConf, open_dict
+from omegaconf import open_dict
 
-from pretrain.config import Config, register_configs
+from pretrain.config import Config, register_configs, to_config
 from pretrain.naming import register_resolvers
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -32,6 +32,4 @@ def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:
         with open_dict(cfg):
             cfg.run_name = str(cfg.run_name)
             del cfg["hydra"]
-    obj = OmegaConf.to_object(cfg)
-    assert isinstance(obj, Config)
-    return obj
+    return to_config(cfg)

@@ -85,19 +85,30 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelConfig:
+    """A Megatron-style layout: world size = tp * pp * dp, TP innermost (see
+    src/pretrain/parallel/)."""
+
     name: str = "single"
     tp: int = 1
     pp: int = 1
     # None: derived as world_size / (tp * pp).
     dp: int | None = None
+    # HSDP (zero2/zero3 only): dp = dp_replicate x dp_shard; parameters are sharded over
+    # dp_shard ranks and replicated over dp_replicate groups. dp_shard None: dp / dp_replicate.
     dp_shard: int | None = None
     dp_replicate: int = 1
     dp_mode: str = "zero3"  # ddp | zero2 | zero3
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zbv
+    # Stages per pipeline rank: 1 for gpipe/1f1b, >= 2 for interleaved_1f1b, 2 for zbv.
     virtual_stages: int = 1
+    # Sequences per forward pass on one DP rank; the microbatches per step (accumulation
+    # count, or pipeline microbatches) are global_batch_size / (micro_batch_size * dp).
     micro_batch_size: int = 8
     sequence_parallel: bool = False
     activation_checkpointing: str = "none"  # none | selective | full
+    # selective only: 0 recomputes the attention core of every block; n > 0 checkpoints
+    # every n-th block whole instead.
+    ac_every_n_layers: int = 0
 
 
 @dataclass
@@ -202,3 +213,46 @@ def register_configs() -> None:
     """Register the schema; conf/config.yaml lists ``base_config`` first in its defaults."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
+
+
+class UnknownKeyError(KeyError):
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0])
+
+
+def _unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
+    from dataclasses import fields, is_dataclass
+
+    from omegaconf import DictConfig
+
+    known = {f.name: f for f in fields(schema)}
+    bad = []
+    for key in node.keys() if isinstance(node, DictConfig) else []:
+        if key not in known:
+            bad.append(f"{prefix}{key}")
+            continue
+        sub_type = known[key].default_factory if callable(known[key].default_factory) else None
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and sub_type is not None and is_dataclass(sub_type):
+            bad += _unknown_keys(child, sub_type, f"{prefix}{key}.")
+    return bad
+
+
+def to_config(cfg: Any) -> Config:
+    """A composed Hydra DictConfig as the dataclass tree, refusing keys the schema lacks.
+
+    The schema already rejects ``model.n_layr=3``; a key added with Hydra's ``+`` prefix
+    (``+model.n_layr=3``, the fix Hydra's own message suggests) would otherwise be dropped
+    silently, so it is caught here.
+    """
+    from omegaconf import OmegaConf
+
+    unknown = [k for k in _unknown_keys(cfg, Config) if k not in ("hydra",)]
+    if unknown:
+        raise UnknownKeyError(
+            f"unknown config key(s): {', '.join(unknown)}. Check the spelling against "
+            "src/pretrain/config.py (python train.py --cfg job prints every key)."
+        )
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, Config), type(obj)
+    return obj

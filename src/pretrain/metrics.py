@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,10 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         if start_step == 0 and self.path.exists():
             # A fresh start in an existing run directory: keep the old metrics, aside.
-            self.path.rename(run_dir / f"metrics.{int(time.time())}.jsonl")
+            n = 1
+            while (run_dir / f"metrics.{n}.jsonl").exists():
+                n += 1
+            self.path.rename(run_dir / f"metrics.{n}.jsonl")
         self.file = self.path.open("a")
         if wandb_mode != "disabled":
             import wandb

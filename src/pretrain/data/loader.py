@@ -1,0 +1,69 @@
+"""Fixed-length training windows from the token shards, in a deterministic seeded order.
+
+The position in the data is one number: global samples consumed. Sample ``i`` is window
+``perm_e[i mod n]`` with ``e = i div n`` and ``perm_e`` a permutation seeded by (seed, e),
+so any process can compute any sample; a data-parallel rank takes its slice of every global
+batch by index. The position is therefore the same whatever the layout, and resumes exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pretrain.data.prepare import DataError, load_index
+
+
+class TokenWindows:
+    """Non-overlapping windows of seq_len + 1 tokens (inputs and shifted targets)."""
+
+    def __init__(self, path: str | Path, split: str, seq_len: int, seed: int = 0,
+                 shuffle: bool = True):
+        self.path = Path(path)
+        index = load_index(self.path)
+        if split not in index["splits"]:
+            raise DataError(f"{self.path} has no '{split}' split (has {list(index['splits'])})")
+        self.index = index
+        self.seq_len = seq_len
+        self.seed = seed
+        self.shuffle = shuffle
+        dtype = np.dtype(index["dtype"])
+        self.shards = [np.memmap(self.path / s["file"], dtype=dtype, mode="r")
+                       for s in index["splits"][split]["shards"]]
+        counts = np.array([max(0, (len(s) - 1) // seq_len) for s in self.shards], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(counts)])
+        self.n_windows = int(self.starts[-1])
+        if self.n_windows == 0:
+            tokens = sum(len(s) for s in self.shards)
+            raise DataError(
+                f"the '{split}' split of {self.path} has {tokens} tokens, fewer than one window "
+                f"of model.seq_len+1={seq_len + 1}; use more data or a shorter model.seq_len"
+            )
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.index["vocab_size"])
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._perm_epoch != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm = rng.permutation(self.n_windows)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def window(self, sample: int) -> np.ndarray:
+        epoch, j = divmod(sample, self.n_windows)
+        w = int(self._order(epoch)[j]) if self.shuffle else j
+        shard = int(np.searchsorted(self.starts, w, side="right") - 1)
+        off = (w - int(self.starts[shard])) * self.seq_len
+        return self.shards[shard][off: off + self.seq_len + 1]
+
+    def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples start .. start+count-1 as (inputs, targets), int64, shape (count, seq_len)."""
+        rows = np.stack([self.window(start + i) for i in range(count)]).astype(np.int64)
+        t = torch.from_numpy(rows)
+        return t[:, :-1], t[:, 1:]
