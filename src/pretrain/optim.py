@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -23,10 +24,14 @@ def scaled_lr(cfg: OptimConfig, global_batch_tokens: int) -> float:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float,
-                    device: torch.device) -> torch.optim.AdamW:
-    """Weight decay on matrices (ndim >= 2) but not on embeddings, norms or biases."""
+                    device: torch.device,
+                    also_embeddings: Iterable[torch.nn.Parameter] = ()) -> torch.optim.AdamW:
+    """Weight decay on matrices (ndim >= 2) but not on embeddings, norms or biases.
+    ``also_embeddings``: parameters to treat as embeddings though no nn.Embedding holds them
+    here (an output head tied to an embedding that a pipeline put on another stage)."""
     decay, no_decay = [], []
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    embeddings |= {id(p) for p in also_embeddings}
     for p in model.parameters():
         if not p.requires_grad:
             continue

@@ -1,9 +1,11 @@
-"""The one training loop every recipe runs.
+"""The one training loop every recipe runs, on one process or many.
 
-A linear story: check the config, resolve the plan (budget, device, precision, attention),
-prepare data, build the model on the meta device and materialise it, build optimizer and
-schedule, then loop: batch -> forward/backward with accumulation -> clip -> step -> log ->
-eval. Nothing here is specific to one recipe.
+A linear story: check the config, resolve the plan (budget, layout, device, precision,
+attention), join the process group and build the device mesh (when launched by torchrun),
+prepare data (rank 0; the others wait), build the model on the meta device, parallelise and
+materialise it, build optimizer and schedule, then loop: batch -> forward/backward
+(accumulation, or a pipeline schedule) -> clip -> step -> log -> eval. Rank 0 alone logs and
+writes files. Nothing here is specific to one recipe or one layout.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
 
 from pretrain.attention import resolve_backend
 from pretrain.budget import Budget, resolve_budget
@@ -33,28 +36,25 @@ from pretrain.loss import cross_entropy
 from pretrain.metrics import MetricsLogger
 from pretrain.model import GPT, set_attention_backend
 from pretrain.optim import build_optimizer, build_scheduler, scaled_lr
+from pretrain.parallel import mesh as dist_env
+from pretrain.parallel.apply import ParallelModel, materialize, parallelize
+from pretrain.parallel.grad_clip import clip_grad_norm
+from pretrain.parallel.layout import (
+    Layout,
+    declared_world_size,
+    resolve_layout,
+    world_size_from_env,
+)
+from pretrain.parallel.tensor_parallel import loss_context
 from pretrain.precision import Policy, resolve_policy
 from pretrain.validate import check
 
 log = logging.getLogger("pretrain")
 
 
-def layout(cfg: Config, world_size: int) -> dict:
-    par = cfg.parallel
-    dp = par.dp if par.dp is not None else world_size // (par.tp * par.pp)
-    return {"tp": par.tp, "pp": par.pp, "dp": dp, "world_size": par.tp * par.pp * dp,
-            "dp_shard": par.dp_shard, "dp_replicate": par.dp_replicate,
-            "dp_mode": par.dp_mode, "micro_batch_size": par.micro_batch_size,
-            "grad_accum": cfg.train.global_batch_size // (par.micro_batch_size * dp)}
-
-
-def describe_layout(lay: dict) -> str:
-    return (f"tp={lay['tp']} x pp={lay['pp']} x dp={lay['dp']} ({lay['dp_mode']}), "
-            f"micro batch {lay['micro_batch_size']} x {lay['grad_accum']} accumulation")
-
-
 def resolve_plan(cfg: Config, world_size: int = 1) -> tuple[dict, Budget, torch.device, Policy]:
-    """Everything a run decides before it starts, without touching data or weights."""
+    """Everything a run decides before it starts, without touching data, weights or a
+    process group."""
     check(cfg, world_size)
     device = pick_device(cfg.train.device)
     policy = resolve_policy(cfg.precision, device)
@@ -64,7 +64,7 @@ def resolve_plan(cfg: Config, world_size: int = 1) -> tuple[dict, Budget, torch.
         **budget.as_dict(),
         "attention": attention,
         "precision": cfg.precision.name,
-        "layout": layout(cfg, world_size),
+        "layout": resolve_layout(cfg, world_size).as_dict(),
         "model": cfg.model.name,
         "data": cfg.data.name,
         "device": str(device),
@@ -74,8 +74,8 @@ def resolve_plan(cfg: Config, world_size: int = 1) -> tuple[dict, Budget, torch.
 
 
 def build_model(cfg: Config, device: torch.device, attention: str, seed: int) -> GPT:
-    """Construct on the meta device (no memory), then materialise and initialise on
-    ``device``: the same path a sharded model takes."""
+    """The whole model, initialised with ``seed``: constructed on the meta device (no
+    memory), then materialised on ``device``. Every layout starts from these weights."""
     with torch.device("meta"):
         model = GPT(cfg.model)
     model.to_empty(device=device)
@@ -86,18 +86,34 @@ def build_model(cfg: Config, device: torch.device, attention: str, seed: int) ->
     return model
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as a plain tensor (a loss under loss_parallel)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.plan, self.budget, self.device, self.policy = resolve_plan(cfg)
+        self.world_size = world_size_from_env()
+        self.plan, self.budget, self.device, self.policy = resolve_plan(cfg, self.world_size)
+        self.layout: Layout = resolve_layout(cfg, self.world_size)
         self.step = 0
         self.samples_seen = 0
 
     # -- setup ---------------------------------------------------------------------------
 
     def setup(self) -> None:
-        cfg = self.cfg
+        cfg, lay = self.cfg, self.layout
+        self.mesh = None
+        if self.world_size > 1:
+            self.device = dist_env.init_distributed(self.device)
+            self.mesh = dist_env.build_mesh(lay, self.device)
+        self.rank0 = dist_env.is_rank0()
+        if not self.rank0:  # one voice: the other ranks report only warnings and errors
+            log.setLevel(logging.WARNING)
+        self.dp_rank = self.mesh.dp.get_local_rank() if self.mesh is not None else 0
+        self.pp_group = self.mesh.pp.get_group() if self.mesh is not None and lay.pp > 1 else None
         log.info("plan: %s", json.dumps(self.plan))
         log.info(
             "model %s: %s params (%s non-embedding), %s FLOPs/token | budget %s -> %s tokens "
@@ -105,7 +121,7 @@ class Trainer:
             cfg.model.name, f"{self.budget.n_params:,}", f"{self.budget.n_params_non_embedding:,}",
             f"{self.budget.flops_per_token:,}", self.budget.rule, f"{self.budget.tokens:,}",
             self.budget.steps, f"{self.budget.global_batch_tokens:,}", cfg.precision.name,
-            self.plan["attention"], describe_layout(self.plan["layout"]), self.device,
+            self.plan["attention"], lay.describe(), self.device,
         )
         path = self._data()
         self.train_data = TokenWindows(path, "train", cfg.model.seq_len, seed=cfg.data.seed)
@@ -113,24 +129,35 @@ class Trainer:
                          if "validation" in self.train_data.index["splits"] else None)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model = build_model(cfg, self.device, self.plan["attention"], cfg.train.seed)
-        if cfg.train.compile:
-            for block in self.model.layers.values():
-                block.compile()
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.plan["lr"], self.device)
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(
+            torch.nn.ModuleList(self.model.parts), cfg.optim, self.plan["lr"], self.device,
+            also_embeddings=self.model.tied.params if self.model.tied is not None else (),
+        )
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.budget.steps,
                                          self.budget.global_batch_tokens)
-        self.scaler = self.policy.grad_scaler(self.device)
-        self.peak_flops = self._peak_flops()
+        self.scaler = self._grad_scaler()
+        self.peak_flops = self._peak_flops() if self.rank0 else None
         self.metrics = MetricsLogger(
             self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), self.budget.steps,
             self.step, cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.wandb_entity,
-            cfg.logging.progress_bar,
+            cfg.logging.progress_bar, enabled=self.rank0,
         )
 
     def _data(self) -> Path:
+        """Rank 0 prepares the shards; every rank waits for its verdict, then reads them."""
         cfg = self.cfg
-        path = prepare(cfg.data) if cfg.data.auto_prepare else data_dir(cfg.data)
+        path, error = data_dir(cfg.data), None
+        if self.rank0 and cfg.data.auto_prepare:
+            try:
+                path = prepare(cfg.data)
+            except Exception as e:  # tell the other ranks, so they do not wait forever
+                error = e
+        verdict = dist_env.broadcast_from_rank0(None if error is None else str(error))
+        if error is not None:
+            raise error
+        if verdict is not None:
+            raise DataError(f"rank 0 could not prepare the data: {verdict}")
         index = load_index(path)
         if index["max_token_id"] >= cfg.model.vocab_size:
             raise DataError(
@@ -140,8 +167,35 @@ class Trainer:
             )
         return path
 
+    def _build_model(self) -> ParallelModel:
+        """Meta-device GPT -> this rank's parallel share -> real, initialised weights."""
+        cfg = self.cfg
+        with torch.device("meta"):
+            model = GPT(cfg.model)
+        set_attention_backend(model, self.plan["attention"])
+        pm = parallelize(model, cfg, self.layout, self.mesh, self.device, self.policy,
+                         loss_fn=cross_entropy)
+        reference = None
+        if self.mesh is not None:
+            def reference() -> GPT:
+                return build_model(cfg, torch.device("cpu"), self.plan["attention"],
+                                   cfg.train.seed)
+        materialize(pm, self.device, cfg.train.seed, reference)
+        return pm
+
+    def _grad_scaler(self):
+        if not self.policy.loss_scaling:
+            return None
+        if self.mesh is None:
+            return self.policy.grad_scaler(self.device)
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # found-inf must agree on every rank, or some would skip a step others take
+        return ShardedGradScaler(self.device.type)
+
     def _peak_flops(self) -> float | None:
-        """Denominator of MFU: datasheet peak on a GPU, a measured large matmul on a CPU."""
+        """Denominator of MFU, per device: datasheet peak on a GPU, a measured large matmul
+        on a CPU (one process's share of it when several share the CPU)."""
         dtype = self.policy.compute_dtype
         if self.device.type == "cuda":
             return gpu_peak_flops(self.device, str(dtype).removeprefix("torch."))
@@ -153,26 +207,63 @@ class Trainer:
 
     @property
     def micro_batches(self) -> int:
-        return self.cfg.train.global_batch_size // self.cfg.parallel.micro_batch_size
+        """Microbatches per step on one DP rank (accumulation or pipeline)."""
+        return self.layout.microbatches
+
+    def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This DP rank's slice of the global batch: samples are read by global index, so
+        the union over ranks is exactly the batch one process would read."""
+        n = self.layout.local_batch_size
+        x, y = self.train_data.batch(self.samples_seen + self.dp_rank * n, n)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over DP ranks of a value the last pipeline stage holds (each TP rank holds the
+        same), onto every rank: one all-reduce over the world, other ranks adding zero."""
+        if self.mesh is None:
+            return value
+        share = value.float() / self.layout.tp if self.model.has_last_stage else \
+            torch.zeros((), device=self.device)
+        return dist_env.all_reduce(share.clone())
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Gradients of the mean loss over this rank's batch; returns that loss (zero on
+        pipeline ranks without the last stage)."""
+        pm, n = self.model, self.micro_batches
+        with loss_context(self.layout.tp), self.policy.autocast(self.device):
+            if pm.schedule is not None:
+                losses: list[torch.Tensor] = []
+                pm.schedule.step(*([x] if pm.has_first_stage else []),
+                                 target=y if pm.has_last_stage else None, losses=losses)
+                if not pm.has_last_stage:
+                    return torch.zeros((), device=self.device)
+                return torch.stack([_local(loss.detach()) for loss in losses]).mean()
+            model = pm.parts[0]
+            total = torch.zeros((), device=self.device)
+            skip_sync = self.mesh is not None and self.layout.dp > 1 and \
+                self.layout.dp_mode in ("ddp", "zero2")
+            for i, (xs, ys) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True)):
+                if skip_sync:  # reduce the gradients once, in the last microbatch's backward
+                    model.set_requires_gradient_sync(i == n - 1)
+                loss = cross_entropy(model(xs), ys) / n
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                total += _local(loss.detach())
+            return total
 
     def train_step(self) -> tuple[float, float]:
-        """One optimizer step over the global batch; returns (mean loss, grad norm)."""
+        """One optimizer step over the global batch; returns (mean loss, grad norm), both
+        global: the same on every rank."""
         cfg = self.cfg
-        mbs = cfg.parallel.micro_batch_size
         self.model.train()
-        total = torch.zeros((), device=self.device)
-        for i in range(self.micro_batches):
-            x, y = self.train_data.batch(self.samples_seen + i * mbs, mbs)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self.policy.autocast(self.device):
-                loss = cross_entropy(self.model(x), y) / self.micro_batches
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total += loss.detach()
+        x, y = self._local_batch()
+        loss = self.forward_backward(x, y)
+        if self.model.tied is not None:
+            self.model.tied.sync_grads()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        )
+        grad_norm = clip_grad_norm(self.model.parameters(),
+                                   cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf,
+                                   self.pp_group, self.model.duplicate_params)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -182,40 +273,98 @@ class Trainer:
         self.scheduler.step()
         self.samples_seen += cfg.train.global_batch_size
         self.step += 1
-        return total.item(), grad_norm.item()
+        return (self._sum_over_dp(loss) / self.layout.dp).item(), grad_norm.item()
 
-    @torch.no_grad()
+    def _eval_assignment(self) -> list[tuple[int, float]]:
+        """(validation batch, weight) pairs this DP rank evaluates: batch i goes to rank
+        i % dp; ranks pad with weight-0 repeats so all run the same number of forwards
+        (FSDP and pipelines need every rank in every collective), in whole pipeline steps."""
+        n, dp = self.cfg.train.eval_batches, self.layout.dp
+        rounds = math.ceil(n / dp)
+        if self.model.schedule is not None:
+            rounds = math.ceil(rounds / self.micro_batches) * self.micro_batches
+        mine = [k * dp + self.dp_rank for k in range(rounds)]
+        return [(i, 1.0) if i < n else (0, 0.0) for i in mine]
+
     def evaluate(self) -> float | None:
-        """Mean loss over the same first eval_batches windows of the validation split."""
+        """Mean loss over the same first eval_batches micro-batches of the validation split,
+        whatever the layout."""
         if self.val_data is None:
             return None
-        self.model.eval()
-        mbs = self.cfg.parallel.micro_batch_size
-        losses = []
-        for i in range(self.cfg.train.eval_batches):
-            x, y = self.val_data.batch(i * mbs, mbs)
-            with self.policy.autocast(self.device):
-                losses.append(cross_entropy(self.model(x.to(self.device)), y.to(self.device)))
-        return torch.stack(losses).mean().item()
+        pm, mbs = self.model, self.layout.micro_batch_size
+        pm.train(False)
+        work = self._eval_assignment()
+        chunk = self.micro_batches if pm.schedule is not None else 1
+        total = torch.zeros((), device=self.device)
+        for j in range(0, len(work), chunk):
+            part = work[j: j + chunk]
+            batches = [self.val_data.batch(i * mbs, mbs) for i, _ in part]
+            x = torch.cat([b[0] for b in batches]).to(self.device)
+            y = torch.cat([b[1] for b in batches]).to(self.device)
+            with loss_context(self.layout.tp), self.policy.autocast(self.device):
+                if pm.schedule is not None:
+                    losses: list[torch.Tensor] = []
+                    self._pipeline_eval(x, y, losses)
+                    if not pm.has_last_stage:
+                        continue
+                    per = [_local(loss.detach()) for loss in losses]
+                else:
+                    with torch.no_grad():
+                        per = [_local(cross_entropy(pm.parts[0](x), y))]
+            for (_, weight), loss in zip(part, per, strict=True):
+                total += weight * loss.float()
+        return (self._sum_over_dp(total) / self.cfg.train.eval_batches).item()
+
+    def _pipeline_eval(self, x: torch.Tensor, y: torch.Tensor, losses: list) -> None:
+        pm = self.model
+        args = [x] if pm.has_first_stage else []
+        target = y if pm.has_last_stage else None
+        if self.layout.pp_schedule != "zbv":
+            with torch.no_grad():
+                pm.schedule.eval(*args, target=target, losses=losses)
+            return
+        # torch 2.13's eval() runs ZBV's backward actions and fails; take a full step and
+        # discard its gradients (evaluation runs between steps, when there are none).
+        pm.schedule.step(*args, target=target, losses=losses)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def sample(self) -> str | None:
         cfg = self.cfg.train
         if cfg.sample_tokens <= 0:
             return None
+        if self.layout.pp > 1 or self.layout.tp > 1:
+            log.info("sampling skipped: generation runs on unsplit models (tp=1, pp=1) only")
+            return None
         from transformers import PreTrainedTokenizerFast
 
         tok = PreTrainedTokenizerFast(tokenizer_file=str(self.train_data.path / "tokenizer.json"))
         prompt = tok(cfg.sample_prompt, add_special_tokens=False)["input_ids"] or [0]
-        self.model.eval()
+        model = self.model.parts[0]
+        model.eval()
+        # Same seed on every rank: data-parallel replicas draw the same tokens in lockstep.
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         with self.policy.autocast(self.device):
-            out = self.model.generate(
+            out = model.generate(
                 torch.tensor([prompt], device=self.device), cfg.sample_tokens,
                 temperature=cfg.sample_temperature, top_k=cfg.sample_top_k, generator=gen,
             )
         return tok.decode(out[0].tolist())
 
     # -- loop ----------------------------------------------------------------------------
+
+    def _step_metrics(self, loss: float, grad_norm: float, tokens_per_s: float) -> dict:
+        peak_mem = torch.tensor(float(peak_memory_bytes(self.device)), device=self.device)
+        dist_env.all_reduce(peak_mem, "max")  # the fullest rank is the one that matters
+        achieved = tokens_per_s * self.budget.flops_per_token
+        return {
+            "step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+            # per device: global throughput shared by world_size devices of that peak
+            "mfu": achieved / (self.world_size * self.peak_flops) if self.peak_flops else None,
+            "memory_gb": peak_mem.item() / 1e9,
+            "tokens": self.step * self.budget.global_batch_tokens,
+            "loss_scale": self.scaler.get_scale() if self.scaler else None,
+        }
 
     def fit(self) -> dict:
         cfg = self.cfg
@@ -233,17 +382,8 @@ class Trainer:
             self.metrics.advance()
             is_last = self.step == steps
             if self.step % cfg.logging.log_interval == 0 or is_last or self.step == 1:
-                dt = time.perf_counter() - t_last
-                tps = steps_since * tokens_per_step / dt
-                achieved = tps * self.budget.flops_per_token
-                self.metrics.log({
-                    "step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
-                    "grad_norm": grad_norm, "tokens_per_s": tps,
-                    "mfu": achieved / self.peak_flops if self.peak_flops else None,
-                    "memory_gb": peak_memory_bytes(self.device) / 1e9,
-                    "tokens": self.step * tokens_per_step,
-                    "loss_scale": self.scaler.get_scale() if self.scaler else None,
-                })
+                tps = steps_since * tokens_per_step / (time.perf_counter() - t_last)
+                self.metrics.log(self._step_metrics(loss, grad_norm, tps))
                 t_last, steps_since = time.perf_counter(), 0
             if self.step % cfg.train.eval_interval == 0 or is_last:
                 t0 = time.perf_counter()
@@ -258,21 +398,28 @@ class Trainer:
         if text is not None:
             log.info("sample from the trained model:\n%s\n%s\n%s", "-" * 60, text, "-" * 60)
             result["sample"] = text
-        (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
+        if self.rank0:
+            (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
         self.metrics.close()
         return result
 
 
 def run(cfg: Config, run_dir: Path) -> dict | None:
-    """Entry point shared by train.py and the tools: dry run or train."""
+    """Entry point shared by train.py and the tools: dry run or train (one process, or one
+    of the processes torchrun started)."""
     if cfg.dry_run:
-        plan, *_ = resolve_plan(cfg)
-        print(json.dumps(plan), flush=True)
+        plan, *_ = resolve_plan(cfg, declared_world_size(cfg))
+        if dist_env.env_rank() == 0:
+            print(json.dumps(plan), flush=True)
         return plan
     trainer = Trainer(cfg, run_dir)
-    trainer.setup()
-    (Path(run_dir) / "plan.json").write_text(json.dumps(trainer.plan, indent=2))
-    return trainer.fit()
+    try:
+        trainer.setup()
+        if trainer.rank0:
+            (Path(run_dir) / "plan.json").write_text(json.dumps(trainer.plan, indent=2))
+        return trainer.fit()
+    finally:
+        dist_env.destroy()
 
 
 def to_config(cfg) -> Config:
@@ -280,4 +427,3 @@ def to_config(cfg) -> Config:
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, Config), type(obj)
     return obj
-

@@ -6,8 +6,12 @@ reported together, so a user fixes a recipe in one pass.
 
 from __future__ import annotations
 
+import math
+
 from pretrain.attention import BACKENDS
 from pretrain.config import Config
+from pretrain.model import ffn_dim, padded_vocab_size
+from pretrain.parallel.layout import MULTI_STAGE_SCHEDULES, SCHEDULES
 
 CHOICES = {
     "model.pos_emb": ("learned", "rope"),
@@ -19,7 +23,7 @@ CHOICES = {
     "optim.lr_scaling": ("none", "sqrt", "linear"),
     "schedule.decay": ("cosine", "linear", "wsd", "constant"),
     "parallel.dp_mode": ("ddp", "zero2", "zero3"),
-    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zbv"),
+    "parallel.pp_schedule": SCHEDULES,
     "parallel.activation_checkpointing": ("none", "selective", "full"),
     "precision.param_dtype": ("float32", "bfloat16", "float16"),
     "precision.compute_dtype": ("float32", "bfloat16", "float16"),
@@ -51,7 +55,10 @@ def _get(cfg: Config, dotted: str):
 
 
 def check(cfg: Config, world_size: int = 1) -> None:
-    """Raise ConfigError listing every problem with ``cfg``; return None when it is sound."""
+    """Raise ConfigError listing every problem with ``cfg``; return None when it is sound.
+
+    ``world_size`` is the number of processes launched (WORLD_SIZE), checked against the
+    layout the recipe declares."""
     p: list[str] = []
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
@@ -76,17 +83,7 @@ def check(cfg: Config, world_size: int = 1) -> None:
     if not 0 <= m.dropout < 1:
         p.append(f"model.dropout={m.dropout} must be in [0, 1)")
 
-    par = cfg.parallel
-    tp, pp = max(par.tp, 1), max(par.pp, 1)
-    dp = par.dp if par.dp is not None else world_size // (tp * pp)
-    if dp <= 0 or tp * pp * dp != world_size:
-        p.append(f"parallel layout tp={par.tp} x pp={par.pp} x dp={par.dp} needs "
-                 f"{tp * pp * max(dp, 1)} processes but the world size is {world_size}; "
-                 f"launch that many processes or change parallel.tp/pp/dp")
-    gbs, mbs = cfg.train.global_batch_size, par.micro_batch_size
-    if gbs > 0 and mbs > 0 and dp > 0 and gbs % (mbs * dp):
-        p.append(f"train.global_batch_size={gbs} is not divisible by parallel.micro_batch_size"
-                 f"={mbs} x dp={dp}; use a global batch that is a multiple of {mbs * dp}")
+    _check_layout(cfg, world_size, p)
 
     prec = cfg.precision
     if prec.loss_scaling and prec.compute_dtype != "float16":
@@ -106,3 +103,94 @@ def check(cfg: Config, world_size: int = 1) -> None:
                  f" set model.vocab_size={cfg.data.tokenizer_vocab_size}")
     if p:
         raise ConfigError(p)
+
+
+def _check_layout(cfg: Config, world_size: int, p: list[str]) -> None:
+    """The parallel layout against the world size, the model shape and the batch."""
+    par, m = cfg.parallel, cfg.model
+    if min(par.tp, par.pp, par.virtual_stages, par.micro_batch_size) <= 0:
+        return  # already reported as non-positive
+    tp, pp = par.tp, par.pp
+    if par.dp is not None and par.dp <= 0:
+        p.append(f"parallel.dp={par.dp} must be a positive integer (or null: world / (tp*pp))")
+        return
+    dp = par.dp if par.dp is not None else world_size // (tp * pp)
+    if dp <= 0 or tp * pp * dp != world_size:
+        need = tp * pp * max(dp, 1)
+        p.append(f"parallel layout tp={tp} x pp={pp} x dp={par.dp if par.dp is not None else dp}"
+                 f" needs {need} processes but the world size is {world_size}; launch {need} "
+                 f"(torchrun --nproc_per_node={need}, or tools/run_local.py) or change "
+                 "parallel.tp/pp/dp")
+        dp = max(dp, 1)
+
+    if tp > 1:
+        kv = m.n_kv_head or m.n_head
+        if m.n_head % tp:
+            p.append(f"model.n_head={m.n_head} is not divisible by parallel.tp={tp}: each TP "
+                     f"rank holds whole heads; use a tp that divides {m.n_head}")
+        if kv % tp:
+            p.append(f"model.n_kv_head={kv} is not divisible by parallel.tp={tp}: each TP rank "
+                     f"holds whole key/value heads; use a tp that divides {kv} (or more KV heads)")
+        vocab = padded_vocab_size(m)
+        if vocab % tp:
+            pad = math.lcm(tp, 64)
+            p.append(f"the vocabulary ({vocab} rows) is not divisible by parallel.tp={tp} for "
+                     f"the vocab-parallel embedding and head; pad it: model.pad_vocab_to={pad}")
+        if ffn_dim(m) % tp:
+            p.append(f"the MLP width {ffn_dim(m)} (model.d_ff) is not divisible by "
+                     f"parallel.tp={tp}; choose a d_ff that is")
+        if par.sequence_parallel and m.seq_len % tp:
+            p.append(f"parallel.sequence_parallel shards model.seq_len={m.seq_len} over "
+                     f"parallel.tp={tp}; use a seq_len divisible by {tp}")
+    elif par.sequence_parallel:
+        p.append("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the "
+                 "sequence over the tensor-parallel ranks); set parallel.tp or turn it off")
+
+    gbs, mbs = cfg.train.global_batch_size, par.micro_batch_size
+    if gbs > 0 and gbs % (mbs * dp):
+        p.append(f"train.global_batch_size={gbs} is not divisible by parallel.micro_batch_size"
+                 f"={mbs} x dp={dp}; use a global batch that is a multiple of {mbs * dp}")
+    microbatches = gbs // (mbs * dp) if gbs > 0 else 0
+
+    if pp > 1 and par.pp_schedule in SCHEDULES:
+        vs = par.virtual_stages
+        multi = par.pp_schedule in MULTI_STAGE_SCHEDULES
+        if par.pp_schedule == "zbv" and vs != 2:
+            p.append(f"parallel.pp_schedule=zbv runs exactly 2 stages per rank (a V); set "
+                     f"parallel.virtual_stages=2 (got {vs})")
+        elif multi and vs < 2:
+            p.append(f"parallel.pp_schedule={par.pp_schedule} needs parallel.virtual_stages "
+                     f">= 2 stages per rank (got {vs}); or use pp_schedule=1f1b")
+        elif not multi and vs != 1:
+            p.append(f"parallel.pp_schedule={par.pp_schedule} runs one stage per rank; set "
+                     f"parallel.virtual_stages=1 or use pp_schedule=interleaved_1f1b")
+        if m.n_layer % (pp * vs):
+            p.append(f"model.n_layer={m.n_layer} is not divisible by parallel.pp={pp} x "
+                     f"parallel.virtual_stages={vs} = {pp * vs} pipeline stages; choose "
+                     "pp/virtual_stages so every stage gets the same number of layers")
+        if 0 < microbatches < pp:
+            p.append(f"the pipeline gets {microbatches} microbatch(es) per step (global batch "
+                     f"{gbs} / (micro batch {mbs} x dp {dp})) but {par.pp_schedule} needs at "
+                     f"least parallel.pp={pp}; lower parallel.micro_batch_size or raise "
+                     f"train.global_batch_size to {mbs * dp * pp}")
+        elif multi and microbatches % max(1, microbatches // pp):
+            p.append(f"{par.pp_schedule} needs the microbatches per step ({microbatches}) to "
+                     f"be a multiple of {max(1, microbatches // pp)} (rounds of pp={pp}); "
+                     f"use a multiple of pp")
+        if par.pp_schedule == "zbv" and cfg.train.compile:
+            p.append("parallel.pp_schedule=zbv splits backward into input and weight parts, "
+                     "which torch.compile does not support; set train.compile=false")
+        if cfg.precision.loss_scaling:
+            p.append("precision.loss_scaling (fp16) is not supported with parallel.pp > 1; "
+                     "use precision=bf16")
+
+    if par.dp_mode != "ddp" and dp > 0:
+        rep = par.dp_replicate
+        if rep <= 0 or dp % rep:
+            p.append(f"parallel.dp_replicate={rep} must divide dp={dp} (HSDP: dp = "
+                     "dp_replicate x dp_shard)")
+        elif par.dp_shard is not None and par.dp_shard * rep != dp:
+            p.append(f"parallel.dp_replicate={rep} x parallel.dp_shard={par.dp_shard} must "
+                     f"equal dp={dp}; set dp_shard={dp // rep} (or leave it null)")
+    if par.ac_every_n_layers < 0:
+        p.append(f"parallel.ac_every_n_layers={par.ac_every_n_layers} must be >= 0")

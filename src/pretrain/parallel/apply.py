@@ -1,0 +1,117 @@
+"""Turn a meta-device GPT into this rank's share of the model, in the order that composes:
+
+pipeline split -> tensor (+ sequence) parallel -> activation checkpointing -> compile
+-> FSDP2 / replicate, all on the meta device (no memory), then materialise: allocate the
+local shards and fill them from the reference initialisation, so every layout starts from
+the same global weights as one process does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from pretrain.config import Config
+from pretrain.model import GPT
+from pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from pretrain.parallel.data_parallel import apply_data_parallel
+from pretrain.parallel.layout import Layout
+from pretrain.parallel.mesh import Meshes
+from pretrain.parallel.pipeline import build_schedule, split_model
+from pretrain.parallel.tensor_parallel import apply_tensor_parallel
+from pretrain.parallel.tied import TiedEmbedding, tied_embedding
+from pretrain.precision import Policy
+
+
+@dataclass
+class ParallelModel:
+    """This rank's model chunks and how to drive them.
+
+    ``parts`` is one GPT without pipeline parallelism, else this rank's pipeline stages
+    (``stage_ids``), run by ``schedule``."""
+
+    parts: list[nn.Module]
+    stage_ids: list[int] = field(default_factory=lambda: [0])
+    n_stages: int = 1
+    schedule: object | None = None
+    tied: TiedEmbedding | None = None
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for part in self.parts:
+            for p in part.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    @property
+    def duplicate_params(self) -> frozenset[int]:
+        return self.tied.duplicates if self.tied is not None else frozenset()
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+
+def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
+                device: torch.device, policy: Policy,
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> ParallelModel:
+    """Apply every parallelism to ``model`` (on the meta device); nothing is allocated."""
+    stage_ids, parts = [0], [model]
+    if mesh is not None and layout.pp > 1:
+        stage_ids, parts = split_model(model, layout, mesh.pp.get_local_rank())
+    for part in parts:
+        if mesh is not None and layout.tp > 1:
+            apply_tensor_parallel(part, mesh.tp, layout.sequence_parallel)
+        apply_activation_checkpointing(part.layers, layout.activation_checkpointing,
+                                       cfg.parallel.ac_every_n_layers)
+        if cfg.train.compile:  # regional: each block once, the same code for all of them
+            for block in part.layers.values():
+                block.compile()
+        if mesh is not None and layout.dp > 1:
+            apply_data_parallel(part, list(part.layers.values()), mesh, layout, policy)
+    pm = ParallelModel(parts=parts, stage_ids=stage_ids, n_stages=layout.n_stages)
+    if mesh is not None:
+        pm.tied = tied_embedding(cfg.model.tie_embeddings, parts, stage_ids, layout, mesh.root)
+    if mesh is not None and layout.pp > 1:
+        pm.schedule = build_schedule(parts, stage_ids, layout, mesh.pp, device, loss_fn)
+    return pm
+
+
+@torch.no_grad()
+def materialize(pm: ParallelModel, device: torch.device, seed: int,
+                reference: Callable[[], GPT] | None = None) -> None:
+    """Allocate the parameters and initialise them.
+
+    One process initialises in place (``init_weights`` with ``seed``). With a process group,
+    ``reference()`` builds the full model the same way on the CPU and every rank copies its
+    shards out of it (``set_model_state_dict`` with a full state dict distributes each tensor
+    to the local DTensor shard): the same numbers as one process, whatever the layout, for
+    the price of one full CPU copy per rank while starting.
+    """
+    for part in pm.parts:
+        part.to_empty(device=device)
+        part.tie_weights()
+    if reference is None:
+        torch.manual_seed(seed)
+        for part in pm.parts:
+            part.init_weights()
+        return
+    full = reference()
+    state = full.state_dict()
+    for part in pm.parts:
+        set_model_state_dict(part, dict(state),
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+        if part.rope is not None:  # a non-persistent buffer, not in the state dict
+            part.rope.copy_(full.rope)

@@ -1,0 +1,51 @@
+"""Gradient-norm clipping over a model spread across meshes and pipeline stages.
+
+``torch.nn.utils.clip_grad_norm_`` refuses gradients that live on different device meshes,
+which a TP x FSDP layout produces (2-D (dp, tp) DTensors next to 1-D ones), and it only sees
+this rank's pipeline stages. So: the norm of each mesh's gradients (a DTensor reduction:
+the global norm of those parameters), combined, then summed over the pipeline ranks, and
+every gradient scaled by the same factor everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def global_grad_norm(params: list[torch.nn.Parameter],
+                     pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The L2 norm of all gradients of the whole model, identical on every rank.
+
+    ``params`` must hold each parameter of the model once over the pipeline ranks (a
+    weight tied across stages on one of them only)."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(p.grad)
+    device = params[0].device if params else torch.device("cpu")
+    total_sq = torch.zeros((), device=device, dtype=torch.float32)
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total_sq += norm.float() ** 2
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)
+    return total_sq.sqrt()
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float,
+                   pp_group: dist.ProcessGroup | None = None,
+                   duplicates: frozenset[int] = frozenset()) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm``; return the norm before.
+    ``duplicates``: ids of parameters that are copies of one held elsewhere (tied across
+    pipeline stages), scaled but counted once."""
+    norm = global_grad_norm([p for p in params if id(p) not in duplicates], pp_group)
+    if max_norm > 0 and math.isfinite(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

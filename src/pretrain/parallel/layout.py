@@ -1,0 +1,110 @@
+"""The resolved parallel layout: how many processes do what, derived once from the config.
+
+``parallel`` in a recipe declares tp, pp and (optionally) dp; the world size comes from the
+launcher (``WORLD_SIZE``, set by torchrun/srun). Everything else the run needs (DP
+replicate x shard split, microbatches per step, stages per rank) follows from those and the
+global batch, and is computed here so that validation, the plan and the trainer agree.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+from pretrain.config import Config
+
+# Schedules that hold one stage per rank, and those that hold several ("virtual" stages).
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv")
+SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+
+
+def world_size_from_env() -> int:
+    """The number of processes the launcher started (1 when not launched by one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def declared_world_size(cfg: Config) -> int:
+    """The world size a layout asks for: WORLD_SIZE when launched, else tp * pp * dp as
+    written (dp=1 when left out), so a dry run checks a multi-process recipe in one process."""
+    if "WORLD_SIZE" in os.environ:
+        return world_size_from_env()
+    par = cfg.parallel
+    return max(par.tp, 1) * max(par.pp, 1) * max(par.dp or 1, 1)
+
+
+def derived_dp(cfg: Config, world_size: int) -> int:
+    par = cfg.parallel
+    return par.dp if par.dp is not None else world_size // max(par.tp * par.pp, 1)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A validated layout. ``microbatches`` is per DP rank and step: the gradient
+    accumulation count without PP, the pipeline's microbatch count with it."""
+
+    tp: int
+    pp: int
+    dp: int
+    dp_replicate: int
+    dp_shard: int
+    dp_mode: str
+    pp_schedule: str
+    virtual_stages: int
+    micro_batch_size: int
+    microbatches: int
+    sequence_parallel: bool
+    activation_checkpointing: str
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def local_batch_size(self) -> int:
+        """Sequences one DP rank processes per optimizer step."""
+        return self.micro_batch_size * self.microbatches
+
+    @property
+    def hsdp(self) -> bool:
+        return self.dp_mode != "ddp" and self.dp_replicate > 1
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "world_size": self.world_size,
+                # the name the single-device plan used for the accumulation count
+                "grad_accum": self.microbatches}
+
+    def describe(self) -> str:
+        dp = f"dp={self.dp} ({self.dp_mode}"
+        dp += f", {self.dp_replicate} replicas x {self.dp_shard} shards)" if self.hsdp else ")"
+        text = f"tp={self.tp}{' +SP' if self.sequence_parallel else ''} x pp={self.pp} x {dp}"
+        if self.pp > 1:
+            text += f", {self.pp_schedule} over {self.n_stages} stages"
+        text += f", micro batch {self.micro_batch_size} x {self.microbatches}"
+        if self.activation_checkpointing != "none":
+            text += f", {self.activation_checkpointing} activation checkpointing"
+        return text
+
+
+def resolve_layout(cfg: Config, world_size: int) -> Layout:
+    """The layout of a config that ``validate.check`` accepted for ``world_size``."""
+    par = cfg.parallel
+    dp = derived_dp(cfg, world_size)
+    if par.dp_mode == "ddp":
+        replicate, shard = dp, 1
+    else:
+        replicate = max(par.dp_replicate, 1)
+        shard = par.dp_shard if par.dp_shard is not None else dp // replicate
+    return Layout(
+        tp=par.tp, pp=par.pp, dp=dp, dp_replicate=replicate, dp_shard=shard,
+        dp_mode=par.dp_mode, pp_schedule=par.pp_schedule,
+        virtual_stages=par.virtual_stages if par.pp > 1 else 1,
+        micro_batch_size=par.micro_batch_size,
+        microbatches=cfg.train.global_batch_size // (par.micro_batch_size * dp),
+        sequence_parallel=par.sequence_parallel,
+        activation_checkpointing=par.activation_checkpointing,
+    )

@@ -1,0 +1,98 @@
+"""Process group and the one DeviceMesh of a run.
+
+The mesh is ``(pp, dp_replicate, dp_shard, tp)`` with TP innermost, Megatron's rank order:
+the ranks of one TP group are adjacent (same node, fastest links), then data parallel, then
+pipeline stages outermost. ``dp_replicate`` x ``dp_shard`` is flattened into ``dp`` for
+data loading and loss averaging; FSDP uses ``dp_shard`` (or both, for HSDP), DDP ``dp``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from pretrain.parallel.layout import Layout
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def init_distributed(device: torch.device, timeout_minutes: float = 30) -> torch.device:
+    """Join the process group torchrun/srun described in the environment; return this
+    rank's device (cuda:LOCAL_RANK on GPUs). NCCL on CUDA, gloo on CPU."""
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return device
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The run's mesh and the views of it each parallelism uses."""
+
+    root: DeviceMesh  # (pp, dp_replicate, dp_shard, tp)
+    pp: DeviceMesh
+    dp: DeviceMesh  # all data-parallel ranks, flattened: data slices, DDP, loss averages
+    fsdp: DeviceMesh  # dp, or (dp_replicate, dp_shard) for HSDP
+    tp: DeviceMesh
+
+
+def build_mesh(layout: Layout, device: torch.device) -> Meshes:
+    root = init_device_mesh(
+        device.type,
+        (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
+        mesh_dim_names=MESH_DIMS,
+    )
+    # One name for "all data-parallel ranks", whatever the replicate x shard split.
+    dp = root["dp_replicate", "dp_shard"]._flatten("dp")
+    fsdp = root["dp_replicate", "dp_shard"] if layout.hsdp else dp
+    return Meshes(root=root, pp=root["pp"], dp=dp, fsdp=fsdp, tp=root["tp"])
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_rank0() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_from_rank0(obj: object) -> object:
+    """Rank 0's ``obj`` on every rank (a no-op without a process group)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_reduce(value: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In place over all ranks (gloo has no AVG: average as a sum of pre-divided values)."""
+    if dist.is_initialized():
+        dist.all_reduce(value, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return value
+
+
+def env_rank() -> int:
+    """This process's rank as the launcher set it, before any process group exists."""
+    return int(os.environ.get("RANK", "0"))

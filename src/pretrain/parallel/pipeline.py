@@ -1,0 +1,83 @@
+"""Pipeline parallelism with torch.distributed.pipelining, split the torchtitan way.
+
+Each pipeline stage is a copy of the meta-device GPT with the layers it does not own deleted
+(layers are keyed by global index, so parameter names stay those of the whole model and a
+checkpoint reshards across layouts); the first stage keeps the embeddings, the last the
+final norm and head. Stages are balanced by layer count. Ranks hold one stage (GPipe, 1F1B),
+``virtual_stages`` stages round-robin (interleaved 1F1B) or two in a V (ZBV: rank r holds
+stages r and 2*pp-1-r, so the first and last stage share rank 0).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from pretrain.model import GPT
+from pretrain.parallel.layout import Layout
+
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+}
+
+
+def stage_indices(layout: Layout, pp_rank: int) -> list[int]:
+    """The global stage indices this pipeline rank runs, in execution order."""
+    if layout.pp_schedule == "zbv":
+        return [pp_rank, 2 * layout.pp - 1 - pp_rank]
+    return [pp_rank + v * layout.pp for v in range(layout.virtual_stages)]
+
+
+def split_stage(model: GPT, stage: int, n_stages: int) -> GPT:
+    """A copy of ``model`` (on the meta device: copying costs nothing) keeping only what
+    stage ``stage`` of ``n_stages`` runs."""
+    n_layer = len(model.layers)
+    per = n_layer // n_stages
+    keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    part = copy.deepcopy(model)
+    for key in list(part.layers.keys()):
+        if key not in keep:
+            del part.layers[key]
+    if stage != 0:
+        part.tok_emb = None
+        part.pos_emb = None
+    if stage != n_stages - 1:
+        part.norm = None
+        part.lm_head = None
+    return part
+
+
+def split_model(model: GPT, layout: Layout, pp_rank: int) -> tuple[list[int], list[GPT]]:
+    ids = stage_indices(layout, pp_rank)
+    return ids, [split_stage(model, s, layout.n_stages) for s in ids]
+
+
+def build_schedule(
+    parts: list[nn.Module], stage_ids: list[int], layout: Layout, pp_mesh: DeviceMesh,
+    device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+):
+    """The named schedule over this rank's stages. Gradients are divided by the number of
+    microbatches (``scale_grads``), so with a mean loss per microbatch they equal those of
+    one mean over the local batch, as without a pipeline."""
+    group = pp_mesh.get_group()
+    stages = [PipelineStage(part, sid, layout.n_stages, device, group=group)
+              for part, sid in zip(parts, stage_ids, strict=True)]
+    cls = SCHEDULE_CLASSES[layout.pp_schedule]
+    if layout.pp_schedule in ("gpipe", "1f1b"):
+        return cls(stages[0], n_microbatches=layout.microbatches, loss_fn=loss_fn,
+                   scale_grads=True)
+    return cls(stages, n_microbatches=layout.microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -1,0 +1,109 @@
+"""Megatron-style tensor parallelism with DTensor, applied to a plain GPT from outside.
+
+Per block (Shoeybi et al. 2019): Q, K, V and the MLP up/gate projections are column-parallel
+(each rank owns a slice of the heads / hidden units), the attention output and MLP down
+projection are row-parallel, so a block costs one all-reduce forward and one backward per
+sub-layer. With sequence parallelism (Korthikanti et al. 2022) the norms and dropout run on
+a sequence shard and the all-reduces become reduce-scatter + all-gather.
+
+The token embedding and the output head are vocabulary-parallel (row-wise embedding, column
+-wise head whose logits stay sharded on the vocabulary for ``loss_parallel``). Every parameter
+gets a placement, including the learned position table (sharded by position, the same way as
+the token table) and the norms (Replicate, or SequenceParallel), so gradient clipping and
+FSDP see one kind of parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from pretrain.model import GPT
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated over the TP mesh (as DTensors), inputs and outputs plain
+    tensors: for the norms when sequence parallelism is off. Their gradients are already
+    identical on every TP rank (their inputs are), the placement records that."""
+
+    @staticmethod
+    def _to_dtensor(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+    @staticmethod
+    def _to_local(module: nn.Module, output: DTensor, mesh: DeviceMesh):
+        return output.to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=self._to_dtensor,
+                                 output_fn=self._to_local)
+
+
+def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard ``model`` (a whole GPT or one pipeline stage of it) over ``tp_mesh`` in place.
+
+    Activations between sub-layers are plain tensors: replicated, or sharded on the sequence
+    (dim 1) with SP. Logits leave the head as a DTensor sharded on the vocabulary; compute
+    the loss under :func:`loss_context`.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+
+    def norm_style() -> ParallelStyle:
+        return SequenceParallel(use_local_output=True) if sequence_parallel else ReplicateParallel()
+
+    root: dict[str, ParallelStyle] = {}
+    if model.tok_emb is not None:
+        root["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.pos_emb is not None:
+        # Looked up with positions (seq,), so its output's sequence dim is 0.
+        root["pos_emb"] = RowwiseParallel(input_layouts=Replicate(),
+                                          output_layouts=Shard(0) if sequence_parallel
+                                          else Replicate())
+    if model.norm is not None:
+        root["norm"] = norm_style()
+    if model.lm_head is not None:
+        root["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                          use_local_output=False)
+    parallelize_module(model, tp_mesh, root)
+
+    for block in model.layers.values():
+        plan: dict[str, ParallelStyle] = {
+            "attn_norm": norm_style(),
+            "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=seq),
+            "mlp_norm": norm_style(),
+            "mlp.w1": ColwiseParallel(),
+            "mlp.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if block.mlp.w3 is not None:
+            plan["mlp.w3"] = ColwiseParallel()
+        if sequence_parallel:  # gather the sequence before the column-parallel matmuls
+            plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1), None),
+                                              desired_input_layouts=(Replicate(), None),
+                                              use_local_output=True)
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                             desired_input_layouts=(Replicate(),),
+                                             use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)
+    # parallelize_module replaced tok_emb.weight and lm_head.weight by two DTensors with the
+    # same placement (Shard(0): vocabulary rows); share one again.
+    model.tie_weights()
+
+
+def loss_context(tp: int):
+    """Cross-entropy on vocabulary-sharded logits without gathering them (loss_parallel)."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
