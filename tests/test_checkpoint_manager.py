@@ -1,0 +1,129 @@
+"""CheckpointManager on one process: atomic completion, crash safety, retention, round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pretrain.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    ModelOptimizer,
+    complete_checkpoints,
+    resolve_checkpoint,
+)
+from pretrain.config import CheckpointConfig, ModelConfig
+from pretrain.model import GPT
+
+CFG = ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, vocab_size=64)
+
+
+class Progress:
+    """A minimal Stateful, as the trainer's own progress is."""
+
+    def __init__(self, step: int = 0):
+        self.step = step
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+def trained_pair(seed: int):
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    model.init_weights()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, 64, (2, 16))
+    model(x).float().logsumexp(-1).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def save(mgr: CheckpointManager, model, opt, step: int, block: bool = False):
+    mgr.save(step, {"model_optim": ModelOptimizer(model, opt), "train": Progress(step)},
+             {"step": step}, block=block)
+    mgr.wait()
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_round_trip_is_exact(tmp_path, async_save):
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, async_save=async_save))
+    save(mgr, model, opt, 7)
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [7]
+    meta = json.loads((tmp_path / "step_0000007" / "meta.json").read_text())
+    assert meta["step"] == 7 and ".metadata" in meta["files"]
+
+    other, other_opt = trained_pair(1)
+    progress = Progress()
+    CheckpointManager.load(mgr.latest(), {"model_optim": ModelOptimizer(other, other_opt),
+                                          "train": progress})
+    assert progress.step == 7
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert other.lm_head.weight is other.tok_emb.weight  # loading keeps the tie
+    sa, sb = opt.state_dict()["state"], other_opt.state_dict()["state"]
+    for k in sa:
+        assert torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"])
+
+
+def test_cut_short_and_corrupt_checkpoints_are_skipped_not_deleted(tmp_path, caplog):
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, keep_last=5))
+    save(mgr, model, opt, 1)
+    save(mgr, model, opt, 2)
+    # A save cut short: its temporary directory is left behind.
+    (tmp_path / "step_0000003.tmp").mkdir()
+    (tmp_path / "step_0000003.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    # A complete-looking directory whose shard was truncated afterwards.
+    shard = next((tmp_path / "step_0000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with caplog.at_level("WARNING"):
+        assert mgr.latest() == tmp_path / "step_0000001"
+    assert "step_0000003.tmp" in caplog.text and "step_0000002" in caplog.text
+    assert (tmp_path / "step_0000003.tmp").exists() and (tmp_path / "step_0000002").exists()
+    with pytest.raises(CheckpointError, match="step_0000002"):
+        resolve_checkpoint(tmp_path / "step_0000002")
+
+
+def test_retention_keeps_last_k_and_every_m(tmp_path):
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, keep_last=2, keep_every=4))
+    for step in range(1, 10):
+        save(mgr, model, opt, step, block=True)
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [4, 8, 9]
+
+
+def test_retention_never_deletes_the_newest(tmp_path):
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, keep_last=0))
+    save(mgr, model, opt, 1)
+    save(mgr, model, opt, 2)
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [2]
+
+
+def test_existing_step_is_not_overwritten(tmp_path):
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True))
+    save(mgr, model, opt, 5)
+    before = {f.name: f.read_bytes() for f in (tmp_path / "step_0000005").iterdir()}
+    other, other_opt = trained_pair(1)
+    save(mgr, other, other_opt, 5)
+    after = {f.name: f.read_bytes() for f in (tmp_path / "step_0000005").iterdir()}
+    assert before == after
+
+
+def test_resolve_checkpoint_finds_the_newest_in_a_run_dir(tmp_path):
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path / "checkpoints", CheckpointConfig(enabled=True))
+    save(mgr, model, opt, 3)
+    save(mgr, model, opt, 6)
+    assert resolve_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_0000006"
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        resolve_checkpoint(tmp_path / "elsewhere")
