@@ -52,9 +52,12 @@ from pretrain.validate import check
 log = logging.getLogger("pretrain")
 
 
-def resolve_plan(cfg: Config, world_size: int = 1) -> tuple[dict, Budget, torch.device, Policy]:
+def resolve_plan(cfg: Config, world_size: int | None = None
+                 ) -> tuple[dict, Budget, torch.device, Policy]:
     """Everything a run decides before it starts, without touching data, weights or a
-    process group."""
+    process group. ``world_size`` None: the layout as declared (see validate.check)."""
+    if world_size is None:
+        world_size = declared_world_size(cfg)
     check(cfg, world_size)
     device = pick_device(cfg.train.device)
     policy = resolve_policy(cfg.precision, device)
@@ -408,7 +411,7 @@ def run(cfg: Config, run_dir: Path) -> dict | None:
     """Entry point shared by train.py and the tools: dry run or train (one process, or one
     of the processes torchrun started)."""
     if cfg.dry_run:
-        plan, *_ = resolve_plan(cfg, declared_world_size(cfg))
+        plan, *_ = resolve_plan(cfg)
         if dist_env.env_rank() == 0:
             print(json.dumps(plan), flush=True)
         return plan

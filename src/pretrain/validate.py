@@ -11,7 +11,7 @@ import math
 from pretrain.attention import BACKENDS
 from pretrain.config import Config
 from pretrain.model import ffn_dim, padded_vocab_size
-from pretrain.parallel.layout import MULTI_STAGE_SCHEDULES, SCHEDULES
+from pretrain.parallel.layout import MULTI_STAGE_SCHEDULES, SCHEDULES, declared_world_size
 
 CHOICES = {
     "model.pos_emb": ("learned", "rope"),
@@ -54,11 +54,14 @@ def _get(cfg: Config, dotted: str):
     return obj
 
 
-def check(cfg: Config, world_size: int = 1) -> None:
+def check(cfg: Config, world_size: int | None = None) -> None:
     """Raise ConfigError listing every problem with ``cfg``; return None when it is sound.
 
-    ``world_size`` is the number of processes launched (WORLD_SIZE), checked against the
-    layout the recipe declares."""
+    ``world_size`` is the number of processes launched, checked against the layout the
+    recipe declares; None: WORLD_SIZE when a launcher set it, else the layout as declared
+    (tp * pp * dp), which is what a dry run checks."""
+    if world_size is None:
+        world_size = declared_world_size(cfg)
     p: list[str] = []
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
@@ -128,7 +131,7 @@ def _check_layout(cfg: Config, world_size: int, p: list[str]) -> None:
         if m.n_head % tp:
             p.append(f"model.n_head={m.n_head} is not divisible by parallel.tp={tp}: each TP "
                      f"rank holds whole heads; use a tp that divides {m.n_head}")
-        if kv % tp:
+        if m.n_kv_head not in (None, m.n_head) and kv % tp:  # GQA; MHA is the line above
             p.append(f"model.n_kv_head={kv} is not divisible by parallel.tp={tp}: each TP rank "
                      f"holds whole key/value heads; use a tp that divides {kv} (or more KV heads)")
         vocab = padded_vocab_size(m)

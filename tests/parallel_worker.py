@@ -1,0 +1,115 @@
+"""Train a few steps of one or more layouts in this process and dump what tests compare.
+
+Run under ``torchrun --standalone --nproc_per_node=N tests/parallel_worker.py OUT SPEC``
+(SPEC: a JSON file, {"common": [overrides], "layouts": {name: [overrides]}}), or as one
+process for the reference. Every layout of one world size runs in the same processes, one
+after the other, to pay the start-up (importing torch N times on a small CPU) once.
+
+For each layout, rank 0 writes OUT/<name>.pt: per-step losses and grad norms, the full
+parameters after initialisation and after training (gathered from every shard and stage),
+and per rank the local bytes of parameters, gradients and optimizer state (measured just
+before the last optimizer step, when all three exist) and peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from pretrain.config import register_configs
+from pretrain.naming import register_resolvers
+from pretrain.trainer import Trainer, to_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The whole model's parameters on rank 0 (empty elsewhere): each pipeline rank
+    gathers its stages' shards, rank 0 collects the stages."""
+    mine: dict[str, torch.Tensor] = {}
+    for part in trainer.model.parts:
+        sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        mine.update({k: v.detach().cpu().clone() for k, v in sd.items()})
+    if not dist.is_initialized():
+        return mine
+    gathered: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if dist.get_rank() != 0:
+        return {}
+    merged: dict[str, torch.Tensor] = {}
+    for sd in gathered:
+        merged.update(sd)
+    return merged
+
+
+def memory(trainer: Trainer, block_only: bool = False) -> dict[str, int]:
+    params = trainer.model.parameters()
+    opt_bytes = sum(local_bytes(v) for s in trainer.optimizer.state.values()
+                    for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    blocks = [p for part in trainer.model.parts for p in part.layers.parameters()]
+    return {
+        "params": sum(local_bytes(p) for p in params),
+        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": opt_bytes,
+        "block_params": sum(local_bytes(p) for p in blocks),
+    }
+
+
+def run_layout(overrides: list[str], out: Path, name: str) -> None:
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = to_config(compose("config", overrides=[*overrides, "run_name=test"]))
+    trainer = Trainer(cfg, out / name)
+    trainer.setup()
+    init = full_params(trainer)
+    measured: dict[str, int] = {}
+
+    def measure(optimizer, args, kwargs) -> None:  # before the step: grads and states exist
+        measured.update(memory(trainer))
+
+    hook = trainer.optimizer.register_step_pre_hook(measure)
+    losses, norms = [], []
+    for _ in range(trainer.budget.steps):
+        loss, norm = trainer.train_step()
+        losses.append(loss)
+        norms.append(norm)
+    hook.remove()
+    val = trainer.evaluate()
+    final = full_params(trainer)
+    measured["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    per_rank = [measured]
+    if dist.is_initialized():
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, measured)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save({"losses": losses, "grad_norms": norms, "val_loss": val, "init": init,
+                    "final": final, "memory": per_rank, "layout": trainer.plan["layout"]},
+                   out / f"{name}.pt")
+
+
+def main() -> None:
+    out, spec = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+    register_configs()
+    register_resolvers()
+    for name, overrides in spec["layouts"].items():
+        run_layout([*spec["common"], *overrides], out, name)
+        if dist.is_initialized():
+            dist.barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Launching: tools/run_local.py -> torchrun -> train.py on 2 processes, end to end.
+
+Rank 0 prepares the data (the other rank waits for it), both ranks compose the same run
+directory, and only rank 0 writes there: one plan, one metrics line per step, one result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import CORPUS_FILES, REPO
+
+RUN_LOCAL = str(REPO / "tools" / "run_local.py")
+
+
+def run_local(*args: str, cwd=REPO, check: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    return subprocess.run([sys.executable, RUN_LOCAL, *args], cwd=cwd, capture_output=True,
+                          text=True, check=check, env=env, timeout=600)
+
+
+def test_run_local_counts_the_processes_a_layout_needs():
+    out = run_local("--print", "+recipe=nano-3d").stdout
+    assert "torch.distributed.run --standalone --nproc_per_node=8" in out
+    assert out.strip().endswith("train.py +recipe=nano-3d")
+    out = run_local("--print", "--nproc", "4", "+recipe=tiny", "parallel=zero3",
+                    "parallel.dp=null").stdout
+    assert "--nproc_per_node=4" in out
+
+
+def test_run_local_needs_nproc_when_dp_is_left_to_the_world():
+    proc = run_local("--print", "+recipe=tiny", "parallel=zero3", "parallel.dp=null",
+                     check=False)
+    assert proc.returncode != 0 and "pass --nproc N" in proc.stderr
+
+
+@pytest.mark.slow
+def test_two_process_run_writes_once_from_rank_0(work_dir, tmp_path):
+    files = ",".join(CORPUS_FILES)
+    proc = run_local(
+        "+recipe=tiny-zero3", "model=nano", "model.vocab_size=300", "data.source=text",
+        "data.name=launch", f"data.data_files=[{files}]", "data.tokenizer_vocab_size=300",
+        "data.num_proc=1", f"data.root={tmp_path / 'data'}", f"runs_dir={tmp_path / 'runs'}",
+        "budget=steps", "budget.steps=3", "train.global_batch_size=8",
+        "parallel.micro_batch_size=2", "train.eval_batches=2", "train.eval_interval=2",
+        "train.sample_tokens=5", "logging=quiet", "logging.log_interval=1",
+        cwd=work_dir, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1  # both ranks composed the same run directory
+    run = runs[0]
+    assert {"metrics.jsonl", "plan.json", "result.json", "train.log", ".hydra"} <= {
+        p.name for p in run.iterdir()}
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["layout"]["world_size"] == 2 and plan["layout"]["dp_mode"] == "zero3"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]  # rank 0 only
+    assert [m["step"] for m in metrics if "val_loss" in m] == [0, 2, 3]
+    result = json.loads((run / "result.json").read_text())
+    assert result["steps"] == 3 and result["sample"]  # generation ran on the sharded model
+    log = (run / "train.log").read_text()
+    assert log.count("plan: ") == 1 and log.count("step 3/3 | loss") == 1
+    assert (proc.stdout + proc.stderr).count("step 3/3 | loss") == 1  # one voice on screen
+    assert (tmp_path / "data" / "launch" / "index.json").exists()  # prepared once, by rank 0
+    assert [p.name for p in (tmp_path / "data").iterdir()] == ["launch"]  # no leftovers
