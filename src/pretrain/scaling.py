@@ -1,0 +1,404 @@
+"""Scaling-law fits of measured sweeps: L(C) = a C^b + c and L(N, D) = E + A/N^alpha + B/D^beta.
+
+Why these two forms: L(C) is what the GPT-4 report (OpenAI 2023) fitted to predict the
+final loss of a large run from small ones; L(N, D) is Hoffmann et al. 2022 ("Chinchilla",
+approach 3), which also says how to split a compute budget C = 6 N D between parameters and
+tokens. Both are fitted as Hoffmann et al. did: a Huber loss (delta 1e-3) on the residual of
+log loss, so a few diverged or unlucky runs do not drag the fit, bounded parameters, and
+L-BFGS-B started from the best points of a grid of initialisations (the objective has many
+local minima). Uncertainty comes from a bootstrap over runs, the only honest error bar when
+the runs themselves are the samples.
+
+Units: N is ``plan.json``'s ``n_params`` (every parameter, as Hoffmann et al.), D the
+tokens trained, C = 6 N D unless the plan's exact FLOPs are asked for.
+
+Needs scipy (the ``analysis`` extra): ``pip install -e '.[analysis]'``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+HUBER_DELTA = 1e-3  # Hoffmann et al. 2022, section D.2
+
+
+@dataclass(frozen=True)
+class RunPoint:
+    """One finished run of a sweep: what it cost and the loss it reached."""
+
+    name: str
+    n_params: float
+    tokens: float
+    flops: float
+    loss: float
+
+
+# -- collecting runs ------------------------------------------------------------------------
+
+
+def collect_runs(root: Path | str, flops: str = "6nd") -> list[RunPoint]:
+    """Every finished run under ``root``: a directory holding ``result.json`` (written only
+    when a run finished its budget) with ``final_val_loss`` and a ``plan.json`` beside it.
+
+    ``flops``: ``6nd`` (C = 6 N D, the convention the fits and the compute-optimal split
+    use) or ``plan`` (the plan's ``total_flops``, which also counts attention)."""
+    if flops not in ("6nd", "plan"):
+        raise ValueError(f"flops={flops!r}: use '6nd' or 'plan'")
+    root = Path(root)
+    points = []
+    for result_path in sorted(root.rglob("result.json")):
+        plan_path = result_path.with_name("plan.json")
+        if not plan_path.exists():
+            continue
+        result, plan = json.loads(result_path.read_text()), json.loads(plan_path.read_text())
+        loss = result.get("final_val_loss")
+        if loss is None or not math.isfinite(loss):
+            continue
+        n, d = float(plan["n_params"]), float(result.get("tokens") or plan["tokens"])
+        c = 6.0 * n * d if flops == "6nd" else float(plan["total_flops"]) * d / plan["tokens"]
+        name = str(result_path.parent.relative_to(root)) if result_path.parent != root else \
+            root.name
+        points.append(RunPoint(name=name, n_params=n, tokens=d, flops=c, loss=float(loss)))
+    return points
+
+
+# -- the objective --------------------------------------------------------------------------
+
+
+def huber(r: np.ndarray, delta: float = HUBER_DELTA) -> tuple[np.ndarray, np.ndarray]:
+    """Huber loss of residuals and its derivative (quadratic inside delta, linear outside)."""
+    a = np.abs(r)
+    value = np.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta))
+    return value, np.clip(r, -delta, delta)
+
+
+def _one_blas_thread() -> AbstractContextManager:
+    """L-BFGS-B's tiny matrix products run 10-100x slower when OpenBLAS spreads them over
+    threads on a busy machine (measured: 12 ms a step instead of 0.2 ms); one thread is
+    always right for problems this small."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return nullcontext()
+    return threadpool_limits(1, user_api="blas")
+
+
+def _minimize(objective: Callable, starts: np.ndarray, bounds: Sequence[tuple[float, float]],
+              keep: int) -> np.ndarray:
+    """L-BFGS-B from the ``keep`` best grid points; the best optimum found.
+
+    Screening the whole grid by objective value first (cheap, vectorised) and descending
+    from the best few finds the same optimum as descending from every point here, at a
+    fraction of the cost; the bootstrap refits hundreds of times."""
+    from scipy.optimize import minimize
+
+    values = np.array([objective(s)[0] for s in starts])
+    best_x, best_f = None, math.inf
+    with _one_blas_thread():
+        for i in np.argsort(values)[:keep]:
+            res = minimize(objective, starts[i], jac=True, method="L-BFGS-B", bounds=bounds,
+                           options={"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-12})
+            if res.fun < best_f:
+                best_x, best_f = res.x, res.fun
+    assert best_x is not None
+    return best_x
+
+
+# -- L(C) = a C^b + c -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ComputeLaw:
+    """L(C) = a * C**b + c (b < 0): loss against training compute, irreducible loss c."""
+
+    a: float
+    b: float
+    c: float
+
+    def predict(self, flops: float | np.ndarray) -> np.ndarray:
+        return self.a * np.asarray(flops, dtype=float) ** self.b + self.c
+
+
+def fit_compute_law(flops: Sequence[float], loss: Sequence[float],
+                    delta: float = HUBER_DELTA, keep: int = 8,
+                    starts: np.ndarray | None = None) -> ComputeLaw:
+    """Fit L(C) with the Huber objective on log loss. C is divided by its geometric mean
+    inside the fit so the constants stay O(1) for any FLOP scale; ``a`` is returned in
+    the original units."""
+    c_arr, l_arr = np.asarray(flops, float), np.asarray(loss, float)
+    if len(c_arr) < 3:
+        raise ValueError(f"L(C) has 3 constants: need at least 3 runs, got {len(c_arr)}")
+    c0 = float(np.exp(np.mean(np.log(c_arr))))
+    x, log_l = np.log(c_arr / c0), np.log(l_arr)
+    l_min = float(l_arr.min())
+
+    def objective(theta: np.ndarray) -> tuple[float, np.ndarray]:
+        log_a, b, c = theta
+        p = np.exp(log_a + b * x)
+        pred = p + c
+        value, dh = huber(np.log(pred) - log_l, delta)
+        g = dh / pred
+        return float(value.sum()), np.array([(g * p).sum(), (g * p * x).sum(), g.sum()])
+
+    if starts is None:
+        starts = np.array(list(itertools.product(
+            np.log(l_min * np.array([0.05, 0.2, 0.5, 1.0, 2.0])),
+            [-1.0, -0.5, -0.25, -0.1, -0.05, -0.02],
+            l_min * np.array([0.0, 0.3, 0.6, 0.8, 0.95]),
+        )))
+    bounds = [(-30.0, 30.0), (-3.0, 0.0), (0.0, l_min)]
+    log_a, b, c = _minimize(objective, starts, bounds, keep)
+    return ComputeLaw(a=float(np.exp(log_a) * c0 ** (-b)), b=float(b), c=float(c))
+
+
+def _compute_law_theta(law: ComputeLaw, c0: float) -> np.ndarray:
+    return np.array([math.log(law.a) + law.b * math.log(c0), law.b, law.c])
+
+
+# -- L(N, D) = E + A/N^alpha + B/D^beta ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChinchillaLaw:
+    """L(N, D) = E + A / N**alpha + B / D**beta (Hoffmann et al. 2022, approach 3)."""
+
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+
+    def predict(self, n: float | np.ndarray, d: float | np.ndarray) -> np.ndarray:
+        n, d = np.asarray(n, float), np.asarray(d, float)
+        return self.E + self.A / n**self.alpha + self.B / d**self.beta
+
+    def optimal(self, flops: float | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Compute-optimal (N, D) under C = 6 N D: minimising L along that constraint gives
+        N = G (C/6)^(beta/(alpha+beta)), D = (C/6)^(alpha/(alpha+beta)) / G with
+        G = (alpha A / (beta B))^(1/(alpha+beta)) (Hoffmann et al. 2022, eq. 4)."""
+        c6 = np.asarray(flops, float) / 6.0
+        s = self.alpha + self.beta
+        g = (self.alpha * self.A / (self.beta * self.B)) ** (1.0 / s)
+        return g * c6 ** (self.beta / s), c6 ** (self.alpha / s) / g
+
+    def optimal_loss(self, flops: float | np.ndarray) -> np.ndarray:
+        n, d = self.optimal(flops)
+        return self.predict(n, d)
+
+
+# Hoffmann et al. 2022, section 3.3 / eq. 10: approach 3's fit of their 400+ runs.
+CHINCHILLA = ChinchillaLaw(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
+
+
+def fit_chinchilla_law(n_params: Sequence[float], tokens: Sequence[float],
+                       loss: Sequence[float], delta: float = HUBER_DELTA, keep: int = 10,
+                       starts: np.ndarray | None = None) -> ChinchillaLaw:
+    """Fit L(N, D) as Hoffmann et al. did: minimise the Huber loss of
+    LSE(a - alpha log N, b - beta log D, e) - log L over (a, b, e, alpha, beta), with
+    A = exp(a), B = exp(b), E = exp(e), from a grid of initialisations (theirs, screened)."""
+    n, d, l_arr = (np.asarray(v, float) for v in (n_params, tokens, loss))
+    check_identifiable(n, d)
+    log_n, log_d, log_l = np.log(n), np.log(d), np.log(l_arr)
+
+    def objective(theta: np.ndarray) -> tuple[float, np.ndarray]:
+        a, b, e, alpha, beta = theta
+        ta, tb = np.exp(a - alpha * log_n), np.exp(b - beta * log_d)
+        te = math.exp(e)
+        pred = ta + tb + te
+        value, dh = huber(np.log(pred) - log_l, delta)
+        g = dh / pred
+        grad = np.array([(g * ta).sum(), (g * tb).sum(), (g * te).sum(),
+                         -(g * ta * log_n).sum(), -(g * tb * log_d).sum()])
+        return float(value.sum()), grad
+
+    if starts is None:  # Hoffmann et al.'s grid, section D.2 (alpha = 0 left out: degenerate)
+        grid = itertools.product(np.arange(0, 30, 5.0), np.arange(0, 30, 5.0),
+                                 np.arange(-1, 1.5, 0.5), np.arange(0.5, 2.5, 0.5),
+                                 np.arange(0.5, 2.5, 0.5))
+        starts = np.array([[a, b, e, al, be] for a, b, e, al, be in grid])
+    bounds = [(-10.0, 60.0), (-10.0, 60.0), (-10.0, math.log(l_arr.min())),
+              (0.01, 3.0), (0.01, 3.0)]
+    a, b, e, alpha, beta = _minimize(objective, starts, bounds, keep)
+    return ChinchillaLaw(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=float(alpha),
+                         beta=float(beta))
+
+
+def _chinchilla_theta(law: ChinchillaLaw) -> np.ndarray:
+    return np.array([math.log(law.A), math.log(law.B), math.log(law.E), law.alpha, law.beta])
+
+
+class NotIdentifiable(ValueError):
+    """The runs cannot separate the constants of L(N, D)."""
+
+
+def check_identifiable(n: np.ndarray, d: np.ndarray) -> None:
+    """L(N, D) needs runs at different tokens per parameter: along D = k N (a pure
+    Chinchilla ladder) A/N^alpha and B/D^beta are the same kind of curve and trade off
+    freely. An iso-FLOP sweep, or a ladder plus one, gives the spread."""
+    if len(n) < 6:
+        raise NotIdentifiable(f"L(N, D) has 5 constants: need at least 6 runs, got {len(n)}")
+    spread = float(np.std(np.log(d / n)))
+    if spread < 0.1:
+        raise NotIdentifiable(
+            f"every run has about the same tokens per parameter (std of log(D/N) = {spread:.3f})"
+            ", so A/N^alpha and B/D^beta cannot be told apart; add runs at other ratios, e.g. an"
+            " iso-FLOP sweep (budget=flops) at one or more compute budgets"
+        )
+
+
+# -- bootstrap ------------------------------------------------------------------------------
+
+
+@dataclass
+class Estimate:
+    """A point estimate with its bootstrap spread: a 95% percentile interval, and the
+    standard deviation (for scale constants such as A, a: the geometric one, a factor)."""
+
+    value: float
+    std: float
+    low: float
+    high: float
+    geometric: bool = False
+
+    def __str__(self) -> str:
+        spread = f"x/ {self.std:.3g}" if self.geometric else f"± {self.std:.2g}"
+        return f"{self.value:.4g} {spread} [{self.low:.4g}, {self.high:.4g}]"
+
+
+def _estimate(value: float, samples: np.ndarray, geometric: bool = False) -> Estimate:
+    s = samples[np.isfinite(samples)]
+    if geometric:
+        s = s[s > 0]
+    if len(s) < 2:
+        return Estimate(value, math.nan, math.nan, math.nan, geometric)
+    low, high = np.percentile(s, [2.5, 97.5])
+    std = float(np.exp(np.std(np.log(s)))) if geometric else float(np.std(s))
+    return Estimate(value, std, float(low), float(high), geometric)
+
+
+@dataclass
+class FitReport:
+    """Fitted constants and predictions of one law, each with its bootstrap spread."""
+
+    law: ComputeLaw | ChinchillaLaw
+    constants: dict[str, Estimate]
+    predictions: dict[str, Estimate] = field(default_factory=dict)
+    samples: list = field(default_factory=list)  # the bootstrap laws, for bands in plots
+
+    def as_dict(self) -> dict:
+        return {"law": type(self.law).__name__, **asdict(self.law),
+                "constants": {k: asdict(v) for k, v in self.constants.items()},
+                "predictions": {k: asdict(v) for k, v in self.predictions.items()},
+                "bootstrap_samples": len(self.samples)}
+
+
+def bootstrap(points: Sequence[RunPoint], fit: Callable[[list[RunPoint], np.ndarray | None],
+              object], start: np.ndarray, n_boot: int, seed: int = 0) -> list:
+    """Refit on ``n_boot`` resamples of the runs (with replacement), each L-BFGS-B started
+    from the full-data optimum; resamples the law cannot be fitted on are dropped."""
+    rng = np.random.default_rng(seed)
+    laws = []
+    for _ in range(n_boot):
+        idx = rng.integers(0, len(points), len(points))
+        try:
+            laws.append(fit([points[i] for i in idx], start[None, :]))
+        except (ValueError, FloatingPointError):
+            continue
+    return laws
+
+
+def compute_frontier(points: Sequence[RunPoint]) -> list[RunPoint]:
+    """The lowest-loss run of each compute budget. L(C) describes the best loss a budget
+    buys (the GPT-4 report fitted it to its compute-efficient runs); the off-optimum runs
+    of an iso-FLOP sweep would drag it up. A ladder has one run per budget: all kept."""
+    return [min(g, key=lambda p: p.loss) for g in isoflop_groups(points)]
+
+
+def report_compute_law(points: Sequence[RunPoint], target_flops: float | None = None,
+                       n_boot: int = 200, seed: int = 0) -> FitReport:
+    """Fit L(C) to the compute frontier of the runs; bootstrap the constants and the loss
+    predicted at the target."""
+    points = compute_frontier(points)
+    c_arr = np.array([p.flops for p in points])
+    law = fit_compute_law(c_arr, [p.loss for p in points])
+    c0 = float(np.exp(np.mean(np.log(c_arr))))
+
+    def refit(sample: list[RunPoint], starts: np.ndarray | None) -> ComputeLaw:
+        fc = np.array([p.flops for p in sample])
+        if len(np.unique(fc)) < 3:
+            raise ValueError("fewer than 3 distinct budgets")
+        # the start is in units of the full data's c0; move it to this sample's
+        ci = float(np.exp(np.mean(np.log(fc))))
+        s = None if starts is None else starts + np.array([law.b * math.log(ci / c0), 0, 0])
+        return fit_compute_law(fc, [p.loss for p in sample], keep=1, starts=s)
+
+    laws = bootstrap(points, refit, _compute_law_theta(law, c0), n_boot, seed)
+    constants = {k: _estimate(getattr(law, k), np.array([getattr(s, k) for s in laws]),
+                              geometric=k == "a") for k in ("a", "b", "c")}
+    rep = FitReport(law, constants, samples=laws)
+    if target_flops:
+        rep.predictions["loss"] = _estimate(
+            float(law.predict(target_flops)), np.array([s.predict(target_flops) for s in laws]))
+    return rep
+
+
+def report_chinchilla_law(points: Sequence[RunPoint], target_flops: float | None = None,
+                          n_boot: int = 100, seed: int = 0) -> FitReport:
+    """Fit L(N, D); bootstrap the constants, and at the target budget the compute-optimal
+    N, D and the loss there."""
+    law = fit_chinchilla_law([p.n_params for p in points], [p.tokens for p in points],
+                             [p.loss for p in points])
+
+    def refit(sample: list[RunPoint], starts: np.ndarray | None) -> ChinchillaLaw:
+        return fit_chinchilla_law([p.n_params for p in sample], [p.tokens for p in sample],
+                                  [p.loss for p in sample], keep=1, starts=starts)
+
+    laws = bootstrap(points, refit, _chinchilla_theta(law), n_boot, seed)
+    constants = {k: _estimate(getattr(law, k), np.array([getattr(s, k) for s in laws]),
+                              geometric=k in ("A", "B")) for k in ("E", "A", "B", "alpha", "beta")}
+    rep = FitReport(law, constants, samples=laws)
+    if target_flops:
+        n_opt, d_opt = law.optimal(target_flops)
+        opts = [s.optimal(target_flops) for s in laws]
+        rep.predictions["n_opt"] = _estimate(float(n_opt), np.array([o[0] for o in opts]), True)
+        rep.predictions["d_opt"] = _estimate(float(d_opt), np.array([o[1] for o in opts]), True)
+        rep.predictions["loss"] = _estimate(
+            float(law.optimal_loss(target_flops)),
+            np.array([s.optimal_loss(target_flops) for s in laws]))
+    return rep
+
+
+# -- iso-FLOP groups (Hoffmann et al. approach 2) ------------------------------------------
+
+
+def isoflop_groups(points: Sequence[RunPoint], rel_tol: float = 0.1) -> list[list[RunPoint]]:
+    """Runs grouped by compute budget (within ``rel_tol``), smallest budget first. Step
+    rounding makes runs of one iso-FLOP sweep differ slightly in C."""
+    groups: list[list[RunPoint]] = []
+    for p in sorted(points, key=lambda p: p.flops):
+        if groups and math.log(p.flops / groups[-1][0].flops) <= math.log1p(rel_tol):
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    return [sorted(g, key=lambda p: p.n_params) for g in groups]
+
+
+def isoflop_minimum(group: Sequence[RunPoint]) -> tuple[float, float] | None:
+    """(N, loss) at the vertex of a parabola in log N through one budget's runs
+    (approach 2); None when the group is too small or the parabola opens downwards."""
+    if len(group) < 3:
+        return None
+    x = np.log([p.n_params for p in group])
+    k2, k1, k0 = np.polyfit(x, [p.loss for p in group], 2)
+    if k2 <= 0:
+        return None
+    xv = -k1 / (2 * k2)
+    return float(np.exp(xv)), float(k0 - k1 * k1 / (4 * k2))

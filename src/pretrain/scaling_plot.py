@@ -1,0 +1,127 @@
+"""PNG plots of a scaling-law fit: loss against compute, and iso-FLOP curves.
+
+Kept apart from the fits so that fitting needs scipy only and plotting matplotlib only
+(both in the ``analysis`` extra). The Agg backend: files, never a window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from pretrain.scaling import (
+    ChinchillaLaw,
+    FitReport,
+    RunPoint,
+    compute_frontier,
+    isoflop_groups,
+    isoflop_minimum,
+)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_loss_vs_compute(points: Sequence[RunPoint], compute: FitReport | None,
+                         chinchilla: FitReport | None, target_flops: float | None,
+                         path: Path) -> Path:
+    """Runs, the L(C) fit with its bootstrap 95% band out to the target, the predicted
+    loss there, and (when fitted) L(N, D) along its compute-optimal frontier."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
+    c = np.array([p.flops for p in points])
+    hi = max(c.max(), target_flops or 0) * 2
+    grid = np.logspace(np.log10(c.min() / 2), np.log10(hi), 200)
+    frontier = compute_frontier(points)
+    if len(frontier) < len(points):
+        ax.scatter(c, [p.loss for p in points], s=18, color="0.6", zorder=2,
+                   label=f"all runs ({len(points)})")
+    ax.scatter([p.flops for p in frontier], [p.loss for p in frontier], s=28, color="black",
+               zorder=3, label=f"best run per budget ({len(frontier)}), fitted")
+    if compute is not None:
+        law = compute.law
+        ax.plot(grid, law.predict(grid), color="C0",
+                label=f"L(C) = {law.a:.3g} C^{law.b:.3f} + {law.c:.3f}")
+        if len(compute.samples) >= 10:
+            band = np.array([s.predict(grid) for s in compute.samples])
+            lo, up = np.percentile(band, [2.5, 97.5], axis=0)
+            ax.fill_between(grid, lo, up, color="C0", alpha=0.15, label="bootstrap 95%")
+        ax.axhline(law.c, color="C0", ls=":", lw=1, label=f"irreducible c = {law.c:.3f}")
+        if target_flops:
+            est = compute.predictions["loss"]
+            yerr = None
+            if np.isfinite(est.low):
+                yerr = [[est.value - est.low], [est.high - est.value]]
+            ax.errorbar([target_flops], [est.value], yerr=yerr, fmt="*", ms=14, color="C3",
+                        capsize=4, zorder=4,
+                        label=f"prediction at C={target_flops:.3g}: {est.value:.3f}")
+    if chinchilla is not None:
+        assert isinstance(chinchilla.law, ChinchillaLaw)
+        ax.plot(grid, chinchilla.law.optimal_loss(grid), color="C2", ls="--",
+                label="L(N, D) at compute-optimal N, D")
+    ax.set_xscale("log")
+    ax.set_xlabel("training compute C (FLOPs, 6ND)")
+    ax.set_ylabel("final validation loss (nats/token)")
+    ax.set_title("Loss vs compute")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_isoflop(points: Sequence[RunPoint], chinchilla: FitReport | None, path: Path) -> Path:
+    """Loss against N, one curve per compute budget (runs within 10% of the same C), with
+    the vertex of a parabola in log N where a budget has 3+ runs (Hoffmann et al.'s
+    approach 2), and the L(N, D) fit's prediction for each budget when there is one."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
+    groups = isoflop_groups(points)
+    cmap = plt.get_cmap("viridis")
+    n_all = np.array([p.n_params for p in points])
+    n_grid = np.logspace(np.log10(n_all.min() / 2), np.log10(n_all.max() * 2), 200)
+    singles = [g[0] for g in groups if len(g) == 1]
+    for i, group in enumerate(groups):
+        color = cmap(i / max(len(groups) - 1, 1))
+        budget = float(np.exp(np.mean(np.log([p.flops for p in group]))))
+        if len(group) > 1:
+            ax.plot([p.n_params for p in group], [p.loss for p in group], "o-", color=color,
+                    label=f"C = {budget:.3g}")
+            vertex = isoflop_minimum(group)
+            if vertex is not None:
+                ax.plot(*vertex, marker="x", ms=10, mew=2, color=color)
+        if chinchilla is not None and len(group) > 1:
+            ns = n_grid[(n_grid > group[0].n_params / 3) & (n_grid < group[-1].n_params * 3)]
+            ax.plot(ns, chinchilla.law.predict(ns, budget / (6 * ns)), ls="--", lw=1,
+                    color=color)
+    if singles:
+        sc = ax.scatter([p.n_params for p in singles], [p.loss for p in singles],
+                        c=np.log10([p.flops for p in singles]), cmap="plasma", zorder=3,
+                        label="one run per budget (a ladder)")
+        fig.colorbar(sc, ax=ax, label="log10 C")
+    if chinchilla is not None:
+        ax.plot([], [], "k--", lw=1, label="L(N, D) fit at each budget")
+    if any(len(g) >= 3 for g in groups):
+        ax.plot([], [], "kx", ms=8, label="parabola minimum (approach 2)")
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters N")
+    ax.set_ylabel("final validation loss (nats/token)")
+    title = "Iso-FLOP curves"
+    if all(len(g) == 1 for g in groups):
+        title += " (no budget has 2+ runs: add an iso-FLOP sweep, budget=flops)"
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,229 @@
+"""Scaling-law fits recover known constants from noisy synthetic sweeps; the published
+Chinchilla fit gives the documented optimum; the tool writes its fit and plots.
+
+Tolerances were set from 30 noise seeds of the same designs (the largest error seen, with
+about 1.5x margin), so they hold for any seed, not just the one used here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+pytest.importorskip("scipy", reason="the analysis extra: pip install -e '.[analysis]'")
+
+from pretrain.scaling import (  # noqa: E402
+    CHINCHILLA,
+    ChinchillaLaw,
+    ComputeLaw,
+    NotIdentifiable,
+    RunPoint,
+    collect_runs,
+    compute_frontier,
+    fit_chinchilla_law,
+    fit_compute_law,
+    isoflop_groups,
+    isoflop_minimum,
+    report_chinchilla_law,
+    report_compute_law,
+)
+
+sys.path.insert(0, str(REPO / "tools"))
+
+# L(C): a GPT-4-report-like curve, reducible part 2.0 nats at 1e17 FLOPs.
+TRUE_C = ComputeLaw(a=2.0 / 1e17**-0.1, b=-0.1, c=1.8)
+NOISE_C = 0.003  # lognormal, 0.3% of the loss
+NOISE_ND = 0.005  # 0.5%
+
+
+def synthetic_compute_sweep(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """16 runs log-spaced over 1e17..1e22 FLOPs."""
+    rng = np.random.default_rng(seed)
+    c = np.logspace(17, 22, 16)
+    return c, TRUE_C.predict(c) * np.exp(rng.normal(0, NOISE_C, c.size))
+
+
+def synthetic_isoflop_sweep(seed: int, law: ChinchillaLaw = CHINCHILLA) -> list[RunPoint]:
+    """Hoffmann et al.'s design in small: 5 budgets 1e18..1e22, 7 sizes each spread over
+    a factor 100 around the optimum, loss from ``law`` with multiplicative noise."""
+    rng = np.random.default_rng(seed)
+    points = []
+    for c in np.logspace(18, 22, 5):
+        n_opt, _ = law.optimal(c)
+        for k in np.linspace(-1, 1, 7):
+            n = float(n_opt * 10**k)
+            d = c / (6 * n)
+            loss = float(law.predict(n, d) * math.exp(rng.normal(0, NOISE_ND)))
+            points.append(RunPoint(f"C{c:.0e}/N{n:.3g}", n, d, 6 * n * d, loss))
+    return points
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fit_compute_law_recovers_constants(seed):
+    c, loss = synthetic_compute_sweep(seed)
+    fit = fit_compute_law(c, loss)
+    assert abs(fit.b - TRUE_C.b) < 0.015
+    assert abs(fit.c - TRUE_C.c) < 0.15
+    assert abs(math.log(fit.a / TRUE_C.a)) < 0.45  # a within a factor 1.5
+    # the point of the fit: the loss of a run 100x larger than the largest, within 2%
+    assert fit.predict(1e24) == pytest.approx(TRUE_C.predict(1e24), rel=0.02)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fit_chinchilla_law_recovers_constants(seed):
+    pts = synthetic_isoflop_sweep(seed)
+    fit = fit_chinchilla_law([p.n_params for p in pts], [p.tokens for p in pts],
+                             [p.loss for p in pts])
+    assert abs(fit.E - CHINCHILLA.E) < 0.08
+    assert abs(fit.alpha - CHINCHILLA.alpha) < 0.03
+    assert abs(fit.beta - CHINCHILLA.beta) < 0.03
+    assert abs(math.log(fit.A / CHINCHILLA.A)) < 0.5  # A, B within a factor 1.65
+    assert abs(math.log(fit.B / CHINCHILLA.B)) < 0.5
+    n_fit, d_fit = fit.optimal(1e24)
+    n_true, d_true = CHINCHILLA.optimal(1e24)
+    assert abs(math.log(n_fit / n_true)) < 0.26  # compute-optimal N within a factor 1.3
+    assert abs(math.log(d_fit / d_true)) < 0.26
+    assert fit.optimal_loss(1e24) == pytest.approx(CHINCHILLA.optimal_loss(1e24), rel=0.02)
+
+
+def test_huber_objective_ignores_outliers():
+    """Three diverged runs (loss 20% too high): the Huber fit keeps its tolerance, a plain
+    least-squares fit (a delta larger than any residual) is pulled off."""
+    pts = synthetic_isoflop_sweep(0)
+    bad = {3, 17, 30}
+    loss = [p.loss * (1.2 if i in bad else 1.0) for i, p in enumerate(pts)]
+    args = ([p.n_params for p in pts], [p.tokens for p in pts], loss)
+    robust, squares = fit_chinchilla_law(*args), fit_chinchilla_law(*args, delta=10.0)
+    assert abs(robust.E - CHINCHILLA.E) < 0.08
+    assert abs(robust.alpha - CHINCHILLA.alpha) < 0.03
+    n_true = CHINCHILLA.optimal(1e24)[0]
+    err_robust = abs(math.log(robust.optimal(1e24)[0] / n_true))
+    err_squares = abs(math.log(squares.optimal(1e24)[0] / n_true))
+    # compute-optimal N: Huber within the clean-data tolerance (a factor 1.3), least
+    # squares off by more than that (measured: 0.4% vs a factor 1.5)
+    assert err_robust < 0.26 < err_squares
+
+
+def test_bootstrap_intervals_cover_the_truth():
+    c, loss = synthetic_compute_sweep(0)
+    pts = [RunPoint(str(i), 1.0, 1.0, float(ci), float(li)) for i, (ci, li) in
+           enumerate(zip(c, loss, strict=True))]
+    rep = report_compute_law(pts, target_flops=1e24, n_boot=100)
+    assert len(rep.samples) >= 90
+    for key in ("b", "c"):
+        est = rep.constants[key]
+        assert est.low <= getattr(TRUE_C, key) <= est.high and est.std > 0
+    pred = rep.predictions["loss"]
+    assert pred.low <= float(TRUE_C.predict(1e24)) <= pred.high
+    rep = report_chinchilla_law(synthetic_isoflop_sweep(0), target_flops=1e24, n_boot=30)
+    for key in ("E", "alpha", "beta"):
+        est = rep.constants[key]
+        assert est.low <= getattr(CHINCHILLA, key) <= est.high
+    n_true, _ = CHINCHILLA.optimal(1e24)
+    assert rep.predictions["n_opt"].low <= n_true <= rep.predictions["n_opt"].high
+
+
+def test_published_chinchilla_optimum_at_gopher_budget():
+    """Hoffmann et al. 2022 trained Chinchilla (70B params, 1.4T tokens) with Gopher's
+    budget, 5.76e23 FLOPs; that size came from their approaches 1 and 2. Approach 3's
+    closed form (their eq. 4) with the published, rounded constants (E=1.69, A=406.4,
+    B=410.7, alpha=0.34, beta=0.28) gives N = 32.2B and D = 2.98T: about half the model
+    and twice the data (their table A3 lists ~40B for approach 3, from unrounded constants;
+    Besiroglu et al. 2024 discuss the discrepancy). We assert the formula's value and
+    that it is the true minimum of L along C = 6ND."""
+    from scipy.optimize import minimize_scalar
+
+    c = 5.76e23
+    n, d = CHINCHILLA.optimal(c)
+    assert n == pytest.approx(3.219e10, rel=1e-3)
+    assert d == pytest.approx(2.982e12, rel=1e-3)
+    assert 6 * n * d == pytest.approx(c)
+    assert 0.3 < n / 70e9 < 0.6 and 1.5 < d / 1.4e12 < 2.5  # vs Chinchilla's 70B / 1.4T
+    res = minimize_scalar(lambda x: float(CHINCHILLA.predict(math.exp(x), c / 6 / math.exp(x))),
+                          bounds=(math.log(1e9), math.log(1e12)), method="bounded",
+                          options={"xatol": 1e-9})
+    assert math.exp(res.x) == pytest.approx(n, rel=1e-4)
+    assert CHINCHILLA.optimal_loss(c) == pytest.approx(1.9307, abs=1e-3)
+
+
+def test_pure_ladder_cannot_identify_chinchilla_law():
+    pts = [RunPoint(str(n), n, 20 * n, 120 * n * n, 3.0) for n in np.logspace(7, 9, 6)]
+    with pytest.raises(NotIdentifiable, match="tokens per parameter"):
+        fit_chinchilla_law([p.n_params for p in pts], [p.tokens for p in pts],
+                           [p.loss for p in pts])
+    with pytest.raises(ValueError, match="at least 3 runs"):
+        fit_compute_law([1e18, 1e19], [3.0, 2.8])
+
+
+def test_isoflop_groups_and_parabola_minimum():
+    pts = synthetic_isoflop_sweep(0)
+    # a 1% step-rounding jitter must not split a budget
+    pts = [RunPoint(p.name, p.n_params, p.tokens, p.flops * (1.01 if i % 2 else 1.0), p.loss)
+           for i, p in enumerate(pts)]
+    groups = isoflop_groups(pts)
+    assert [len(g) for g in groups] == [7] * 5
+    assert len(compute_frontier(pts)) == 5
+    n_vertex, _ = isoflop_minimum(groups[-1])
+    n_true, _ = CHINCHILLA.optimal(1e22)
+    assert abs(math.log(n_vertex / n_true)) < 0.5
+
+
+def _write_runs(root, pts: list[RunPoint]) -> None:
+    for p in pts:
+        run = root / p.name
+        run.mkdir(parents=True)
+        (run / "plan.json").write_text(json.dumps(
+            {"n_params": p.n_params, "tokens": p.tokens, "total_flops": 7 * p.n_params * p.tokens}))
+        (run / "result.json").write_text(json.dumps({"final_val_loss": p.loss,
+                                                     "tokens": p.tokens}))
+
+
+def test_collect_runs_reads_result_and_plan(tmp_path):
+    pts = synthetic_isoflop_sweep(0)[:4]
+    _write_runs(tmp_path, pts)
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "plan.json").write_text(json.dumps({"n_params": 1, "tokens": 1}))
+    got = {p.name: p for p in collect_runs(tmp_path)}
+    assert set(got) == {p.name for p in pts}
+    for p in pts:
+        assert got[p.name].loss == pytest.approx(p.loss)
+        assert got[p.name].flops == pytest.approx(6 * p.n_params * p.tokens)
+    exact = collect_runs(tmp_path, flops="plan")
+    assert exact[0].flops == pytest.approx(7 * exact[0].n_params * exact[0].tokens)
+
+
+def test_tool_fits_and_plots(tmp_path, capsys):
+    import scaling_law
+
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    _write_runs(tmp_path / "sweep", synthetic_isoflop_sweep(1))
+    out = tmp_path / "out"
+    assert scaling_law.main([str(tmp_path / "sweep"), "--target-flops", "1e24", "--out",
+                             str(out), "--bootstrap", "20"]) == 0
+    fit = json.loads((out / "fit.json").read_text())
+    assert len(fit["runs"]) == 35
+    assert fit["chinchilla_law"]["alpha"] == pytest.approx(0.34, abs=0.03)
+    assert fit["compute_law"]["b"] < 0
+    assert len(fit["isoflop_minima"]) == 5
+    for name in ("loss_vs_compute.png", "isoflop.png"):
+        img = imread(out / name)
+        assert img.shape[0] >= 500 and img.shape[1] >= 800
+        assert img[..., :3].std() > 0.05  # something was drawn
+    text = capsys.readouterr().out
+    assert "L(N, D) = E + A/N^alpha" in text and "n_opt" in text
+
+
+def test_tool_prints_published_chinchilla_optimum(capsys):
+    import scaling_law
+
+    assert scaling_law.main(["--chinchilla", "5.76e23"]) == 0
+    text = capsys.readouterr().out
+    assert "N = 3.22e+10 params, D = 2.98e+12 tokens" in text

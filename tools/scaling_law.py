@@ -1,0 +1,151 @@
+"""Fit scaling laws to a sweep's finished runs, predict a larger run, draw the plots.
+
+    python tools/scaling_law.py runs/sweeps/ladder-tiny                 # fit + plots
+    python tools/scaling_law.py runs/sweeps/isoflop-tiny runs/sweeps/ladder-tiny \\
+        --target-flops 1e15 --out runs/scaling
+    python tools/scaling_law.py --chinchilla 5.76e23 1e24               # no runs needed
+
+Reads every run directory under the given folders that holds ``result.json`` (written only
+when a run finished its budget) and ``plan.json``; N is the plan's ``n_params``, D the
+tokens trained, C = 6 N D (``--flops plan`` uses the plan's exact FLOPs instead). Fits
+L(C) = a C^b + c (needs 3+ runs) and L(N, D) = E + A/N^alpha + B/D^beta (needs 6+ runs at
+different tokens per parameter: an iso-FLOP sweep, not a pure 20-tokens-per-param
+ladder), each with a Huber objective on log loss (Hoffmann et al. 2022) and a bootstrap
+over runs for the error bars. Writes ``fit.json``, ``loss_vs_compute.png`` and
+``isoflop.png`` into ``--out`` (default: ``<first folder>/scaling_law``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from pretrain.scaling import (  # noqa: E402
+    CHINCHILLA,
+    FitReport,
+    NotIdentifiable,
+    RunPoint,
+    collect_runs,
+    compute_frontier,
+    isoflop_groups,
+    isoflop_minimum,
+    report_chinchilla_law,
+    report_compute_law,
+)
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def print_chinchilla(budgets: list[float]) -> list[dict]:
+    """Compute-optimal N and D from the published fit (Hoffmann et al. 2022, approach 3)."""
+    law = CHINCHILLA
+    print(f"Chinchilla approach 3 (Hoffmann et al. 2022): L(N, D) = {law.E} + {law.A}/N^"
+          f"{law.alpha} + {law.B}/D^{law.beta}; optimum under C = 6ND")
+    rows = []
+    for c in budgets:
+        n, d = law.optimal(c)
+        row = {"flops": c, "n_opt": float(n), "d_opt": float(d),
+               "tokens_per_param": float(d / n), "loss": float(law.optimal_loss(c))}
+        rows.append(row)
+        print(f"  C = {c:.3g}: N = {n:.3g} params, D = {d:.3g} tokens "
+              f"({d / n:.1f} tokens/param), predicted loss {row['loss']:.3f}")
+    return rows
+
+
+def print_runs(points: list[RunPoint]) -> None:
+    print(f"{'run':<48} {'N':>10} {'D':>10} {'C':>10} {'loss':>7}")
+    for p in sorted(points, key=lambda p: p.flops):
+        name = p.name if len(p.name) <= 48 else "..." + p.name[-45:]
+        print(f"{name:<48} {p.n_params:>10.4g} {p.tokens:>10.4g} {p.flops:>10.4g} "
+              f"{p.loss:>7.4f}")
+
+
+def print_report(title: str, rep: FitReport) -> None:
+    print(f"{title}  (± bootstrap std over {len(rep.samples)} resamples of the runs, "
+          "[95% interval])")
+    for k, est in rep.constants.items():
+        print(f"  {k:>6} = {est}")
+    for k, est in rep.predictions.items():
+        print(f"  {k:>6} : {est}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dirs", nargs="*", type=Path, help="folders holding finished runs")
+    ap.add_argument("--chinchilla", nargs="+", type=float, metavar="C",
+                    help="print compute-optimal N and D from the published Chinchilla fit")
+    ap.add_argument("--target-flops", type=float,
+                    help="budget to predict (default: 10x the largest run)")
+    ap.add_argument("--out", type=Path, help="where fit.json and the PNGs go")
+    ap.add_argument("--bootstrap", type=int, default=200, help="resamples (0: none)")
+    ap.add_argument("--flops", choices=("6nd", "plan"), default="6nd",
+                    help="C = 6ND (default) or the plan's exact FLOPs")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+
+    if args.chinchilla:
+        print_chinchilla(args.chinchilla)
+        if not args.dirs:
+            return 0
+    if not args.dirs:
+        ap.error("give one or more folders of runs, or --chinchilla C")
+
+    points = [p for d in args.dirs for p in collect_runs(d, args.flops)]
+    if not points:
+        print(f"no finished runs (result.json + plan.json) under {', '.join(map(str, args.dirs))}",
+              file=sys.stderr)
+        return 1
+    target = args.target_flops or 10 * max(p.flops for p in points)
+    out = args.out or args.dirs[0] / "scaling_law"
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{len(points)} finished runs (C = {'6ND' if args.flops == '6nd' else 'plan FLOPs'})")
+    print_runs(points)
+
+    fit: dict = {"runs": [vars(p) for p in points], "target_flops": target}
+    compute = chinchilla = None
+    try:
+        compute = report_compute_law(points, target, args.bootstrap, args.seed)
+        print_report(f"\nL(C) = a C^b + c, fitted to the best run of each of "
+                     f"{len(compute_frontier(points))} budgets", compute)
+        fit["compute_law"] = compute.as_dict()
+    except ValueError as e:
+        print(f"\nL(C): not fitted: {e}")
+    try:
+        chinchilla = report_chinchilla_law(points, target, max(args.bootstrap // 2, 0),
+                                           args.seed)
+        print_report("\nL(N, D) = E + A/N^alpha + B/D^beta", chinchilla)
+        fit["chinchilla_law"] = chinchilla.as_dict()
+    except NotIdentifiable as e:
+        print(f"\nL(N, D): not fitted: {e}")
+
+    minima = [(g, isoflop_minimum(g)) for g in isoflop_groups(points)]
+    minima = [(g, m) for g, m in minima if m is not None]
+    if minima:
+        print("\niso-FLOP minima (parabola in log N, approach 2):")
+        fit["isoflop_minima"] = []
+        for g, (n_opt, loss) in minima:
+            print(f"  C = {g[0].flops:.3g}: N_opt = {n_opt:.3g}, loss {loss:.4f}")
+            fit["isoflop_minima"].append({"flops": g[0].flops, "n_opt": n_opt, "loss": loss})
+
+    if not args.no_plots:
+        from pretrain.scaling_plot import plot_isoflop, plot_loss_vs_compute
+
+        paths = [plot_loss_vs_compute(points, compute, chinchilla, target,
+                                      out / "loss_vs_compute.png"),
+                 plot_isoflop(points, chinchilla, out / "isoflop.png")]
+        print("\nplots: " + ", ".join(map(str, paths)))
+    (out / "fit.json").write_text(json.dumps(fit, indent=2))
+    print(f"fit: {out / 'fit.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
