@@ -190,6 +190,39 @@ class TrainConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Where and how ``tools/launch.py`` submits a run to SLURM (``conf/cluster/``).
+
+    Training never reads it, and ``cluster.*`` overrides do not change the run directory:
+    the same run can move between clusters and resume from its checkpoints."""
+
+    name: str = "default"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = "24:00:00"  # the job's time limit (sbatch --time)
+    # None: derived from the layout (tp * pp * dp / gpus_per_node).
+    nodes: int | None = None
+    # GPUs per node, one training process each; 0: CPU nodes (gloo), where procs_per_node
+    # (or the layout, on one node) gives the process count.
+    gpus_per_node: int = 8
+    procs_per_node: int | None = None
+    cpus_per_task: int | None = None  # CPUs for the one task (torchrun) per node
+    mem: str | None = None  # sbatch --mem, e.g. "0" for all of a node's memory
+    # SLURM sends SIGUSR1 this long before the time limit (--signal=B:USR1@N): the run
+    # saves and the job requeues itself. Slurm may send it up to 60 s early.
+    signal_seconds: int = 300
+    max_requeues: int = 50
+    # How long torchrun lets its workers save after a stop signal before killing them.
+    shutdown_timeout_s: int = 900
+    rdzv_port: int | None = None  # None: 20000 + job id % 20000 (jobs sharing a node differ)
+    python: str | None = None  # interpreter on the nodes; None: the one running launch.py
+    setup: list[str] = field(default_factory=list)  # shell lines run first (modules, env)
+    env: dict[str, str] = field(default_factory=dict)  # NCCL / network knobs, exported
+    sbatch_extra: list[str] = field(default_factory=list)  # more '#SBATCH' options
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -201,6 +234,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     run_name: str = "default"
     runs_dir: str = "runs"
     # Print the resolved plan as one JSON line and exit without training.

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 # Overrides that do not change what is trained, and so do not change the run directory.
 NEUTRAL_PREFIXES = ("+recipe=", "recipe=", "run_name=", "runs_dir=", "dry_run=", "logging.",
                     "logging=", "checkpoint.resume", "train.sample_", "data.num_proc=",
-                    "data.root=", "hydra.", "train.device=")
+                    "data.root=", "hydra.", "train.device=", "cluster.", "cluster=")
 
 
 def run_name(recipe: str | None, overrides: list[str]) -> str:
@@ -26,17 +26,21 @@ def run_name(recipe: str | None, overrides: list[str]) -> str:
     return f"{base}__{suffix}"
 
 
-def _from_hydra(sweep: bool = False) -> str:
+def _from_hydra() -> str:
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
-    recipe = hc.runtime.choices.get("recipe")
-    if sweep:
-        return recipe or "default"
-    return run_name(recipe, list(hc.overrides.task))
+    return run_name(hc.runtime.choices.get("recipe"), list(hc.overrides.task))
+
+
+def _sweep_name(_root_) -> str:
+    """The sweep directory's name: the recipe. Read from the config itself because Hydra's
+    sweeper resolves ``hydra.sweep.dir`` before HydraConfig exists (``-m`` failed with
+    "HydraConfig was not set")."""
+    return OmegaConf.select(_root_, "hydra.runtime.choices.recipe", default=None) or "default"
 
 
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("pretrain_run_name"):
         OmegaConf.register_new_resolver("pretrain_run_name", lambda: _from_hydra())
-        OmegaConf.register_new_resolver("pretrain_sweep_name", lambda: _from_hydra(sweep=True))
+        OmegaConf.register_new_resolver("pretrain_sweep_name", _sweep_name)
