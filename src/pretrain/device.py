@@ -9,15 +9,6 @@ import time
 
 import torch
 
-# Dense (no sparsity) datasheet peaks in FLOP/s by device name substring and dtype.
-GPU_PEAK_FLOPS = {
-    "H200": {"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 67e12},
-    "H100": {"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 67e12},
-    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
-    "L40S": {"bfloat16": 362e12, "float16": 362e12, "float8": 733e12, "float32": 91.6e12},
-    "A10G": {"bfloat16": 70e12, "float16": 70e12, "float32": 31.2e12},
-}
-
 
 def pick_device(requested: str) -> torch.device:
     if requested == "auto":
@@ -29,11 +20,12 @@ def pick_device(requested: str) -> torch.device:
 
 
 def gpu_peak_flops(device: torch.device, dtype: str) -> float | None:
-    name = torch.cuda.get_device_name(device)
-    for key, peaks in GPU_PEAK_FLOPS.items():
-        if key in name:
-            return peaks.get(dtype)
-    return None
+    """Dense datasheet peak of this GPU for ``dtype``, from the one GPU table (conf/gpu/,
+    see pretrain.planning.gpus); None for a GPU the table does not know."""
+    from pretrain.planning.gpus import gpu_for_device_name
+
+    spec = gpu_for_device_name(torch.cuda.get_device_name(device))
+    return spec.peak_flops(dtype) if spec is not None else None
 
 
 def measure_matmul_flops(dtype: torch.dtype, device: torch.device, n: int = 2048,

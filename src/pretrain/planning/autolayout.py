@@ -1,0 +1,254 @@
+"""``parallel=auto``: choose tp, pp, dp, dp mode, micro batch, activation checkpointing and
+pipeline schedule for a GPU count and type.
+
+The search enumerates every layout the validator would accept (tp divides the heads, the KV
+heads, the MLP width and the vocabulary, and is at most a node's GPUs; pp divides the layers;
+dp = n / (tp pp) divides the global batch; pipelines get at least pp microbatches), with
+sequence parallelism whenever tp > 1 (same traffic, less memory). For each it tries
+checkpointing none -> selective -> full and keeps the first that fits in memory (more
+recomputation never makes a step faster), drops layouts that fit under none of them, and
+ranks the rest by the step time of ``cost.step_cost``; ties go to a micro batch of at least
+8192 tokens (taller GEMMs run closer to peak, which the cost model does not count), then to
+the layout with the most memory headroom.
+
+``parallel=auto`` is resolved before validation: ``resolve_auto`` returns the config with
+``parallel`` replaced by the winner, which ``validate.check`` then checks like any layout.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from pretrain.budget import Budget, resolve_budget
+from pretrain.config import Config, ParallelConfig
+from pretrain.model import ffn_dim, padded_vocab_size
+from pretrain.parallel.layout import Layout, resolve_layout
+from pretrain.planning.cost import StepCost, step_cost
+from pretrain.planning.gpus import GpuSpec, get_gpu
+from pretrain.planning.memory import MemoryEstimate, estimate_memory
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+VIRTUAL_STAGES = (2, 3, 4)
+CHECKPOINTING = ("none", "selective", "full")
+MAX_GPUS = 16384
+
+
+class LayoutError(ValueError):
+    """No layout exists (impossible GPU count) or none fits in memory."""
+
+
+@dataclass
+class Candidate:
+    parallel: ParallelConfig
+    layout: Layout
+    memory: MemoryEstimate
+    cost: StepCost
+    seq_len: int
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    @property
+    def layout_seq_len(self) -> int:
+        return self.seq_len
+
+    def describe(self) -> str:
+        return self.layout.describe()
+
+    def summary(self) -> dict:
+        return {"layout": self.describe(), "parallel": self.parallel.__dict__,
+                "memory_gib": self.memory.total / 2**30, "fits": self.fits,
+                "step_s": self.cost.total, "cost": self.cost.as_dict()}
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def tp_options(cfg: Config, gpu: GpuSpec, n_gpus: int, vocab_ok: bool = True) -> list[int]:
+    m = cfg.model
+    kv = m.n_kv_head or m.n_head
+    return [t for t in divisors(n_gpus) if t <= gpu.gpus_per_node and m.n_head % t == 0
+            and kv % t == 0 and ffn_dim(m) % t == 0 and m.seq_len % t == 0
+            and (not vocab_ok or padded_vocab_size(m) % t == 0)]
+
+
+def _schedules(n_layer: int, pp: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1), ("gpipe", 1)]
+    out += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES if n_layer % (pp * v) == 0]
+    if n_layer % (2 * pp) == 0:
+        out.append(("zbv", 2))
+    return out
+
+
+def _dp_modes(dp: int, tp: int, gpu: GpuSpec) -> list[tuple[str, int, int | None]]:
+    """(dp_mode, dp_replicate, dp_shard) options; HSDP shards within a node."""
+    if dp == 1:
+        return [("zero3", 1, None)]
+    out: list[tuple[str, int, int | None]] = [("ddp", 1, None), ("zero2", 1, None),
+                                              ("zero3", 1, None)]
+    in_node = max((s for s in divisors(dp) if s * tp <= gpu.gpus_per_node), default=1)
+    if 1 < in_node < dp:
+        out += [("zero2", dp // in_node, in_node), ("zero3", dp // in_node, in_node)]
+    return out
+
+
+def enumerate_parallel(cfg: Config, n_gpus: int, gpu: GpuSpec) -> Iterator[ParallelConfig]:
+    """Every layout of ``n_gpus`` the validator accepts, checkpointing left at none."""
+    m, gbs = cfg.model, cfg.train.global_batch_size
+    for tp in tp_options(cfg, gpu, n_gpus):
+        for pp in divisors(n_gpus // tp):
+            if m.n_layer % pp:
+                continue
+            dp = n_gpus // (tp * pp)
+            if gbs % dp:
+                continue
+            for mbs in MICRO_BATCHES:
+                local = gbs // dp
+                if local % mbs or (pp > 1 and local // mbs < pp):
+                    continue
+                micro = local // mbs
+                for schedule, v in _schedules(m.n_layer, pp):
+                    if v > 1 and micro % pp:
+                        continue
+                    for mode, rep, shard in _dp_modes(dp, tp, gpu):
+                        yield ParallelConfig(
+                            name="auto", tp=tp, pp=pp, dp=dp, dp_mode=mode,
+                            dp_replicate=rep, dp_shard=shard, pp_schedule=schedule,
+                            virtual_stages=v, micro_batch_size=mbs,
+                            sequence_parallel=tp > 1, activation_checkpointing="none")
+
+
+def with_parallel(cfg: Config, parallel: ParallelConfig) -> Config:
+    out = copy.copy(cfg)
+    out.parallel = parallel
+    return out
+
+
+def evaluate(cfg: Config, parallel: ParallelConfig, gpu: GpuSpec, budget: Budget) -> Candidate:
+    c = with_parallel(cfg, parallel)
+    layout = resolve_layout(c, parallel.tp * parallel.pp * (parallel.dp or 1))
+    return Candidate(parallel, layout, estimate_memory(c, layout, gpu),
+                     step_cost(c, layout, gpu, budget), cfg.model.seq_len)
+
+
+EFFICIENT_GEMM_ROWS = 8192
+
+
+def _rank_key(c: Candidate) -> tuple:
+    """Step time; on a tie, a micro batch of at least 8192 tokens (GEMMs that tall run near
+    peak on A100/H100-class GPUs; smaller ones lose efficiency the model does not count),
+    then the least memory (most headroom)."""
+    rows = c.parallel.micro_batch_size * c.layout_seq_len
+    return (round(c.cost.total, 6), rows < EFFICIENT_GEMM_ROWS, c.memory.total)
+
+
+def search(cfg: Config, n_gpus: int, gpu: GpuSpec) -> tuple[list[Candidate], Candidate | None]:
+    """(layouts that fit, best first; the smallest-memory layout overall)."""
+    budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
+    fitting: list[Candidate] = []
+    smallest: Candidate | None = None
+    for base in enumerate_parallel(cfg, n_gpus, gpu):
+        for ac in CHECKPOINTING:
+            cand = evaluate(cfg, replace(base, activation_checkpointing=ac), gpu, budget)
+            if smallest is None or cand.memory.total < smallest.memory.total:
+                smallest = cand
+            if cand.fits:
+                fitting.append(cand)
+                break
+    fitting.sort(key=_rank_key)
+    return fitting, smallest
+
+
+def impossible_count_message(cfg: Config, n_gpus: int, gpu: GpuSpec) -> str:
+    m = cfg.model
+    near = [k for k in range(max(1, n_gpus - 16), n_gpus + 17)
+            if k != n_gpus and any(True for _ in enumerate_parallel(cfg, k, gpu))]
+    closest = sorted(near, key=lambda k: (abs(k - n_gpus), k))[:4]
+    return (f"no layout uses exactly {n_gpus} GPUs: tp must divide n_head={m.n_head}, the KV "
+            f"heads, the MLP width, the vocabulary ({padded_vocab_size(m)}) and be <= "
+            f"{gpu.gpus_per_node} (a node); pp must divide n_layer={m.n_layer}; dp = "
+            f"GPUs / (tp pp) must divide train.global_batch_size="
+            f"{cfg.train.global_batch_size}. GPU counts nearby that work: "
+            f"{', '.join(map(str, sorted(closest))) or 'none'}." + vocab_hint(cfg, gpu))
+
+
+def vocab_hint(cfg: Config, gpu: GpuSpec) -> str:
+    """Why tensor parallelism is off the table, when the vocabulary is what stops it."""
+    m = cfg.model
+    with_vocab = tp_options(cfg, gpu, 2**20)
+    without = tp_options(cfg, gpu, 2**20, vocab_ok=False)
+    if len(without) > len(with_vocab):
+        return (f" Tensor parallelism beyond tp={max(with_vocab)} is blocked by the vocabulary"
+                f" ({padded_vocab_size(m)} rows): set model.pad_vocab_to=128 to allow tp up to "
+                f"{max(without)}.")
+    return ""
+
+
+def min_gpus_to_fit(cfg: Config, gpu: GpuSpec, start: int, limit: int = MAX_GPUS) -> int | None:
+    """The smallest power-of-two multiple of ``start`` GPUs at which some layout fits."""
+    n = max(1, start)
+    while n <= limit:
+        n *= 2
+        fitting, _ = search(cfg, n, gpu)
+        if fitting:
+            return n
+    return None
+
+
+def choose_layout(cfg: Config, n_gpus: int, gpu: GpuSpec | str, top: int = 5
+                  ) -> tuple[ParallelConfig, list[Candidate]]:
+    """The best layout of ``n_gpus`` GPUs of type ``gpu`` for ``cfg`` and the ``top``
+    ranked candidates (best first). Raises LayoutError naming the problem and a fix."""
+    spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if n_gpus < 1:
+        raise LayoutError(f"the GPU count must be positive (got {n_gpus})")
+    if not any(True for _ in enumerate_parallel(cfg, n_gpus, spec)):
+        raise LayoutError(impossible_count_message(cfg, n_gpus, spec))
+    fitting, smallest = search(cfg, n_gpus, spec)
+    if not fitting:
+        assert smallest is not None
+        need = min_gpus_to_fit(cfg, spec, n_gpus)
+        more = (f"About {need} GPUs of this type would fit it" if need else
+                f"No count of {spec.name} up to {MAX_GPUS} fits it")
+        raise LayoutError(
+            f"{cfg.model.name} does not fit on {n_gpus} x {spec.name} "
+            f"({spec.memory_gib:g} GiB) in any layout: the smallest, "
+            f"{smallest.describe()}, needs {smallest.memory.total / 2**30:.1f} GiB per GPU. "
+            f"{more}; or use a GPU with more memory, or a shorter model.seq_len."
+            + vocab_hint(cfg, spec))
+    return fitting[0].parallel, fitting[:top]
+
+
+def why_first(cands: list[Candidate]) -> str:
+    """One sentence: what makes the winner faster than the runner-up."""
+    if len(cands) < 2:
+        return "it is the only layout that fits."
+    a, b = cands[0].cost, cands[1].cost
+    names = {"compute": "compute", "recompute": "recomputation", "tp_comm": "TP traffic",
+             "pp_bubble": "pipeline bubble", "pp_p2p": "pipeline p2p",
+             "dp_exposed": "exposed DP traffic"}
+    deltas = sorted(((getattr(b, k) - getattr(a, k), v) for k, v in names.items()),
+                    key=lambda x: -abs(x[0]))
+    gain = [f"{v} {d * 1e3:+.0f} ms" for d, v in deltas[:3] if abs(d) > 1e-9]
+    if b.total - a.total <= 1e-9 * max(b.total, 1):
+        return ("it ties with #2 on step time and wins the tie-breaks (a micro batch of at "
+                f"least {EFFICIENT_GEMM_ROWS} tokens, then less memory).")
+    pct = 100 * (b.total / a.total - 1)
+    return (f"#2 ({cands[1].describe()}) is {pct:.1f}% slower per step; #2 minus #1: "
+            f"{', '.join(gain)}.")
+
+
+def resolve_auto(cfg: Config, n_gpus: int, gpu: GpuSpec | str) -> tuple[Config, list[Candidate]]:
+    """``cfg`` with ``parallel=auto`` replaced by the chosen layout (unchanged otherwise);
+    call before ``validate.check``."""
+    if cfg.parallel.name != "auto":
+        return cfg, []
+    parallel, cands = choose_layout(cfg, n_gpus, gpu)
+    return with_parallel(cfg, parallel), cands
+

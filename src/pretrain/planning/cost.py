@@ -1,0 +1,159 @@
+"""Step time of a layout: the cost model ``parallel=auto`` ranks layouts by.
+
+Stated assumptions (an idealised model for ranking layouts, not a promise of throughput):
+
+- Compute runs at the GPU's dense peak for the compute dtype (fp8: the block Linear FLOPs at
+  the fp8 peak). Hardware FLOPs are model FLOPs (``budget.flops_per_token``: 6 N + 12 L h s
+  per token) plus recomputation: full checkpointing re-runs each block's forward (a third of
+  its FLOPs), selective re-runs the attention core forward (4 L h s per token).
+- Tensor parallel: per block and microbatch, 2 all-reduces forward and 2 backward of the
+  block's activations (b s h in the compute dtype), or the same volume as reduce-scatter +
+  all-gather with sequence parallelism (Korthikanti et al. 2022, section 4.2.2); full
+  recompute adds the 2 forward ones again. A ring moves 2 (t-1)/t of the bytes per GPU for
+  an all-reduce. Over NVLink when t fits in a node, else the network. Not overlapped.
+- Pipeline: bubble fraction (p - 1) / (m v) of the compute for GPipe, 1F1B (v = 1) and
+  interleaved 1F1B (Narayanan et al. 2021, section 2.2); ZB-V: a third of that with v = 2
+  (splitting the weight gradient fills 2/3 of a 1F1B bubble when F = B = W; Qi et al. 2024,
+  section 3; the ideal zero bubble is not assumed). Point-to-point: one activation forward
+  and one gradient backward per microbatch and stage boundary, over the network when a
+  pipeline neighbour is on another node (ranks fill nodes TP first, then DP). Not overlapped.
+- Data parallel, per GPU, over NVLink when the DP group (times TP) fits in a node, else the
+  network: ddp all-reduces the gradients (reduce dtype) once per step; zero2 reduce-scatters
+  them and all-gathers parameters (compute dtype) once per step; zero3 all-gathers twice and
+  reduce-scatters once per microbatch (the trainer reduces every microbatch under zero3);
+  under a pipeline torch reduces once per step and, as it keeps parameters unsharded after
+  each backward (``reshard_after_backward=False``) until zero3 reshards them after the next
+  forward, gathers once per microbatch. HSDP reduce-scatters within ``dp_shard``
+  and all-reduces the shard across ``dp_replicate``.
+  Overlap: gradient reductions hide behind the backward of the last microbatch (2/3 of its
+  compute) and the zero2 all-gather behind the first forward (1/3); zero3's per-microbatch
+  traffic hides behind the whole step's compute. With a pipeline, torch 2.13 runs the DP
+  reduction after the last backward (``PipelineStage``), so it is fully exposed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from pretrain.budget import Budget
+from pretrain.config import Config
+from pretrain.parallel.layout import Layout
+from pretrain.planning.gpus import GpuSpec
+from pretrain.planning.memory import DTYPE_BYTES
+from pretrain.planning.params import inventory, rank_params
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds per optimizer step, by component, and the MFU bound it implies."""
+
+    compute: float
+    recompute: float
+    tp_comm: float
+    pp_bubble: float
+    pp_p2p: float
+    dp_comm: float  # total DP traffic time
+    dp_exposed: float  # the part not hidden behind compute
+    mfu: float  # model FLOPs / (step time x peak): an upper bound for the real MFU
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.recompute + self.tp_comm + self.pp_bubble + self.pp_p2p
+                + self.dp_exposed)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def _link(gpu: GpuSpec, ranks_in_group_span: int) -> float:
+    """Bytes/s of the slowest link a group spanning this many consecutive ranks crosses."""
+    gbps = gpu.nvlink_gbps if ranks_in_group_span <= gpu.gpus_per_node else gpu.network_gbps
+    return gbps * 1e9
+
+
+def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> StepCost:
+    m, prec = cfg.model, cfg.precision
+    t, p, d, mb = layout.tp, layout.pp, layout.dp, layout.microbatches
+    v = layout.virtual_stages if p > 1 else 1
+    e = DTYPE_BYTES[prec.compute_dtype]
+    tokens = budget.global_batch_tokens
+    world = layout.world_size
+    peak = gpu.peak_flops(prec.compute_dtype) or gpu.peak_flops("float32")
+    model_flops = budget.flops_per_token * tokens / world
+
+    # Compute (+ fp8 speed-up on the block Linears) and recomputation.
+    layer_matmul = sum(math.prod(q.shape) for q in inventory(m) if q.layer is not None
+                       and q.matmul)  # the whole model's block Linear parameters
+    attn_fwd = 4 * m.n_layer * m.d_model * m.seq_len  # per token, forward only
+    block_fwd = 2 * layer_matmul + attn_fwd
+    extra = {"full": block_fwd, "selective": attn_fwd, "none": 0}[
+        layout.activation_checkpointing] * tokens / world
+    compute = model_flops / peak
+    if prec.fp8 and gpu.peak_flops("float8"):
+        linear = 6 * layer_matmul * tokens / world
+        compute -= linear / peak - linear / gpu.peak_flops("float8")
+    recompute = extra / peak
+
+    # Tensor parallel collectives.
+    tp_comm = 0.0
+    if t > 1:
+        act = e * layout.micro_batch_size * m.seq_len * m.d_model
+        per_block = (6 if layout.activation_checkpointing == "full" else 4)
+        blocks = m.n_layer // p
+        volume = blocks * mb * per_block * 2 * (t - 1) / t * act
+        volume += mb * 2 * 2 * (t - 1) / t * act  # vocab-parallel embedding and head
+        tp_comm = volume / _link(gpu, t)
+
+    # Pipeline bubble and point-to-point.
+    bubble = p2p = 0.0
+    if p > 1:
+        frac = (p - 1) / (mb * v)
+        if layout.pp_schedule == "zbv":
+            frac = (p - 1) / (mb * 2) / 3
+        bubble = frac * (compute + recompute + tp_comm)
+        seq_div = t if layout.sequence_parallel else 1
+        act = e * layout.micro_batch_size * m.seq_len * m.d_model / seq_div
+        p2p = 2 * mb * v * act / _link(gpu, t * d + 1)
+
+    dp_comm, dp_exposed = _data_parallel(cfg, layout, gpu, compute + recompute)
+    total = compute + recompute + tp_comm + bubble + p2p + dp_exposed
+    bf16_peak = gpu.peak_flops("bfloat16") or peak
+    return StepCost(compute, recompute, tp_comm, bubble, p2p, dp_comm, dp_exposed,
+                    mfu=model_flops / (total * bf16_peak))
+
+
+def _data_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, compute: float
+                   ) -> tuple[float, float]:
+    """(time of all DP traffic, the part not hidden behind compute) per step."""
+    d = layout.dp
+    if d == 1:
+        return 0.0, 0.0
+    prec = cfg.precision
+    e, red = DTYPE_BYTES[prec.compute_dtype], DTYPE_BYTES[prec.reduce_dtype]
+    n = rank_params(cfg.model, layout).unsharded  # this rank's TP/PP-local parameters
+    mb, t = layout.microbatches, layout.tp
+    per_mb = compute / mb
+    if layout.dp_mode == "ddp":
+        reduce = 2 * (d - 1) / d * red * n / _link(gpu, t * d)
+        gather = 0.0
+    else:
+        shard, rep = layout.dp_shard, layout.dp_replicate
+        rs = (shard - 1) / shard * red * n / _link(gpu, t * shard)
+        if rep > 1:  # HSDP: all-reduce of the shard across replicas
+            rs += 2 * (rep - 1) / rep * red * n / shard / _link(gpu, t * d)
+        ag = (shard - 1) / shard * e * n / _link(gpu, t * shard)
+        if layout.dp_mode == "zero2":
+            reduce, gather = rs, ag
+        elif layout.pp > 1:  # gathered in each backward, kept for the next forward
+            reduce, gather = rs, mb * ag
+        else:
+            reduce, gather = mb * rs, 2 * mb * ag
+    total = reduce + gather
+    if layout.pp > 1:  # reduced after the last backward: exposed; gathers overlap forward
+        return total, reduce + max(0.0, gather - compute)
+    if layout.dp_mode == "zero3":
+        return total, max(0.0, total - compute)
+    exposed = max(0.0, reduce - 2 / 3 * per_mb) + max(0.0, gather - per_mb / 3)
+    return total, exposed
+

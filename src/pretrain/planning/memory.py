@@ -1,0 +1,238 @@
+"""Per-GPU memory of a config under a layout, by part, as this repository's code holds it.
+
+Parts (bytes per GPU, for the pipeline rank that needs the most):
+
+- parameters, gradients, optimizer state: exact local shard sizes (``params.py``; measured
+  equal on CPU, tests/test_estimate.py). Gradients and AdamW's two moments take the parameter
+  dtype; Adam also keeps a 4-byte step counter per tensor.
+- compute-dtype weight copies: with dp = 1 autocast caches a bf16 copy of every Linear
+  weight for the whole step (the trainer's autocast region spans forward and backward);
+  with FSDP2/replicate the bf16 unsharded parameters (mixed precision): every local
+  parameter for ddp and zero2 (zero2 keeps them from forward to backward), the root and two
+  blocks (one running, one prefetched) for zero3, all of them for zero3 under a pipeline
+  (torch's pipelining turns resharding after backward off until the last microbatch).
+- gradient buffers: FSDP2/replicate compute unsharded gradients per block in the compute
+  dtype and reduce them in ``reduce_dtype``. When gradients accumulate without a reduction
+  (ddp/zero2 with several microbatches, which the trainer runs under no-sync, and any DP with
+  a pipeline, which torch's pipelining runs under no-sync), FSDP2 keeps an unsharded
+  ``reduce_dtype`` accumulator for every local parameter (``FSDPParam.
+  to_accumulated_grad_if_needed``).
+- activations in flight, logits and loss, the backward transient: ``activations.py``.
+- pipeline buffers: torch 2.13's ``PipelineStage`` allocates a receive buffer per microbatch
+  (activations into non-first stages, gradients into non-last stages) and keeps the input
+  gradient on each activation buffer until the next step; and ``schedule.step`` keeps every
+  microbatch's output (the logits) on the last stage unless called with
+  ``return_outputs=False`` (the trainer uses the default: ``KEEPS_PIPELINE_OUTPUTS``).
+- fp8 scaling state: torchao's dynamic (tensorwise/rowwise) scaling keeps no amax history;
+  a 4-byte scale per converted weight is counted (precomputed for fp8 FSDP all-gathers).
+- CUDA context and NCCL: 1 GiB, plus 1 GiB when there is more than one GPU (stated
+  allowance: CUDA context and cuBLAS workspaces ~0.5-1 GiB, NCCL channel buffers ~1 GiB).
+- allocator fragmentation: 10% of everything above the fixed allowance (PyTorch's caching
+  allocator reserves more than it allocates; 5-15% is typical).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pretrain.config import Config
+from pretrain.model import padded_vocab_size
+from pretrain.parallel.layout import Layout
+from pretrain.planning.activations import (
+    ActivationSetup,
+    attention_core_terms,
+    backward_working_bytes,
+    head_and_loss,
+    inflight_chunks,
+    layer_bytes,
+)
+from pretrain.planning.gpus import GIB, GpuSpec
+from pretrain.planning.params import StageParams, rank_params
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KEEPS_PIPELINE_OUTPUTS = True  # trainer.forward_backward calls schedule.step(...) as is
+FRAGMENTATION = 0.10
+
+PARTS = (
+    "parameters", "gradients", "optimizer state", "compute-dtype weight copies",
+    "gradient buffers", "activations", "logits and loss", "backward transient",
+    "pipeline buffers", "fp8 scaling state", "CUDA context + NCCL", "allocator fragmentation",
+)
+
+
+@dataclass
+class RankMemory:
+    pp_rank: int
+    parts: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def activation_peak(self) -> float:
+        """What the activation tensors alone peak at (saved + transient)."""
+        return sum(self.parts[k] for k in ("activations", "logits and loss",
+                                           "backward transient"))
+
+
+@dataclass
+class MemoryEstimate:
+    layout: Layout
+    ranks: list[RankMemory]
+    capacity: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total)
+
+    @property
+    def total(self) -> float:
+        return self.worst.total
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity is None or self.total <= self.capacity
+
+
+def activation_setup(cfg: Config, layout: Layout, device: str = "cuda") -> ActivationSetup:
+    """How activations are stored for this config and layout (see activations.py)."""
+    prec = cfg.precision
+    e = DTYPE_BYTES[prec.compute_dtype]
+    autocast = prec.compute_dtype != prec.param_dtype
+    # FSDP2/replicate (dp > 1) cast parameters to the compute dtype: bf16 residual stream.
+    residual = e if layout.dp > 1 else DTYPE_BYTES[prec.param_dtype]
+    norm_copies = autocast and (device == "cuda" or residual > e)
+    attention = "eager" if cfg.model.attention == "eager" else "fused"
+    return ActivationSetup(
+        micro_batch=layout.micro_batch_size, tp=layout.tp,
+        sequence_parallel=layout.sequence_parallel and layout.tp > 1, attention=attention,
+        compute_bytes=e, residual_bytes=residual, norm_copies=norm_copies,
+        dropout=cfg.model.dropout, device=device, autocast=autocast,
+    )
+
+
+def _stage_layers(cfg: Config, layout: Layout, stage: int) -> list[int]:
+    per = cfg.model.n_layer // layout.n_stages
+    return list(range(stage * per, (stage + 1) * per))
+
+
+def _stages_of(layout: Layout, pp_rank: int) -> list[int]:
+    from pretrain.parallel.pipeline import stage_indices
+
+    return stage_indices(layout, pp_rank) if layout.pp > 1 else [0]
+
+
+def _activations(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: int
+                 ) -> tuple[float, float, float]:
+    """(saved in flight, head + loss saved, transient peak) for one pipeline rank."""
+    m = cfg.model
+    ac, every = layout.activation_checkpointing, cfg.parallel.ac_every_n_layers
+    stages = _stages_of(layout, pp_rank)
+    n_stages = layout.n_stages if layout.pp > 1 else 1
+    chunks = inflight_chunks(layout.pp_schedule, layout.pp, layout.virtual_stages,
+                             layout.microbatches, pp_rank)
+    rest = "selective" if ac == "selective" else ("full" if ac == "full" else "none")
+    per_mode = {mode: layer_bytes(m, a, mode) for mode in {rest, "full"}}
+    per_chunk = []
+    for s in stages:
+        layers = _stage_layers(cfg, layout, s) if layout.pp > 1 else range(m.n_layer)
+        whole = sum(1 for i in layers if ac == "selective" and every > 0
+                    and (i + 1) % every == 0)
+        per_chunk.append(whole * per_mode["full"] + (len(layers) - whole) * per_mode[rest])
+    # Chunks in flight spread evenly over this rank's stages (stages hold equal layers).
+    saved = chunks * sum(per_chunk) / len(per_chunk)
+    saved += chunks * 8 * m.seq_len * a.micro_batch if 0 in stages else 0.0  # token ids
+    head, loss_transient = (head_and_loss(m, a) if n_stages - 1 in stages else (0.0, 0.0))
+    work = backward_working_bytes(m, a)
+    if ac == "full" or (ac == "selective" and every > 0):
+        work += layer_bytes(m, a, "none")  # one block recomputed during its backward
+    elif ac == "selective":
+        work += sum(attention_core_terms(m, a).values())  # one attention core recomputed
+    return saved, head, max(loss_transient, work)
+
+
+def _pipeline_buffers(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: int) -> float:
+    if layout.pp == 1:
+        return 0.0
+    m = cfg.model
+    act = a.residual_bytes * m.seq_len * a.micro_batch * m.d_model / (
+        layout.tp if a.sequence_parallel else 1)
+    total = 0.0
+    for s in _stages_of(layout, pp_rank):
+        if s != 0:  # activation receive buffer and the input gradient left on it
+            total += 2 * layout.microbatches * act
+        if s != layout.n_stages - 1:  # gradient receive buffer
+            total += layout.microbatches * act
+        elif KEEPS_PIPELINE_OUTPUTS:  # every microbatch's logits
+            total += (layout.microbatches * a.compute_bytes * m.seq_len * a.micro_batch
+                      * padded_vocab_size(m) / layout.tp)
+    return total
+
+
+def _weights_and_grad_buffers(cfg: Config, layout: Layout, sp: StageParams
+                              ) -> tuple[float, float]:
+    prec = cfg.precision
+    e, reduce_b = DTYPE_BYTES[prec.compute_dtype], DTYPE_BYTES[prec.reduce_dtype]
+    biggest_block = max(sp.blocks, default=0)
+    if layout.dp == 1:  # no DP wrapper: autocast's weight cache, grads straight into .grad
+        if prec.compute_dtype == prec.param_dtype:
+            return 0.0, 0.0
+        cached = sp.matmul_unsharded - (sp.block_matmul if prec.fp8 else 0)
+        return e * cached, 0.0
+    if layout.dp_mode == "zero3" and layout.pp == 1:
+        weights = e * (sp.root + 2 * biggest_block)
+    else:
+        weights = e * sp.unsharded
+    accumulate = layout.pp > 1 or (layout.dp_mode in ("ddp", "zero2")
+                                   and layout.microbatches > 1)
+    if accumulate:
+        buffers = reduce_b * sp.unsharded + e * max(biggest_block, sp.root)
+    else:
+        buffers = (e + reduce_b) * max(sp.root, 2 * biggest_block)
+    return weights, buffers
+
+
+def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda") -> RankMemory:
+    prec = cfg.precision
+    pb = DTYPE_BYTES[prec.param_dtype]
+    sp = rank_params(cfg.model, layout, pp_rank)
+    a = activation_setup(cfg, layout, device)
+    grads = pb * sp.local
+    if layout.tp > 1 and cfg.model.pos_emb == "learned" and 0 in _stages_of(layout, pp_rank):
+        # DTensor's embedding backward leaves the sharded position table a Replicate grad
+        pos = cfg.model.seq_len * cfg.model.d_model
+        grads += pb * (pos - pos // layout.tp)
+    weights, buffers = _weights_and_grad_buffers(cfg, layout, sp)
+    saved, head, transient = _activations(cfg, layout, a, pp_rank)
+    parts = {
+        "parameters": pb * sp.local,
+        "gradients": grads,
+        "optimizer state": 2 * pb * sp.local + 4 * sp.n_tensors,
+        "compute-dtype weight copies": weights,
+        "gradient buffers": buffers,
+        "activations": saved,
+        "logits and loss": head,
+        "backward transient": transient,
+        "pipeline buffers": _pipeline_buffers(cfg, layout, a, pp_rank),
+        "fp8 scaling state": 4.0 * sp.n_linear if prec.fp8 else 0.0,
+    }
+    if device == "cuda":
+        parts["allocator fragmentation"] = FRAGMENTATION * sum(parts.values())
+        parts["CUDA context + NCCL"] = (1 + (layout.world_size > 1)) * GIB
+    return RankMemory(pp_rank, parts)
+
+
+def estimate_memory(cfg: Config, layout: Layout, gpu: GpuSpec | None = None,
+                    device: str = "cuda") -> MemoryEstimate:
+    """Memory of the fullest pipeline rank (rank 0: most microbatches in flight and the
+    embeddings; the last rank: the head, loss and output cache; middle ranks hold less)."""
+    ranks = sorted({0, layout.pp - 1})
+    est = MemoryEstimate(layout, [rank_memory(cfg, layout, r, device) for r in ranks],
+                         capacity=gpu.memory_bytes if gpu is not None else None)
+    if layout.pp > 1 and KEEPS_PIPELINE_OUTPUTS:
+        est.notes.append("the trainer calls schedule.step() with return_outputs=True (torch's "
+                         "default), so the last stage keeps every microbatch's logits; "
+                         "passing return_outputs=False frees them")
+    return est

@@ -1,0 +1,187 @@
+"""How many parameter elements each rank holds, exactly, for a model and a layout.
+
+The model is read from the meta-device GPT (the same module ``budget.count_params`` counts, so
+tied weights, biases, norms and vocabulary padding are all right), then each parameter is
+placed the way ``pretrain.parallel`` places it:
+
+- pipeline: stage s of pp * v holds layers [s * L/(pp v), (s+1) * L/(pp v)); stage 0 the
+  embeddings, the last stage the final norm and the head; ranks hold stages as
+  ``parallel.pipeline.stage_indices`` says. A head tied to the embedding but on another stage
+  is a second copy (Megatron's "embedding group", ``parallel/tied.py``).
+- tensor parallel (``parallel/tensor_parallel.py``): column-parallel weights and biases
+  (wq, wk, wv, w1, w3, the head) and the vocab-/position-parallel embeddings are Shard(0),
+  row-parallel weights (wo, w2) Shard(1), their biases and the norms replicated. DTensor
+  shards like ``torch.chunk``: ceil(n / t) rows on the first ranks.
+- FSDP2 (zero2 / zero3, over dp_shard ranks): dim 0 of the TP-local tensor, padded to
+  ceil(d0 / dp_shard) rows on every rank (FSDP2 pads so all-gathers are even). DDP
+  (``replicate``) keeps whole tensors.
+
+Rank coordinates default to 0, the rank with the largest shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+from pretrain.config import ModelConfig
+from pretrain.parallel.layout import Layout
+from pretrain.parallel.pipeline import stage_indices
+
+COLWISE = ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")
+ROWWISE = ("attn.wo", "mlp.w2")
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple[int, ...]
+    layer: int | None  # transformer block index, None for embeddings / final norm / head
+    tp_dim: int | None  # dimension TP shards, None when replicated over TP
+    matmul: bool  # an nn.Linear parameter (autocast casts it; fp8 converts it)
+
+
+def _tp_dim(name: str) -> int | None:
+    module, _, kind = name.rpartition(".")
+    if module.endswith(COLWISE) or module in ("lm_head", "tok_emb", "pos_emb"):
+        return 0
+    if module.endswith(ROWWISE):
+        return 1 if kind == "weight" else None
+    return None
+
+
+def inventory(model: ModelConfig) -> tuple[Param, ...]:
+    """Every parameter of the whole model once; a tied head appears as ``lm_head.weight``
+    only when it is a separate tensor (untied)."""
+    return _inventory(dataclasses.astuple(model))
+
+
+@functools.lru_cache(maxsize=32)
+def _inventory(fields: tuple) -> tuple[Param, ...]:
+    import torch
+
+    from pretrain.model import GPT
+
+    model = ModelConfig(*fields)
+    with torch.device("meta"):
+        gpt = GPT(model)
+    linear = {n for n, m in gpt.named_modules() if isinstance(m, torch.nn.Linear)}
+    out = []
+    for name, p in gpt.named_parameters():  # tied parameters are listed once
+        parts = name.split(".")
+        layer = int(parts[1]) if parts[0] == "layers" else None
+        out.append(Param(name, tuple(p.shape), layer, _tp_dim(name),
+                         name.rpartition(".")[0] in linear))
+    return tuple(out)
+
+
+def shard_len(n: int, k: int, coord: int = 0) -> int:
+    """Length of chunk ``coord`` when ``torch.chunk``-style sharding splits n over k."""
+    size = math.ceil(n / k)
+    return max(0, min(n, (coord + 1) * size) - coord * size)
+
+
+def tp_local_shape(p: Param, tp: int, tp_rank: int = 0) -> tuple[int, ...]:
+    if tp == 1 or p.tp_dim is None:
+        return p.shape
+    shape = list(p.shape)
+    shape[p.tp_dim] = shard_len(shape[p.tp_dim], tp, tp_rank)
+    return tuple(shape)
+
+
+def fsdp_numel(shape: tuple[int, ...], dp_shard: int) -> int:
+    """Elements FSDP2 allocates per rank for a tensor of ``shape``: dim 0 padded to
+    ceil(d0 / dp_shard) rows (the same on every rank)."""
+    rest = math.prod(shape[1:])
+    return math.ceil(shape[0] / dp_shard) * rest if shape else 1
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameter elements one rank holds for its stages. ``blocks``: per transformer block,
+    its unsharded (TP-local) element count, the unit FSDP gathers; ``root``: the same for
+    the rest (embeddings, final norm, head), also one FSDP unit per stage."""
+
+    local: int  # elements this rank stores (after TP, and FSDP sharding if any)
+    unsharded: int  # elements after TP only (what FSDP all-gathers, or DDP holds)
+    matmul_unsharded: int  # of which nn.Linear parameters (autocast casts these)
+    block_matmul: int  # of which inside transformer blocks (fp8 converts these)
+    blocks: tuple[int, ...]
+    root: int
+    n_tensors: int  # parameter tensors (Adam keeps a step counter for each)
+    n_linear: int  # Linear weights inside blocks (fp8 converts these)
+
+
+@dataclass(frozen=True)
+class _Sum:
+    local: int = 0
+    unsharded: int = 0
+    matmul: int = 0
+    n_tensors: int = 0
+    n_linear: int = 0
+
+    def add(self, p: Param, tp: int, tp_rank: int, dp_shard: int, sharded: bool) -> _Sum:
+        shape = tp_local_shape(p, tp, tp_rank)
+        full = math.prod(shape)
+        local = fsdp_numel(shape, dp_shard) if sharded else full
+        linear = p.matmul and p.layer is not None and p.name.endswith("weight")
+        return _Sum(self.local + local, self.unsharded + full,
+                    self.matmul + (full if p.matmul else 0), self.n_tensors + 1,
+                    self.n_linear + linear)
+
+
+def rank_params(model: ModelConfig, layout: Layout, pp_rank: int = 0, tp_rank: int = 0
+                ) -> StageParams:
+    """What pipeline rank ``pp_rank`` (TP rank ``tp_rank``) holds under ``layout``."""
+    sharded = layout.dp_mode in ("zero2", "zero3") and layout.dp_shard > 1
+    stages = tuple(stage_indices(layout, pp_rank)) if layout.pp > 1 else (0,)
+    n_stages = layout.n_stages if layout.pp > 1 else 1
+    return _rank_params(dataclasses.astuple(model), layout.tp, tp_rank, layout.dp_shard,
+                        sharded, stages, n_stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_params(fields: tuple, tp: int, tp_rank: int, dp_shard: int, sharded: bool,
+                 stages: tuple[int, ...], n_stages: int) -> StageParams:
+    model = ModelConfig(*fields)
+    params = inventory(model)
+    # Every block has the same parameters: sum block 0 once, count blocks per stage.
+    block = _Sum()
+    for p in params:
+        if p.layer == 0:
+            block = block.add(p, tp, tp_rank, dp_shard, sharded)
+    emb = next(p for p in params if p.name == "tok_emb.weight")
+    head_copy = Param("lm_head.weight", emb.shape, None, 0, True)
+    total, root, n_blocks = _Sum(), 0, 0
+    for s in stages:
+        first, last = s == 0, s == n_stages - 1
+        n_blocks += model.n_layer // n_stages
+        part = _Sum()
+        for p in params:
+            top = p.name.split(".")[0]
+            if p.layer is not None:
+                continue
+            if top in ("tok_emb", "pos_emb"):
+                if first:
+                    shared = p.name == "tok_emb.weight" and model.tie_embeddings and last
+                    part = part.add(Param(p.name, p.shape, None, p.tp_dim, p.matmul or shared),
+                                    tp, tp_rank, dp_shard, sharded)
+            elif last:  # final norm, untied head
+                part = part.add(p, tp, tp_rank, dp_shard, sharded)
+        if last and model.tie_embeddings and not first:  # the head's copy of the embedding
+            part = part.add(head_copy, tp, tp_rank, dp_shard, sharded)
+        root += part.unsharded
+        total = _Sum(total.local + part.local, total.unsharded + part.unsharded,
+                     total.matmul + part.matmul, total.n_tensors + part.n_tensors, 0)
+    return StageParams(
+        local=total.local + n_blocks * block.local,
+        unsharded=total.unsharded + n_blocks * block.unsharded,
+        matmul_unsharded=total.matmul + n_blocks * block.matmul,
+        block_matmul=n_blocks * block.matmul,
+        blocks=(block.unsharded,) * n_blocks,
+        root=root,
+        n_tensors=total.n_tensors + n_blocks * block.n_tensors,
+        n_linear=n_blocks * block.n_linear,
+    )

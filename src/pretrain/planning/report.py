@@ -1,0 +1,143 @@
+"""The plan ``tools/plan.py`` prints: memory by part, verdict, what to change, FLOPs, time and
+GPU-hours to the token budget, and (for ``parallel=auto``) the ranked candidates."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pretrain.budget import Budget, resolve_budget
+from pretrain.config import Config
+from pretrain.model import padded_vocab_size
+from pretrain.parallel.layout import Layout, resolve_layout
+from pretrain.planning.autolayout import Candidate, evaluate, tp_options, why_first
+from pretrain.planning.cost import step_cost
+from pretrain.planning.gpus import GIB, GpuSpec
+from pretrain.planning.memory import PARTS, estimate_memory
+
+
+def _gib(x: float) -> float:
+    return round(x / GIB, 2)
+
+
+def suggestions(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> list[str]:
+    """Single changes to the layout that make it fit, smallest first (same GPU count where
+    possible)."""
+    par = cfg.parallel
+    tries: list[tuple[str, object]] = []
+    order = ("none", "selective", "full")
+    for ac in order[order.index(layout.activation_checkpointing) + 1:]:
+        tries.append((f"parallel.activation_checkpointing={ac}",
+                      replace(par, activation_checkpointing=ac)))
+    if layout.tp > 1 and not layout.sequence_parallel:
+        tries.append(("parallel.sequence_parallel=true", replace(par, sequence_parallel=True)))
+    mbs = layout.micro_batch_size
+    while mbs > 1:
+        mbs //= 2
+        tries.append((f"parallel.micro_batch_size={mbs}", replace(par, micro_batch_size=mbs)))
+    n = layout.world_size
+    for t in tp_options(cfg, gpu, n):
+        if t > layout.tp and t % layout.tp == 0 and layout.dp % (t // layout.tp) == 0:
+            tries.append((f"parallel.tp={t} parallel.sequence_parallel=true",
+                          replace(par, tp=t, dp=layout.dp // (t // layout.tp),
+                                  sequence_parallel=True)))
+    for p in (2 * layout.pp, 4 * layout.pp):
+        if cfg.model.n_layer % p == 0 and layout.dp % (p // layout.pp) == 0:
+            tries.append((f"parallel.pp={p}", replace(par, pp=p, dp=layout.dp // (p // layout.pp),
+                                                       virtual_stages=1, pp_schedule="1f1b")))
+    if layout.dp > 1 and layout.dp_mode != "zero3":
+        tries.append(("parallel.dp_mode=zero3", replace(par, dp_mode="zero3", dp_replicate=1,
+                                                        dp_shard=None)))
+    out = []
+    for text, new in tries:
+        try:
+            cand = evaluate(cfg, new, gpu, budget)
+        except Exception:  # a change the layout code rejects is no suggestion
+            continue
+        if cand.fits and cand.layout.world_size == n:
+            out.append(f"{text} -> {_gib(cand.memory.total)} GiB per GPU, "
+                       f"{cand.cost.total:.2f} s/step (model)")
+    return out[:4]
+
+
+def _vocab_note(cfg: Config) -> list[str]:
+    vocab = padded_vocab_size(cfg.model)
+    if vocab % 2 == 0:
+        return []
+    return [f"the vocabulary ({vocab} rows) is odd, so tensor parallelism is impossible; "
+            "model.pad_vocab_to=128 pads it (Megatron-LM pads the same way) and allows tp "
+            "up to 8"]
+
+
+def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, mfu: float | None = None,
+               candidates: list[Candidate] | None = None) -> dict:
+    """Everything the plan says, as plain data (``--json`` prints it)."""
+    layout = resolve_layout(cfg, n_gpus)
+    budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
+    mem = estimate_memory(cfg, layout, gpu)
+    cost = step_cost(cfg, layout, gpu, budget)
+    dtype = cfg.precision.compute_dtype
+    peak = gpu.peak_flops(dtype) or gpu.peak_flops("bfloat16")
+    mfu = mfu if mfu is not None else gpu.default_mfu
+    seconds = budget.total_flops / (n_gpus * peak * mfu)
+    worst = mem.worst
+    plan = {
+        "model": cfg.model.name, "precision": cfg.precision.name,
+        "gpu": gpu.name, "gpus": n_gpus, "gpu_memory_gib": gpu.memory_gib,
+        "layout": layout.describe(), "layout_fields": layout.as_dict(),
+        "params": budget.n_params, "tokens": budget.tokens, "steps": budget.steps,
+        "flops_per_token": budget.flops_per_token, "total_flops": budget.total_flops,
+        "memory_gib": {k: _gib(worst.parts.get(k, 0.0)) for k in PARTS},
+        "memory_total_gib": _gib(worst.total), "fullest_pp_rank": worst.pp_rank,
+        "fits": mem.fits,
+        "mfu": mfu, "peak_tflops": peak / 1e12,
+        "time_days": seconds / 86400, "gpu_hours": n_gpus * seconds / 3600,
+        "step_model": cost.as_dict(),
+        "time_days_at_model_bound": budget.steps * cost.total / 86400,
+        "notes": list(mem.notes) + _vocab_note(cfg),
+        "suggestions": [] if mem.fits else suggestions(cfg, layout, gpu, budget),
+    }
+    if candidates:
+        plan["auto_candidates"] = [c.summary() for c in candidates]
+        plan["auto_why"] = why_first(candidates)
+    return plan
+
+
+def format_plan(p: dict) -> str:
+    lines = [f"plan: {p['model']} ({p['params']:,} params), {p['precision']}, "
+             f"{p['gpus']} x {p['gpu']} ({p['gpu_memory_gib']:g} GiB)",
+             f"layout: {p['layout']}"]
+    if p.get("auto_candidates"):
+        lines.append("parallel=auto, top candidates (model step time; memory per GPU):")
+        for i, c in enumerate(p["auto_candidates"], 1):
+            cst = c["cost"]
+            lines.append(f"  {i}. {c['layout']}: {c['step_s']:.3f} s/step (compute "
+                         f"{cst['compute'] + cst['recompute']:.3f}, TP {cst['tp_comm']:.3f}, "
+                         f"bubble {cst['pp_bubble']:.3f}, p2p {cst['pp_p2p']:.3f}, DP exposed "
+                         f"{cst['dp_exposed']:.3f}); {c['memory_gib']:.1f} GiB")
+        lines.append(f"  why #1: {p['auto_why']}")
+    lines.append(f"memory per GPU (pipeline rank {p['fullest_pp_rank']}, the fullest):")
+    for k, v in p["memory_gib"].items():
+        if v:
+            lines.append(f"  {k:<28} {v:10.2f} GiB")
+    lines.append(f"  {'total':<28} {p['memory_total_gib']:10.2f} GiB of {p['gpu_memory_gib']:g}")
+    verdict = "FITS" if p["fits"] else "DOES NOT FIT"
+    lines.append(f"verdict: {verdict} ({p['memory_total_gib']:.1f} / {p['gpu_memory_gib']:g} GiB)")
+    if not p["fits"]:
+        if p["suggestions"]:
+            lines.append("to fit, change one of:")
+            lines += [f"  {s}" for s in p["suggestions"]]
+        else:
+            lines.append("no single layout change fits on this many GPUs; try parallel=auto "
+                         "--gpus N with more GPUs, or a GPU with more memory")
+    lines += [f"note: {n}" for n in p["notes"]]
+    sm = p["step_model"]
+    lines += [
+        f"compute: {p['flops_per_token']:,} FLOPs/token x {p['tokens']:,} tokens = "
+        f"{p['total_flops']:.3g} FLOPs ({p['steps']:,} steps)",
+        f"time at {p['mfu']:.0%} MFU of {p['peak_tflops']:g} TFLOP/s: {p['time_days']:.2f} days,"
+        f" {p['gpu_hours']:,.0f} GPU-hours",
+        f"cost model (kernels at peak, stated link and overlap assumptions): "
+        f"{sm['total']:.3f} s/step, MFU <= {sm['mfu']:.0%} of the bf16 peak, "
+        f"{p['time_days_at_model_bound']:.2f} days at that bound",
+    ]
+    return "\n".join(lines)

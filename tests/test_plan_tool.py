@@ -1,0 +1,132 @@
+"""tools/plan.py end to end (in process): verdicts, numbers, auto layouts, bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from pretrain.planning.gpus import get_gpu, gpu_for_device_name, load_gpus
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "plan.py"
+
+
+@pytest.fixture(scope="module")
+def plan_main():
+    spec = importlib.util.spec_from_file_location("plan_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def run(plan_main, capsys, *argv: str) -> tuple[int, str, str]:
+    code = plan_main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_fits_with_breakdown_and_time(plan_main, capsys):
+    code, out, _ = run(plan_main, capsys, "+recipe=gpt3-1.3b", "--gpu", "h100-80gb",
+                       "--gpus", "1", "--json")
+    assert code == 0
+    p = json.loads(out)
+    assert p["fits"] and p["gpus"] == 1 and p["layout_fields"]["world_size"] == 1
+    assert p["memory_total_gib"] == pytest.approx(sum(p["memory_gib"].values()), abs=0.05)
+    # fp32 master weights, fp32 grads, Adam's two fp32 moments: 16 bytes per parameter
+    per_param = (p["memory_gib"]["parameters"] + p["memory_gib"]["gradients"]
+                 + p["memory_gib"]["optimizer state"]) * 2**30 / p["params"]
+    assert per_param == pytest.approx(16, rel=1e-3)
+    # time = FLOPs / (GPUs x peak x MFU): 6N + 12 L h s per token (budget.py), H100 bf16
+    # dense peak 989 TFLOP/s, default MFU 0.40
+    seconds = p["total_flops"] / (1 * 989e12 * 0.40)
+    assert p["time_days"] == pytest.approx(seconds / 86400)
+    assert p["gpu_hours"] == pytest.approx(seconds / 3600)
+
+
+def test_does_not_fit_says_what_to_change(plan_main, capsys):
+    code, out, _ = run(plan_main, capsys, "+recipe=gpt3-1.3b", "parallel.micro_batch_size=32",
+                       "--gpu", "a100-40gb", "--gpus", "1")
+    assert code == 1
+    assert "verdict: DOES NOT FIT" in out
+    assert "parallel.activation_checkpointing=full" in out or "micro_batch_size=" in out
+    assert "to fit, change one of:" in out
+
+
+def test_auto_prints_ranked_candidates_and_why(plan_main, capsys):
+    code, out, _ = run(plan_main, capsys, "+recipe=gpt3-1.3b", "model.pad_vocab_to=128",
+                       "parallel=auto", "--gpus", "16", "--gpu", "h100-80gb", "--top", "3")
+    assert code == 0
+    assert "parallel=auto, top candidates" in out and "why #1:" in out
+    assert out.count("s/step (compute") == 3
+
+
+def test_auto_json_layout_is_valid(plan_main, capsys):
+    from pretrain.cli import compose_config
+    from pretrain.validate import check
+
+    code, out, _ = run(plan_main, capsys, "+recipe=gpt3-1.3b", "parallel=auto", "--gpus", "8",
+                       "--gpu", "a100-80gb", "--json")
+    assert code == 0
+    p = json.loads(out)
+    lay = p["layout_fields"]
+    keys = ("tp", "pp", "dp", "dp_mode", "pp_schedule", "virtual_stages", "micro_batch_size",
+            "activation_checkpointing", "sequence_parallel")
+    overrides = [f"parallel.{k}={str(lay[k]).lower()}" for k in keys]
+    overrides += [f"parallel.dp_replicate={lay['dp_replicate']}",
+                  f"parallel.dp_shard={lay['dp_shard']}"]
+    check(compose_config(["+recipe=gpt3-1.3b", *overrides]), 8)  # raises if invalid
+
+
+def test_unknown_gpu_lists_known_types(plan_main, capsys):
+    code, _, err = run(plan_main, capsys, "+recipe=tiny", "--gpu", "b300")
+    assert code == 2
+    assert "unknown GPU type 'b300'" in err
+    for name in ("h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", "l40s"):
+        assert name in err
+
+
+def test_impossible_gpu_count(plan_main, capsys):
+    code, _, err = run(plan_main, capsys, "+recipe=gpt3-1.3b", "parallel=auto", "--gpus", "7")
+    assert code == 2
+    assert "no layout uses exactly 7 GPUs" in err and "nearby that work: " in err
+
+
+def test_model_that_fits_no_layout(plan_main, capsys):
+    code, _, err = run(plan_main, capsys, "+recipe=gpt3-6.7b", "parallel=auto", "--gpus", "2",
+                       "--gpu", "a10g")
+    assert code == 2
+    assert "does not fit on 2 x a10g" in err and "GPUs of this type would fit it" in err
+    assert "model.pad_vocab_to=128" in err  # the odd GPT-2 vocabulary blocks TP
+
+
+def test_auto_needs_a_gpu_count_and_bad_mfu(plan_main, capsys):
+    assert run(plan_main, capsys, "+recipe=tiny", "parallel=auto")[0] == 2
+    code, _, err = run(plan_main, capsys, "+recipe=tiny", "--mfu", "1.5")
+    assert code == 2 and "--mfu" in err
+
+
+def test_layout_world_mismatch_is_a_config_error(plan_main, capsys):
+    code, _, err = run(plan_main, capsys, "+recipe=tiny", "--gpus", "4")
+    assert code == 2 and "world size is 4" in err
+
+
+def test_user_gpu_file_extends_the_table(plan_main, capsys, tmp_path):
+    (tmp_path / "x.yaml").write_text(
+        "name: test-gpu-96gb\nmatch: [TESTGPU]\nmemory_gib: 96\n"
+        "peak_tflops: {bfloat16: 500, float32: 50}\nnvlink_gbps: 100\nnetwork_gbps: 10\n")
+    code, out, _ = run(plan_main, capsys, "+recipe=tiny", "--gpu", "test-gpu-96gb",
+                       "--gpu-file", str(tmp_path), "--json")
+    assert code == 0 and json.loads(out)["gpu_memory_gib"] == 96
+
+
+def test_gpu_table_is_the_one_device_py_uses():
+    """device.gpu_peak_flops reads the same table (matched by CUDA device name)."""
+    assert {"h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", "l40s"} <= set(load_gpus())
+    assert gpu_for_device_name("NVIDIA H100 80GB HBM3").peak_flops("bfloat16") == 989e12
+    assert gpu_for_device_name("NVIDIA A100-SXM4-40GB").name == "a100-40gb"
+    assert gpu_for_device_name("NVIDIA A100 80GB PCIe").name == "a100-80gb"
+    assert gpu_for_device_name("NVIDIA L40S").peak_flops("float8") == 733e12
+    assert get_gpu("a100-80gb").peak_flops("float8") is None
+    assert gpu_for_device_name("Tesla T4") is None
