@@ -145,7 +145,7 @@ def _rank_key(c: Candidate) -> tuple:
     peak on A100/H100-class GPUs; smaller ones lose efficiency the model does not count),
     then the least memory (most headroom)."""
     rows = c.parallel.micro_batch_size * c.layout_seq_len
-    return (round(c.cost.total, 6), rows < EFFICIENT_GEMM_ROWS, c.memory.total)
+    return (float(f"{c.cost.total:.4g}"), rows < EFFICIENT_GEMM_ROWS, c.memory.total)
 
 
 def search(cfg: Config, n_gpus: int, gpu: GpuSpec) -> tuple[list[Candidate], Candidate | None]:
@@ -235,8 +235,8 @@ def why_first(cands: list[Candidate]) -> str:
              "dp_exposed": "exposed DP traffic"}
     deltas = sorted(((getattr(b, k) - getattr(a, k), v) for k, v in names.items()),
                     key=lambda x: -abs(x[0]))
-    gain = [f"{v} {d * 1e3:+.0f} ms" for d, v in deltas[:3] if abs(d) > 1e-9]
-    if b.total - a.total <= 1e-9 * max(b.total, 1):
+    gain = [f"{v} {d * 1e3:+.3g} ms" for d, v in deltas[:3] if abs(d) > 1e-12]
+    if float(f"{b.total:.4g}") <= float(f"{a.total:.4g}"):
         return ("it ties with #2 on step time and wins the tie-breaks (a micro batch of at "
                 f"least {EFFICIENT_GEMM_ROWS} tokens, then less memory).")
     pct = 100 * (b.total / a.total - 1)

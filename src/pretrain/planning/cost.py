@@ -29,6 +29,9 @@ Stated assumptions (an idealised model for ranking layouts, not a promise of thr
   compute) and the zero2 all-gather behind the first forward (1/3); zero3's per-microbatch
   traffic hides behind the whole step's compute. With a pipeline, torch 2.13 runs the DP
   reduction after the last backward (``PipelineStage``), so it is fully exposed.
+- Every call (collective or p2p, one per FSDP unit for DP) also costs a fixed latency: 10 us
+  within a node, 30 us across nodes (NCCL small-message latencies are of this order); it only
+  matters for small models, where bandwidth terms vanish.
 """
 
 from __future__ import annotations
@@ -66,10 +69,19 @@ class StepCost:
         return {**asdict(self), "total": self.total}
 
 
+LATENCY_NODE_S = 10e-6  # per collective / p2p call within a node (NCCL small-message scale)
+LATENCY_NETWORK_S = 30e-6  # across nodes
+
+
 def _link(gpu: GpuSpec, ranks_in_group_span: int) -> float:
     """Bytes/s of the slowest link a group spanning this many consecutive ranks crosses."""
     gbps = gpu.nvlink_gbps if ranks_in_group_span <= gpu.gpus_per_node else gpu.network_gbps
     return gbps * 1e9
+
+
+def _alpha(gpu: GpuSpec, ranks_in_group_span: int) -> float:
+    """Fixed cost of one call (latency), which dominates for small models."""
+    return LATENCY_NODE_S if ranks_in_group_span <= gpu.gpus_per_node else LATENCY_NETWORK_S
 
 
 def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> StepCost:
@@ -103,7 +115,8 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
         blocks = m.n_layer // p
         volume = blocks * mb * per_block * 2 * (t - 1) / t * act
         volume += mb * 2 * 2 * (t - 1) / t * act  # vocab-parallel embedding and head
-        tp_comm = volume / _link(gpu, t)
+        calls = blocks * mb * per_block + 4 * mb
+        tp_comm = volume / _link(gpu, t) + calls * _alpha(gpu, t)
 
     # Pipeline bubble and point-to-point.
     bubble = p2p = 0.0
@@ -114,7 +127,7 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
         bubble = frac * (compute + recompute + tp_comm)
         seq_div = t if layout.sequence_parallel else 1
         act = e * layout.micro_batch_size * m.seq_len * m.d_model / seq_div
-        p2p = 2 * mb * v * act / _link(gpu, t * d + 1)
+        p2p = 2 * mb * v * (act / _link(gpu, t * d + 1) + _alpha(gpu, t * d + 1))
 
     dp_comm, dp_exposed = _data_parallel(cfg, layout, gpu, compute + recompute)
     total = compute + recompute + tp_comm + bubble + p2p + dp_exposed
@@ -131,18 +144,22 @@ def _data_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, compute: float
         return 0.0, 0.0
     prec = cfg.precision
     e, red = DTYPE_BYTES[prec.compute_dtype], DTYPE_BYTES[prec.reduce_dtype]
-    n = rank_params(cfg.model, layout).unsharded  # this rank's TP/PP-local parameters
+    sp = rank_params(cfg.model, layout)
+    n = sp.unsharded  # this rank's TP/PP-local parameters
+    units = len(sp.blocks) + layout.virtual_stages  # FSDP units: blocks + one root per stage
     mb, t = layout.microbatches, layout.tp
     per_mb = compute / mb
     if layout.dp_mode == "ddp":
-        reduce = 2 * (d - 1) / d * red * n / _link(gpu, t * d)
+        reduce = 2 * (d - 1) / d * red * n / _link(gpu, t * d) + units * _alpha(gpu, t * d)
         gather = 0.0
     else:
         shard, rep = layout.dp_shard, layout.dp_replicate
-        rs = (shard - 1) / shard * red * n / _link(gpu, t * shard)
+        rs = ((shard - 1) / shard * red * n / _link(gpu, t * shard)
+              + units * _alpha(gpu, t * shard))
         if rep > 1:  # HSDP: all-reduce of the shard across replicas
-            rs += 2 * (rep - 1) / rep * red * n / shard / _link(gpu, t * d)
-        ag = (shard - 1) / shard * e * n / _link(gpu, t * shard)
+            rs += (2 * (rep - 1) / rep * red * n / shard / _link(gpu, t * d)
+                   + units * _alpha(gpu, t * d))
+        ag = (shard - 1) / shard * e * n / _link(gpu, t * shard) + units * _alpha(gpu, t * shard)
         if layout.dp_mode == "zero2":
             reduce, gather = rs, ag
         elif layout.pp > 1:  # gathered in each backward, kept for the next forward

@@ -55,7 +55,7 @@ def suggestions(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> li
             continue
         if cand.fits and cand.layout.world_size == n:
             out.append(f"{text} -> {_gib(cand.memory.total)} GiB per GPU, "
-                       f"{cand.cost.total:.2f} s/step (model)")
+                       f"{cand.cost.total:.4g} s/step (model)")
     return out[:4]
 
 
@@ -110,10 +110,10 @@ def format_plan(p: dict) -> str:
         lines.append("parallel=auto, top candidates (model step time; memory per GPU):")
         for i, c in enumerate(p["auto_candidates"], 1):
             cst = c["cost"]
-            lines.append(f"  {i}. {c['layout']}: {c['step_s']:.3f} s/step (compute "
-                         f"{cst['compute'] + cst['recompute']:.3f}, TP {cst['tp_comm']:.3f}, "
-                         f"bubble {cst['pp_bubble']:.3f}, p2p {cst['pp_p2p']:.3f}, DP exposed "
-                         f"{cst['dp_exposed']:.3f}); {c['memory_gib']:.1f} GiB")
+            lines.append(f"  {i}. {c['layout']}: {c['step_s']:.4g} s/step (compute "
+                         f"{cst['compute'] + cst['recompute']:.4g}, TP {cst['tp_comm']:.3g}, "
+                         f"bubble {cst['pp_bubble']:.3g}, p2p {cst['pp_p2p']:.3g}, DP exposed "
+                         f"{cst['dp_exposed']:.3g}); {c['memory_gib']:.1f} GiB")
         lines.append(f"  why #1: {p['auto_why']}")
     lines.append(f"memory per GPU (pipeline rank {p['fullest_pp_rank']}, the fullest):")
     for k, v in p["memory_gib"].items():
@@ -137,7 +137,7 @@ def format_plan(p: dict) -> str:
         f"time at {p['mfu']:.0%} MFU of {p['peak_tflops']:g} TFLOP/s: {p['time_days']:.2f} days,"
         f" {p['gpu_hours']:,.0f} GPU-hours",
         f"cost model (kernels at peak, stated link and overlap assumptions): "
-        f"{sm['total']:.3f} s/step, MFU <= {sm['mfu']:.0%} of the bf16 peak, "
+        f"{sm['total']:.4g} s/step, MFU <= {sm['mfu']:.0%} of the bf16 peak, "
         f"{p['time_days_at_model_bound']:.2f} days at that bound",
     ]
     return "\n".join(lines)
