@@ -22,7 +22,7 @@ def _gib(x: float) -> float:
 def suggestions(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> list[str]:
     """Single changes to the layout that make it fit, smallest first (same GPU count where
     possible)."""
-    par = cfg.parallel
+    par = replace(cfg.parallel, dp=layout.dp)  # dp may have been left to the GPU count
     tries: list[tuple[str, object]] = []
     order = ("none", "selective", "full")
     for ac in order[order.index(layout.activation_checkpointing) + 1:]:
@@ -68,6 +68,15 @@ def _vocab_note(cfg: Config) -> list[str]:
             "up to 8"]
 
 
+def _selective_note(cfg: Config, layout: Layout) -> list[str]:
+    if layout.activation_checkpointing != "selective" or cfg.model.attention == "eager" or \
+            cfg.parallel.ac_every_n_layers:
+        return []
+    return ["selective recompute only drops the attention core's log-sum-exp here: flash and "
+            "SDPA never store the s x s scores that Korthikanti et al. recompute; use full, or "
+            "parallel.ac_every_n_layers=n to checkpoint every n-th block whole"]
+
+
 def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, mfu: float | None = None,
                candidates: list[Candidate] | None = None) -> dict:
     """Everything the plan says, as plain data (``--json`` prints it)."""
@@ -93,7 +102,7 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, mfu: float | None = None,
         "time_days": seconds / 86400, "gpu_hours": n_gpus * seconds / 3600,
         "step_model": cost.as_dict(),
         "time_days_at_model_bound": budget.steps * cost.total / 86400,
-        "notes": list(mem.notes) + _vocab_note(cfg),
+        "notes": list(mem.notes) + _vocab_note(cfg) + _selective_note(cfg, layout),
         "suggestions": [] if mem.fits else suggestions(cfg, layout, gpu, budget),
     }
     if candidates:
