@@ -1,0 +1,209 @@
+"""Submit a recipe to SLURM: nodes and GPUs from its layout, the sbatch script in its run dir.
+
+    python tools/launch.py +recipe=gpt3-175b --dry-run          # print the script
+    python tools/launch.py +recipe=ladder-chinchilla model=gpt3-1.3b --nodes 4
+    python tools/launch.py +recipe=tiny-zero3 cluster=local      # CPU processes (gloo)
+    python tools/launch.py +recipe=NAME --partition gpu --account proj --time 48:00:00
+
+The config is composed exactly as train.py composes it (cluster defaults from
+conf/cluster/, picked with ``cluster=NAME``). The layout decides the world size
+tp * pp * dp; the cluster (or --nodes / --gpus-per-node) decides how it is spread, and the
+two must agree: nodes x GPUs per node = world size, tensor parallelism inside a node.
+A layout with ``parallel.dp=null`` takes its world size from --nodes x --gpus-per-node.
+slurm/train.sbatch is rendered into ``<run dir>/train.sbatch`` with the settings filled in
+and submitted with sbatch (``--dry-run`` prints it and writes nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from pretrain.cli import compose_config  # noqa: E402
+from pretrain.config import Config  # noqa: E402
+from pretrain.validate import ConfigError, check  # noqa: E402
+
+TEMPLATE = REPO / "slurm" / "train.sbatch"
+
+
+class LaunchError(ValueError):
+    """The recipe's layout and the requested allocation disagree."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    nodes: int
+    procs_per_node: int
+    gpus_per_node: int  # 0 on CPU nodes
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+def allocation(cfg: Config, nodes: int | None = None, gpus_per_node: int | None = None
+               ) -> Allocation:
+    """Nodes and processes per node for the recipe's layout; LaunchError on a mismatch."""
+    cl, par = cfg.cluster, cfg.parallel
+    nodes = nodes if nodes is not None else cl.nodes
+    gpn = gpus_per_node if gpus_per_node is not None else cl.gpus_per_node
+    model_parallel = par.tp * par.pp
+    if nodes is not None and nodes < 1:
+        raise LaunchError(f"--nodes {nodes}: need at least one node")
+    if gpn < 0:
+        raise LaunchError(f"--gpus-per-node {gpn} is negative")
+    layout = f"tp={par.tp} x pp={par.pp} x dp={par.dp}"
+    if gpn > 0:
+        if gpn % par.tp:
+            raise LaunchError(
+                f"{gpn} GPUs per node is not a multiple of parallel.tp={par.tp}: tensor "
+                f"parallelism must stay inside a node (its all-reduces need NVLink); use "
+                f"--gpus-per-node {par.tp * max(gpn // par.tp, 1)} or a smaller tp")
+        if par.dp is None:  # data parallel over whatever the allocation holds
+            nodes = nodes or 1
+            world = nodes * gpn
+            if world % model_parallel:
+                raise LaunchError(
+                    f"{nodes} node(s) x {gpn} GPUs = {world} is not a multiple of tp x pp = "
+                    f"{model_parallel} (parallel.dp=null takes dp = world / (tp x pp))")
+            return Allocation(nodes, gpn, gpn)
+        world = model_parallel * par.dp
+        if nodes is None:
+            if world <= gpn:  # a job smaller than one node
+                return Allocation(1, world, world)
+            if world % gpn:
+                raise LaunchError(
+                    f"the layout {layout} needs {world} GPUs, not a multiple of {gpn} GPUs "
+                    f"per node; change --gpus-per-node or parallel.dp")
+            return Allocation(world // gpn, gpn, gpn)
+        if nodes * gpn != world:
+            raise LaunchError(
+                f"--nodes {nodes} x --gpus-per-node {gpn} = {nodes * gpn} GPUs, but the "
+                f"layout {layout} needs {world} (one process per GPU): "
+                + (f"use --nodes {world // gpn}" if world % gpn == 0 else
+                   f"{world} is not a multiple of {gpn}, change parallel.dp"))
+        return Allocation(nodes, gpn, gpn)
+    # CPU nodes: processes with gloo, as many as the layout (or procs_per_node) says
+    nodes = nodes or 1
+    if par.dp is None:
+        if not cl.procs_per_node:
+            raise LaunchError("parallel.dp=null on CPU nodes: set cluster.procs_per_node")
+        world = nodes * cl.procs_per_node
+        if world % model_parallel:
+            raise LaunchError(f"{world} processes are not a multiple of tp x pp = {model_parallel}")
+        return Allocation(nodes, cl.procs_per_node, 0)
+    world = model_parallel * par.dp
+    if world % nodes:
+        raise LaunchError(f"the layout {layout} has {world} processes, which {nodes} nodes "
+                          "cannot share evenly")
+    per_node = world // nodes
+    if cl.procs_per_node and cl.procs_per_node != per_node:
+        raise LaunchError(f"cluster.procs_per_node={cl.procs_per_node} but the layout {layout} "
+                          f"on {nodes} node(s) needs {per_node}")
+    return Allocation(nodes, per_node, 0)
+
+
+def sbatch_lines(cfg: Config, alloc: Allocation, run_dir: Path, workdir: Path) -> list[str]:
+    cl = cfg.cluster
+    opts = [f"--job-name={cfg.run_name[:60]}", f"--nodes={alloc.nodes}",
+            f"--time={cl.time}", f"--signal=B:USR1@{cl.signal_seconds}",
+            f"--output={run_dir}/slurm-%j.out", f"--chdir={workdir}"]
+    if alloc.gpus_per_node:
+        opts.append(f"--gpus-per-node={alloc.gpus_per_node}")
+    cpus = cl.cpus_per_task or (alloc.procs_per_node if not alloc.gpus_per_node else None)
+    if cpus:
+        opts.append(f"--cpus-per-task={cpus}")
+    for key in ("partition", "account", "qos", "mem"):
+        value = getattr(cl, key)
+        if value is not None:
+            opts.append(f"--{key}={value}")
+    opts += list(cl.sbatch_extra)
+    return [f"#SBATCH {o}" for o in opts]
+
+
+def settings_lines(cfg: Config, alloc: Allocation, run_dir: Path, overrides: list[str]) -> list[str]:
+    cl = cfg.cluster
+    q = shlex.quote
+    lines = [
+        f"RUN_DIR={q(str(run_dir))}",
+        f"NPROC_PER_NODE={alloc.procs_per_node}",
+        f"PYTHON={q(cl.python or sys.executable)}",
+        f"TRAIN_PY={q(str(REPO / 'train.py'))}",
+        f"SHUTDOWN_TIMEOUT={cl.shutdown_timeout_s}",
+        f"MAX_REQUEUES={cl.max_requeues}",
+        "TRAIN_ARGS=(" + " ".join(q(o) for o in overrides) + ")",
+    ]
+    if cl.rdzv_port:
+        lines.append(f"RDZV_PORT={cl.rdzv_port}")
+    lines += [f"export {k}={q(str(v))}" for k, v in cl.env.items()]
+    lines += list(cl.setup)
+    return lines
+
+
+def render(cfg: Config, alloc: Allocation, run_dir: Path, overrides: list[str],
+           workdir: Path) -> str:
+    """slurm/train.sbatch with its #SBATCH lines and settings filled in."""
+    text = TEMPLATE.read_text()
+    for marker, lines in (("#@SBATCH_LINES@", sbatch_lines(cfg, alloc, run_dir, workdir)),
+                          ("#@SETTINGS@", settings_lines(cfg, alloc, run_dir, overrides))):
+        if marker not in text:
+            raise RuntimeError(f"{TEMPLATE} lost its {marker} line")
+        text = text.replace(marker, "\n".join(lines))
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
+    ap.add_argument("--nodes", type=int)
+    ap.add_argument("--gpus-per-node", type=int)
+    ap.add_argument("--partition")
+    ap.add_argument("--account")
+    ap.add_argument("--time")
+    ap.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    ap.add_argument("--wait", action="store_true", help="sbatch --wait: return the job's exit code")
+    args = ap.parse_args(argv)
+
+    overrides = list(args.overrides)
+    for key in ("partition", "account", "time"):  # the flags are cluster.* overrides
+        if getattr(args, key) is not None:
+            overrides.append(f"cluster.{key}={getattr(args, key)}")
+    cfg = compose_config(overrides)
+    try:
+        alloc = allocation(cfg, args.nodes, args.gpus_per_node)
+        check(cfg, alloc.world_size)
+    except (LaunchError, ConfigError) as e:
+        print(f"launch: {e}", file=sys.stderr)
+        return 2
+    workdir = Path.cwd()
+    run_dir = (workdir / cfg.runs_dir / cfg.run_name).resolve()
+    script = render(cfg, alloc, run_dir, overrides, workdir)
+    kind = f"{alloc.gpus_per_node} GPUs" if alloc.gpus_per_node else f"{alloc.procs_per_node} CPU processes"
+    summary = (f"{cfg.run_name}: {alloc.nodes} node(s) x {kind} = world size "
+               f"{alloc.world_size} (tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, "
+               f"dp={alloc.world_size // (cfg.parallel.tp * cfg.parallel.pp)})")
+    if args.dry_run:
+        print(script)
+        print(f"# {summary}", file=sys.stderr)
+        return 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "train.sbatch"
+    path.write_text(script)
+    cmd = ["sbatch", "--parsable", *(["--wait"] if args.wait else []), str(path)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ)
+    job = proc.stdout.strip().split(";")[0]
+    if job:
+        print(f"submitted job {job}: {summary}\n  script {path}\n  log    {run_dir}/slurm-{job}.out")
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
