@@ -141,6 +141,9 @@ class Trainer:
                                          self.budget.global_batch_tokens)
         self.scaler = self._grad_scaler()
         self.peak_flops = self._peak_flops() if self.rank0 else None
+        # Every rank continues from the same RNG state (rank 0 alone drew random numbers to
+        # time the peak), so dropout masks agree wherever activations are replicated (TP).
+        torch.manual_seed(cfg.train.seed)
         self.metrics = MetricsLogger(
             self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), self.budget.steps,
             self.step, cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.wandb_entity,
