@@ -40,7 +40,7 @@ def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The whole model's parameters on rank 0 (empty elsewhere): each pipeline rank
     gathers its stages' shards, rank 0 collects the stages."""
     mine: dict[str, torch.Tensor] = {}
-    for part in trainer.model.parts:
+    for part in trainer.model_parts:
         sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
         mine.update({k: v.detach().cpu().clone() for k, v in sd.items()})
     if not dist.is_initialized():
@@ -55,11 +55,11 @@ def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return merged
 
 
-def memory(trainer: Trainer, block_only: bool = False) -> dict[str, int]:
-    params = trainer.model.parameters()
+def memory(trainer: Trainer) -> dict[str, int]:
+    params = trainer.parallel.parameters()
     opt_bytes = sum(local_bytes(v) for s in trainer.optimizer.state.values()
                     for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
-    blocks = [p for part in trainer.model.parts for p in part.layers.parameters()]
+    blocks = [p for part in trainer.model_parts for p in part.layers.parameters()]
     return {
         "params": sum(local_bytes(p) for p in params),
         "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),

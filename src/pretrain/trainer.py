@@ -132,10 +132,10 @@ class Trainer:
                          if "validation" in self.train_data.index["splits"] else None)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model = self._build_model()
+        self.parallel = self._build_model()
         self.optimizer = build_optimizer(
-            torch.nn.ModuleList(self.model.parts), cfg.optim, self.plan["lr"], self.device,
-            also_embeddings=self.model.tied.params if self.model.tied is not None else (),
+            torch.nn.ModuleList(self.parallel.parts), cfg.optim, self.plan["lr"], self.device,
+            also_embeddings=self.parallel.tied.params if self.parallel.tied is not None else (),
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.budget.steps,
                                          self.budget.global_batch_tokens)
@@ -209,6 +209,21 @@ class Trainer:
         log.info("CPU peak (measured %s matmul): %.1f GFLOP/s", dtype, peak / 1e9)
         return peak
 
+    @property
+    def model_parts(self) -> list[torch.nn.Module]:
+        """This rank's model chunks: one module, or its pipeline stages."""
+        return self.parallel.parts
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """This rank's model as one module: the whole GPT, or its pipeline stage (parameter
+        names are the whole model's either way). A rank holding several stages
+        (interleaved, ZBV) has no single module: use ``model_parts``."""
+        if len(self.parallel.parts) != 1:
+            raise AttributeError(f"this rank holds pipeline stages {self.parallel.stage_ids}; "
+                                 "use Trainer.model_parts")
+        return self.parallel.parts[0]
+
     # -- steps ---------------------------------------------------------------------------
 
     @property
@@ -228,14 +243,14 @@ class Trainer:
         same), onto every rank: one all-reduce over the world, other ranks adding zero."""
         if self.mesh is None:
             return value
-        share = value.float() / self.layout.tp if self.model.has_last_stage else \
+        share = value.float() / self.layout.tp if self.parallel.has_last_stage else \
             torch.zeros((), device=self.device)
         return dist_env.all_reduce(share.clone())
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Gradients of the mean loss over this rank's batch; returns that loss (zero on
         pipeline ranks without the last stage)."""
-        pm, n = self.model, self.micro_batches
+        pm, n = self.parallel, self.micro_batches
         with loss_context(self.layout.tp), self.policy.autocast(self.device):
             if pm.schedule is not None:
                 losses: list[torch.Tensor] = []
@@ -260,16 +275,16 @@ class Trainer:
         """One optimizer step over the global batch; returns (mean loss, grad norm), both
         global: the same on every rank."""
         cfg = self.cfg
-        self.model.train()
+        self.parallel.train()
         x, y = self._local_batch()
         loss = self.forward_backward(x, y)
-        if self.model.tied is not None:
-            self.model.tied.sync_grads()
+        if self.parallel.tied is not None:
+            self.parallel.tied.sync_grads()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.model.parameters(),
+        grad_norm = clip_grad_norm(self.parallel.parameters(),
                                    cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf,
-                                   self.pp_group, self.model.duplicate_params)
+                                   self.pp_group, self.parallel.duplicate_params)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -287,7 +302,7 @@ class Trainer:
         (FSDP and pipelines need every rank in every collective), in whole pipeline steps."""
         n, dp = self.cfg.train.eval_batches, self.layout.dp
         rounds = math.ceil(n / dp)
-        if self.model.schedule is not None:
+        if self.parallel.schedule is not None:
             rounds = math.ceil(rounds / self.micro_batches) * self.micro_batches
         mine = [k * dp + self.dp_rank for k in range(rounds)]
         return [(i, 1.0) if i < n else (0, 0.0) for i in mine]
@@ -297,7 +312,7 @@ class Trainer:
         whatever the layout."""
         if self.val_data is None:
             return None
-        pm, mbs = self.model, self.layout.micro_batch_size
+        pm, mbs = self.parallel, self.layout.micro_batch_size
         pm.train(False)
         work = self._eval_assignment()
         chunk = self.micro_batches if pm.schedule is not None else 1
@@ -322,7 +337,7 @@ class Trainer:
         return (self._sum_over_dp(total) / self.cfg.train.eval_batches).item()
 
     def _pipeline_eval(self, x: torch.Tensor, y: torch.Tensor, losses: list) -> None:
-        pm = self.model
+        pm = self.parallel
         args = [x] if pm.has_first_stage else []
         target = y if pm.has_last_stage else None
         if self.layout.pp_schedule != "zbv":
@@ -345,7 +360,7 @@ class Trainer:
 
         tok = PreTrainedTokenizerFast(tokenizer_file=str(self.train_data.path / "tokenizer.json"))
         prompt = tok(cfg.sample_prompt, add_special_tokens=False)["input_ids"] or [0]
-        model = self.model.parts[0]
+        model = self.model
         model.eval()
         # Same seed on every rank: data-parallel replicas draw the same tokens in lockstep.
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
