@@ -132,6 +132,9 @@ def run_group(root: Path, common: list[str], nproc: int,
     cmd = [sys.executable, *(launcher if nproc > 1 else []), str(HERE / "parallel_worker.py"),
            str(out), str(spec)]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    # One thread per process, as torchrun gives each rank: on a busy 2-core machine an
+    # OpenMP team of 2 spin-waits for a core and a 10-second run takes minutes.
+    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in layouts}
