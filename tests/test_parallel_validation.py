@@ -47,7 +47,7 @@ def test_dp_left_out_is_the_rest_of_the_world(compose):
     cfg = compose([*BASE, "parallel.dp=null", "train.global_batch_size=32"])
     assert resolve_plan(cfg, 16)[0]["layout"]["dp"] == 4
     msg = problems(cfg, 6)[0]  # 6 is not a multiple of tp*pp = 4
-    assert "needs 4 processes but the world size is 6" in msg
+    assert "the world size 6 is not a multiple of tp=2 x pp=2 = 4" in msg
 
 
 def test_heads_divisible_by_tp(compose):

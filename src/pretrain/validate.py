@@ -118,13 +118,16 @@ def _check_layout(cfg: Config, world_size: int, p: list[str]) -> None:
         p.append(f"parallel.dp={par.dp} must be a positive integer (or null: world / (tp*pp))")
         return
     dp = par.dp if par.dp is not None else world_size // (tp * pp)
-    if dp <= 0 or tp * pp * dp != world_size:
-        need = tp * pp * max(dp, 1)
-        p.append(f"parallel layout tp={tp} x pp={pp} x dp={par.dp if par.dp is not None else dp}"
-                 f" needs {need} processes but the world size is {world_size}; launch {need} "
-                 f"(torchrun --nproc_per_node={need}, or tools/run_local.py) or change "
-                 "parallel.tp/pp/dp")
+    if par.dp is None and (dp <= 0 or world_size % (tp * pp)):
+        p.append(f"parallel.dp=null takes dp = world size / (tp x pp), but the world size "
+                 f"{world_size} is not a multiple of tp={tp} x pp={pp} = {tp * pp}; launch a "
+                 f"multiple of {tp * pp} processes or set parallel.dp")
         dp = max(dp, 1)
+    elif par.dp is not None and tp * pp * dp != world_size:
+        need = tp * pp * dp
+        p.append(f"parallel layout tp={tp} x pp={pp} x dp={dp} needs {need} processes but the "
+                 f"world size is {world_size}; launch {need} (torchrun --nproc_per_node={need}"
+                 ", or tools/run_local.py) or change parallel.tp/pp/dp")
 
     if tp > 1:
         kv = m.n_kv_head or m.n_head
