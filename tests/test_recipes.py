@@ -39,10 +39,12 @@ def test_recipe_composes_validates_and_plans(compose, recipe):
     assert plan["total_flops"] == pytest.approx(plan["flops_per_token"] * plan["tokens"])
     assert plan["attention"] == "sdpa"  # auto on this CPU
     assert plan["precision"] == cfg.precision.name
-    lay = plan["layout"]
-    assert (lay["tp"], lay["pp"], lay["dp"], lay["world_size"]) == (1, 1, 1, 1)
+    lay, par = plan["layout"], cfg.parallel
+    dp = par.dp or 1  # dp=null (data parallel over the launched world): 1 in a dry run
+    assert (lay["tp"], lay["pp"], lay["dp"]) == (par.tp, par.pp, dp)
+    assert lay["world_size"] == par.tp * par.pp * dp  # multi-process recipes declare theirs
     mbs = cfg.parallel.micro_batch_size
-    assert lay["grad_accum"] * mbs == cfg.train.global_batch_size
+    assert lay["grad_accum"] * mbs * dp == cfg.train.global_batch_size
     json.dumps(plan)  # the plan is printed as JSON: it must serialise
 
 
