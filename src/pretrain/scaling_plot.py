@@ -67,6 +67,11 @@ def plot_loss_vs_compute(points: Sequence[RunPoint], compute: FitReport | None,
         assert isinstance(chinchilla.law, ChinchillaLaw)
         ax.plot(grid, chinchilla.law.optimal_loss(grid), color="C2", ls="--",
                 label="L(N, D) at compute-optimal N, D")
+    losses = [p.loss for p in points]
+    if compute is not None and target_flops:
+        losses.append(compute.predictions["loss"].value)
+    span = max(losses) - min(losses) or 1.0
+    ax.set_ylim(min(losses) - 0.4 * span, max(losses) + 0.2 * span)  # a wild band: clipped
     ax.set_xscale("log")
     ax.set_xlabel("training compute C (FLOPs, 6ND)")
     ax.set_ylabel("final validation loss (nats/token)")
