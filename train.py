@@ -29,7 +29,11 @@ def main(cfg: DictConfig) -> None:
 
     from pretrain.trainer import run
 
-    run(to_config(cfg), HydraConfig.get().runtime.output_dir)
+    result = run(to_config(cfg), HydraConfig.get().runtime.output_dir)
+    if result and result.get("exit_code"):
+        # 75 (EX_TEMPFAIL): stopped by a signal or the time limit after saving a
+        # checkpoint; slurm/train.sbatch requeues the job and the run resumes from it.
+        sys.exit(result["exit_code"])
 
 
 if __name__ == "__main__":

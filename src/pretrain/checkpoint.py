@@ -17,6 +17,7 @@ import logging
 import re
 import shutil
 import time
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from pretrain.config import CheckpointConfig
 
 log = logging.getLogger("pretrain.checkpoint")
+# DCP warns on every call without a process group that it assumes one process: it is right.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable",
+                        category=UserWarning)
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 META = "meta.json"

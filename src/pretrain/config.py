@@ -182,6 +182,14 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False
+    # Stop (save, exit 75 = requeue me) after this many minutes, like a SLURM time limit.
+    time_limit_minutes: float | None = None
+    # Stop the same way every this many steps (Megatron's --exit-interval): a job that
+    # trains in fixed chunks, requeued after each.
+    exit_interval: int | None = None
+    # A step whose loss or gradient is not finite is skipped (no update); this many in a
+    # row stop the run with the last good checkpoint intact.
+    max_nonfinite_steps: int = 5
     # Tokens generated from the trained model at the end (0 to skip).
     sample_tokens: int = 0
     sample_prompt: str = "def "

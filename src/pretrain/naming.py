@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 # Overrides that do not change what is trained, and so do not change the run directory.
 NEUTRAL_PREFIXES = ("+recipe=", "recipe=", "run_name=", "runs_dir=", "dry_run=", "logging.",
                     "logging=", "checkpoint.resume", "train.sample_", "data.num_proc=",
-                    "data.root=", "hydra.", "train.device=", "cluster.", "cluster=")
+                    "data.root=", "hydra.", "train.device=", "cluster.", "cluster=",
+                    "train.time_limit_minutes=", "train.exit_interval=")
 
 
 def run_name(recipe: str | None, overrides: list[str]) -> str:

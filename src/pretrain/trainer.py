@@ -22,6 +22,13 @@ from torch.distributed.tensor import DTensor
 
 from pretrain.attention import resolve_backend
 from pretrain.budget import Budget, resolve_budget
+from pretrain.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    ModelOptimizer,
+    read_meta,
+    resolve_checkpoint,
+)
 from pretrain.config import Config
 from pretrain.data.loader import TokenWindows
 from pretrain.data.prepare import DataError, data_dir, load_index, prepare
@@ -47,6 +54,7 @@ from pretrain.parallel.layout import (
 )
 from pretrain.parallel.tensor_parallel import loss_context
 from pretrain.precision import Policy, resolve_policy
+from pretrain.preemption import EXIT_REQUEUE, StopRequest
 from pretrain.validate import check
 
 log = logging.getLogger("pretrain")
@@ -76,6 +84,18 @@ def resolve_plan(cfg: Config, world_size: int | None = None
     return plan, budget, device, policy
 
 
+def resolve_auto_layout(cfg: Config, world_size: int) -> tuple[Config, list]:
+    """``parallel=auto``: the layout chosen for this world size and device (unchanged
+    otherwise). Deterministic, so every rank chooses the same one."""
+    if cfg.parallel.name != "auto":
+        return cfg, []
+    from pretrain.planning.autolayout import resolve_auto
+    from pretrain.planning.gpus import local_gpu
+
+    return resolve_auto(cfg, world_size,
+                        local_gpu(pick_device(cfg.train.device).type, world_size))
+
+
 def build_model(cfg: Config, device: torch.device, attention: str, seed: int) -> GPT:
     """The whole model, initialised with ``seed``: constructed on the meta device (no
     memory), then materialised on ``device``. Every layout starts from these weights."""
@@ -95,14 +115,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Trainer:
+    """Runs one recipe. Also a DCP ``Stateful``: its progress (step, data position, LR
+    schedule, loss scale, RNG) is saved and restored with the model and optimizer."""
+
     def __init__(self, cfg: Config, run_dir: Path):
-        self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.world_size = world_size_from_env()
+        cfg, self.auto_candidates = resolve_auto_layout(cfg, self.world_size)
+        self.cfg = cfg
         self.plan, self.budget, self.device, self.policy = resolve_plan(cfg, self.world_size)
+        if self.auto_candidates:
+            self.plan["parallel_auto"] = [c.summary() for c in self.auto_candidates[:5]]
         self.layout: Layout = resolve_layout(cfg, self.world_size)
         self.step = 0
         self.samples_seen = 0
+        self.nonfinite_in_a_row = 0
+        self.skipped_steps = 0
+        self.first_val_loss: float | None = None
+        self.exit_code = 0
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -144,6 +174,13 @@ class Trainer:
         # Every rank continues from the same RNG state (rank 0 alone drew random numbers to
         # time the peak), so dropout masks agree wherever activations are replicated (TP).
         torch.manual_seed(cfg.train.seed)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint)
+        self._resume()
+        self.stop = StopRequest(cfg.train.time_limit_minutes)
+        if self.rank0:
+            tok = self.train_data.path / "tokenizer.json"
+            if tok.exists():  # beside the checkpoints, for tools/export_hf.py
+                (self.run_dir / "tokenizer.json").write_bytes(tok.read_bytes())
         self.metrics = MetricsLogger(
             self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), self.budget.steps,
             self.step, cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.wandb_entity,
@@ -224,6 +261,92 @@ class Trainer:
                                  "use Trainer.model_parts")
         return self.parallel.parts[0]
 
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step, "samples_seen": self.samples_seen,
+            "skipped_steps": self.skipped_steps, "first_val_loss": self.first_val_loss,
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.first_val_loss = state.get("first_val_loss")
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"])
+
+    def _checkpoint_state(self) -> dict:
+        return {"model_optim": ModelOptimizer(self.model_parts, self.optimizer), "train": self}
+
+    def _check_compatible(self, path: Path) -> None:
+        """Refuse a checkpoint of another model before DCP reports a shape mismatch."""
+        saved = read_meta(path).get("config", {}).get("model", {})
+        ignore = {"attention", "name", "dropout"}
+        now = OmegaConf.to_container(OmegaConf.structured(self.cfg.model))
+        diff = [f"model.{k}={now[k]!r} (checkpoint: {v!r})" for k, v in saved.items()
+                if k not in ignore and k in now and now[k] != v]
+        if diff:
+            raise CheckpointError(
+                f"{path} holds a different model: {'; '.join(diff)}. Use the same model "
+                "settings, another run_name, or checkpoint.resume=false to start afresh.")
+
+    def _resume(self) -> None:
+        """Continue from the newest complete checkpoint of this run (or resume_from); else
+        start a new run, from load_weights_only's weights when given."""
+        ck = self.cfg.checkpoint
+        path = None
+        if ck.resume_from:
+            path = resolve_checkpoint(ck.resume_from)
+        elif ck.resume:
+            path = self.ckpt.latest()
+        if path is not None:
+            self._check_compatible(path)
+            meta = CheckpointManager.load(path, self._checkpoint_state())
+            log.info("resumed from %s: step %d, %s tokens seen (saved with layout %s)",
+                     path, self.step, f"{self.step * self.budget.global_batch_tokens:,}",
+                     meta.get("layout"))
+            return
+        if ck.load_weights_only:
+            self._load_weights(ck.load_weights_only)
+
+    def _load_weights(self, source: str) -> None:
+        """Weights only (new optimizer, new schedule): a checkpoint of ours, or a
+        transformers model directory."""
+        src = Path(source)
+        if (src / "config.json").exists() and not (src / ".metadata").exists():
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
+
+            from pretrain.hf import load_hf_weights
+
+            full = build_model(self.cfg, torch.device("cpu"), self.plan["attention"],
+                               self.cfg.train.seed)
+            load_hf_weights(full, self.cfg.model, str(src))
+            for part in self.model_parts:
+                set_model_state_dict(part, full.state_dict(),
+                                     options=StateDictOptions(full_state_dict=True, strict=False))
+            log.info("initialised from the transformers model in %s", src)
+            return
+        path = resolve_checkpoint(src)
+        self._check_compatible(path)
+        CheckpointManager.load(path, {"model_optim": ModelOptimizer(self.model_parts, None)})
+        log.info("initialised from the weights of %s (new optimizer and schedule)", path)
+
+    def save_checkpoint(self, block: bool = False) -> None:
+        meta = {"step": self.step, "tokens": self.step * self.budget.global_batch_tokens,
+                "samples_seen": self.samples_seen, "layout": self.plan["layout"],
+                "world_size": self.world_size,
+                "config": OmegaConf.to_container(OmegaConf.structured(self.cfg))}
+        self.ckpt.save(self.step, self._checkpoint_state(), meta, block=block)
+
     # -- steps ---------------------------------------------------------------------------
 
     @property
@@ -285,16 +408,39 @@ class Trainer:
         grad_norm = clip_grad_norm(self.parallel.parameters(),
                                    cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf,
                                    self.pp_group, self.parallel.duplicate_params)
-        if self.scaler:
+        loss_value = (self._sum_over_dp(loss) / self.layout.dp).item()
+        norm_value = grad_norm.item()  # both global: every rank takes the same decision
+        if self.scaler:  # fp16: the scaler skips steps with inf/nan gradients itself
+            scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        else:
+            if self.scaler.get_scale() < scale:
+                self.skipped_steps += 1
+        elif math.isfinite(loss_value) and math.isfinite(norm_value):
             self.optimizer.step()
+            self.nonfinite_in_a_row = 0
+        else:
+            self._skip_nonfinite(loss_value, norm_value)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.samples_seen += cfg.train.global_batch_size
         self.step += 1
-        return (self._sum_over_dp(loss) / self.layout.dp).item(), grad_norm.item()
+        return loss_value, norm_value
+
+    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
+        self.skipped_steps += 1
+        self.nonfinite_in_a_row += 1
+        limit = self.cfg.train.max_nonfinite_steps
+        log.warning("step %d: loss %s, grad norm %s: not finite, step skipped (%d in a row, "
+                    "%d in all)", self.step + 1, loss, grad_norm, self.nonfinite_in_a_row,
+                    self.skipped_steps)
+        if self.nonfinite_in_a_row >= limit:
+            last = self.ckpt.latest() if self.cfg.checkpoint.enabled else None
+            raise FloatingPointError(
+                f"{self.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient "
+                f"(train.max_nonfinite_steps={limit}); stopping. The last good checkpoint "
+                f"{last or '(none saved)'} is intact: lower optim.lr, raise warmup, or use "
+                "bf16 instead of fp16, then resume.")
 
     def _eval_assignment(self) -> list[tuple[int, float]]:
         """(validation batch, weight) pairs this DP rank evaluates: batch i goes to rank
@@ -391,12 +537,14 @@ class Trainer:
         cfg = self.cfg
         steps = self.budget.steps
         tokens_per_step = self.budget.global_batch_tokens
-        first_val = self.evaluate()
-        if first_val is not None:
-            self.metrics.log({"step": 0, "val_loss": first_val, "tokens": 0})
-        last_val = first_val
+        if self.step == 0:  # a resumed run measured this before it stopped
+            self.first_val_loss = self.evaluate()
+            if self.first_val_loss is not None:
+                self.metrics.log({"step": 0, "val_loss": self.first_val_loss, "tokens": 0})
+        first_val = last_val = self.first_val_loss
         t_last, steps_since = time.perf_counter(), 0
         loss = float("nan")
+        stopped = None
         while self.step < steps:
             loss, grad_norm = self.train_step()
             steps_since += 1
@@ -413,8 +561,29 @@ class Trainer:
                     self.metrics.log({"step": self.step, "val_loss": last_val,
                                       "tokens": self.step * tokens_per_step})
                 t_last += time.perf_counter() - t0  # eval time is not training throughput
+            self.ckpt.poll()
+            stopped = None if is_last else self.stop.check(self.device)
+            every = cfg.train.exit_interval
+            if stopped is None and every and self.step % every == 0 and not is_last:
+                stopped = f"train.exit_interval={every}"
+            if stopped is not None:
+                log.warning("stopping at step %d (%s): saving a checkpoint, then exiting with "
+                            "status %d so the launcher requeues the run", self.step, stopped,
+                            EXIT_REQUEUE)
+                self.save_checkpoint(block=True)
+                break
+            if self.ckpt.due(self.step) and not is_last:
+                self.save_checkpoint()
+        if stopped is not None:
+            self.exit_code = EXIT_REQUEUE
+            self.metrics.close()
+            return {"steps": self.step, "stopped": stopped}
+        if self.cfg.checkpoint.enabled:
+            self.save_checkpoint(block=True)
+        self.ckpt.wait()
         result = {"steps": self.step, "final_loss": loss, "first_val_loss": first_val,
-                  "final_val_loss": last_val, "tokens": self.step * tokens_per_step}
+                  "final_val_loss": last_val, "tokens": self.step * tokens_per_step,
+                  "skipped_steps": self.skipped_steps}
         text = self.sample()
         if text is not None:
             log.info("sample from the trained model:\n%s\n%s\n%s", "-" * 60, text, "-" * 60)
@@ -429,7 +598,10 @@ def run(cfg: Config, run_dir: Path) -> dict | None:
     """Entry point shared by train.py and the tools: dry run or train (one process, or one
     of the processes torchrun started)."""
     if cfg.dry_run:
+        cfg, candidates = resolve_auto_layout(cfg, declared_world_size(cfg))
         plan, *_ = resolve_plan(cfg)
+        if candidates:
+            plan["parallel_auto"] = [c.summary() for c in candidates[:5]]
         if dist_env.env_rank() == 0:
             print(json.dumps(plan), flush=True)
         return plan
@@ -438,13 +610,10 @@ def run(cfg: Config, run_dir: Path) -> dict | None:
         trainer.setup()
         if trainer.rank0:
             (Path(run_dir) / "plan.json").write_text(json.dumps(trainer.plan, indent=2))
-        return trainer.fit()
+        result = trainer.fit()
+        result["exit_code"] = trainer.exit_code
+        return result
     finally:
+        if getattr(trainer, "stop", None) is not None:
+            trainer.stop.restore()
         dist_env.destroy()
-
-
-def to_config(cfg) -> Config:
-    """A Hydra DictConfig (already checked against the schema) as the dataclass tree."""
-    obj = OmegaConf.to_object(cfg)
-    assert isinstance(obj, Config), type(obj)
-    return obj

@@ -1,0 +1,114 @@
+"""Exact resume on one process: stopped by a signal, by exit_interval, or killed after a
+completed save, the continued run computes the same losses as one uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CORPUS_FILES, REPO, write_corpus
+
+STEPS = 24
+EXIT_REQUEUE = 75
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("resume")
+    write_corpus(work)
+    return work
+
+
+def command(work: Path, run: str, *extra: str) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), "model=nano", "model.vocab_size=300",
+            "data=local-text", f"data.data_files=[{','.join(CORPUS_FILES)}]",
+            "data.tokenizer_vocab_size=300", "data.num_proc=1", f"data.root={work / 'data'}",
+            "precision=fp32", "budget=steps", f"budget.steps={STEPS}", "schedule.warmup_steps=3",
+            "train.global_batch_size=8", "parallel.micro_batch_size=4", "train.eval_interval=1000",
+            "train.eval_batches=2", "train.sample_tokens=0", "logging=quiet",
+            "logging.log_interval=1", f"runs_dir={work / 'runs'}", f"run_name={run}", *extra]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Training loss per step; a step logged twice (killed after logging, redone after
+    resume) keeps its last value."""
+    out = {}
+    for path in sorted(run_dir.glob("metrics*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if "loss" in row:
+                out[row["step"]] = row["loss"]
+    return out
+
+
+def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def straight(work) -> dict[int, float]:
+    proc = run(command(work, "straight"), work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = losses(work / "runs" / "straight")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    return got
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    t0 = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() - t0 < timeout, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def test_exit_interval_requeues_until_done(work, straight):
+    cmd = command(work, "chunks", "checkpoint.enabled=true", "train.exit_interval=10")
+    codes = [run(cmd, work).returncode for _ in range(3)]
+    assert codes == [EXIT_REQUEUE, EXIT_REQUEUE, 0]
+    run_dir = work / "runs" / "chunks"
+    steps = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").iterdir())
+    assert steps == [10, 20, 24]
+    assert losses(run_dir) == straight  # bit-identical in fp32 on one process
+    assert json.loads((run_dir / "result.json").read_text())["steps"] == STEPS
+
+
+def test_signal_saves_and_resume_is_exact(work, straight):
+    cmd = command(work, "signal", "checkpoint.enabled=true", "checkpoint.interval_steps=3")
+    run_dir = work / "runs" / "signal"
+    proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    wait_for(run_dir / "checkpoints" / "step_0000003", proc)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_REQUEUE, err[-3000:]
+    assert "received SIGUSR1" in out + err
+    assert not (run_dir / "result.json").exists()  # not finished: no result yet
+    stopped_at = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").iterdir())
+    assert 3 <= stopped_at < STEPS
+
+    proc2 = run(cmd, work)
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped_at:07d}'}" in proc2.stdout
+    assert losses(run_dir) == straight
+
+
+def test_kill_after_completed_save_then_resume_is_exact(work, straight):
+    cmd = command(work, "killed", "checkpoint.enabled=true", "checkpoint.interval_steps=5",
+                  "checkpoint.async_save=false")
+    run_dir = work / "runs" / "killed"
+    proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    wait_for(run_dir / "checkpoints" / "step_0000005", proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc2 = run(cmd, work)
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    assert "resumed from" in proc2.stdout
+    assert losses(run_dir) == straight
