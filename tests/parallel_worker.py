@@ -24,9 +24,9 @@ from hydra import compose, initialize_config_dir
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from pretrain.config import register_configs
+from pretrain.config import register_configs, to_config
 from pretrain.naming import register_resolvers
-from pretrain.trainer import Trainer, to_config
+from pretrain.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
