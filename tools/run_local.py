@@ -6,7 +6,7 @@
     python tools/run_local.py --print +recipe=nano-3d         # show the command, run nothing
 
 The layout is composed exactly as train.py composes it; the world size is tp * pp * dp
-(``--nproc`` when the recipe leaves dp to the world size). It then replaces itself with
+(``--nproc`` when the recipe leaves dp to the world size). It then runs
 ``torchrun --standalone --nproc_per_node=N train.py <overrides>``: one node, a local
 rendezvous, gloo on CPU or NCCL on GPUs. Multi-node runs go through slurm/ instead.
 """
@@ -14,8 +14,9 @@ rendezvous, gloo on CPU or NCCL on GPUs. Multi-node runs go through slurm/ inste
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -57,7 +58,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.print:
         print(shlex.join(cmd))
         return
-    os.execv(cmd[0], cmd)
+    # A run stopped early to be requeued (signal, time limit, train.exit_interval) exits 75
+    # on one process; torchrun cannot pass that through, so the trainer leaves stopped.json
+    # in the run directory and this launcher returns 75 for it.
+    cfg = compose_config(overrides)
+    stopped = Path(cfg.runs_dir) / cfg.run_name / "stopped.json"
+    code = subprocess.run(cmd).returncode
+    if code == 0 and stopped.exists():
+        code = json.loads(stopped.read_text()).get("exit_code", 75)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

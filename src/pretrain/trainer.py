@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -58,6 +59,8 @@ from pretrain.preemption import EXIT_REQUEUE, StopRequest
 from pretrain.validate import check
 
 log = logging.getLogger("pretrain")
+# Written by rank 0 when a run stops early to be requeued (signal, time limit, exit_interval).
+STOPPED = "stopped.json"
 
 
 def resolve_plan(cfg: Config, world_size: int | None = None
@@ -175,6 +178,8 @@ class Trainer:
         # time the peak), so dropout masks agree wherever activations are replicated (TP).
         torch.manual_seed(cfg.train.seed)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint)
+        if self.rank0:
+            (self.run_dir / STOPPED).unlink(missing_ok=True)  # this attempt is not stopped
         self._resume()
         self.stop = StopRequest(cfg.train.time_limit_minutes)
         if self.rank0:
@@ -575,7 +580,13 @@ class Trainer:
             if self.ckpt.due(self.step) and not is_last:
                 self.save_checkpoint()
         if stopped is not None:
-            self.exit_code = EXIT_REQUEUE
+            # One process exits 75 itself. Under torchrun a non-zero exit of one rank makes
+            # torchrun kill the others and return 1, so ranks exit 0 there and the launcher
+            # (tools/run_local.py, slurm/train.sbatch) reads stopped.json instead.
+            if self.rank0:
+                (self.run_dir / STOPPED).write_text(json.dumps(
+                    {"step": self.step, "reason": stopped, "exit_code": EXIT_REQUEUE}))
+            self.exit_code = 0 if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_REQUEUE
             self.metrics.close()
             return {"steps": self.step, "stopped": stopped}
         if self.cfg.checkpoint.enabled:

@@ -1,0 +1,85 @@
+"""Re-layout: a checkpoint saved by two zero3 ranks resumes on tp=2, on pp=2 and on one
+process, and every layout computes the same next loss as the original would (fp32, 1e-4).
+Also: an exact (1e-5) resume at dp=2 itself, since the original layout continues too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CORPUS_FILES, REPO, write_corpus
+
+K = 4  # steps before the save
+RUN_LOCAL = str(REPO / "tools" / "run_local.py")
+COMMON = [
+    "model=nano", "model.vocab_size=300", "data=local-text",
+    f"data.data_files=[{','.join(CORPUS_FILES)}]", "data.tokenizer_vocab_size=300",
+    "data.num_proc=1", "precision=fp32", "budget=steps", f"budget.steps={K + 2}",
+    "schedule.warmup_steps=2", "train.global_batch_size=8", "parallel.micro_batch_size=2",
+    "train.eval_interval=1000", "train.eval_batches=2", "train.sample_tokens=0",
+    "logging=quiet", "logging.log_interval=1", "checkpoint.enabled=true",
+]
+LAYOUTS = {
+    "one": ["parallel=single"],
+    "tp2": ["parallel=tp2", "parallel.dp=1"],
+    "pp2": ["parallel=pp2", "parallel.dp=1", "parallel.pp_schedule=1f1b"],
+}
+
+
+def launch(work: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    return subprocess.run([sys.executable, RUN_LOCAL, *COMMON, f"data.root={work / 'data'}",
+                           f"runs_dir={work / 'runs'}", *args], cwd=work, capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            out[row["step"]] = row["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict:
+    """dp=2 zero3: K steps, stop (exit 75) with a checkpoint; then the same command resumes
+    and finishes (steps K+1, K+2), as the reference for every other layout."""
+    work = tmp_path_factory.mktemp("relayout")
+    write_corpus(work)
+    args = ["parallel=zero3", "parallel.dp=2", "run_name=dp2"]
+    first = launch(work, *args, f"train.exit_interval={K}")
+    assert first.returncode == 75, first.stderr[-4000:]
+    ckpt = work / "runs" / "dp2" / "checkpoints" / f"step_{K:07d}"
+    assert (ckpt / "meta.json").exists()
+    second = launch(work, *args)
+    assert second.returncode == 0, second.stderr[-4000:]
+    return {"work": work, "ckpt": ckpt, "losses": losses(work / "runs" / "dp2")}
+
+
+def test_dp2_resume_matches_uninterrupted(saved, tmp_path):
+    work = saved["work"]
+    proc = launch(work, "parallel=zero3", "parallel.dp=2", "run_name=dp2-straight",
+                  "checkpoint.enabled=false")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    straight = losses(work / "runs" / "dp2-straight")
+    assert sorted(straight) == sorted(saved["losses"]) == list(range(1, K + 3))
+    for step, loss in straight.items():
+        assert abs(saved["losses"][step] - loss) <= 1e-5, step
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_resume_on_another_layout(saved, name):
+    work = saved["work"]
+    proc = launch(work, *LAYOUTS[name], f"run_name={name}",
+                  f"checkpoint.resume_from={saved['ckpt']}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = losses(work / "runs" / name)
+    assert sorted(got) == [K + 1, K + 2]  # continued from the checkpoint's step
+    for step in (K + 1, K + 2):
+        assert abs(got[step] - saved["losses"][step]) <= 1e-4, (step, got, saved["losses"])
