@@ -46,3 +46,67 @@ def test_same_seed_same_initial_model_and_eval(compose, prepared, tmp_path):
     for pa, pb in zip(params_a, params_b, strict=True):
         assert torch.equal(pa, pb)
     assert a.evaluate() == b.evaluate()
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run(compose, prepared, tmp_path):
+    trainer = nano_trainer(compose, prepared, tmp_path / "nan", micro_batch=8)
+    trainer.train_step()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    real = trainer.forward_backward
+
+    def poisoned(x, y):  # a forward that overflowed: NaN loss and NaN gradients
+        loss = real(x, y)
+        for p in trainer.model.parameters():
+            p.grad.fill_(float("nan"))
+        return loss * float("nan")
+
+    trainer.forward_backward = poisoned
+    limit = trainer.cfg.train.max_nonfinite_steps
+    for i in range(limit - 1):
+        loss, _ = trainer.train_step()
+        assert loss != loss  # NaN, reported as such
+        assert trainer.skipped_steps == trainer.nonfinite_in_a_row == i + 1
+    for p, q in zip(trainer.model.parameters(), before, strict=True):
+        assert torch.equal(p, q)  # no update happened
+    assert trainer.step == limit  # the steps (and their data) were consumed
+    with pytest.raises(FloatingPointError, match="train.max_nonfinite_steps"):
+        trainer.train_step()
+    trainer.forward_backward = real
+    trainer.nonfinite_in_a_row = 0
+    trainer.train_step()
+    assert trainer.nonfinite_in_a_row == 0
+    assert any(not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), before,
+                                                     strict=True))
+
+
+def test_load_weights_only_starts_a_new_run(compose, prepared, tmp_path):
+    src = nano_trainer(compose, prepared, tmp_path / "src", micro_batch=8)
+    src.train_step()
+    src.save_checkpoint(block=True)
+    cfg = compose([
+        "model=nano", "model.vocab_size=300", "model.seq_len=32", "precision=fp32",
+        "model.attention=eager", "data.name=tinytext", f"data.root={prepared.parent}",
+        "data.auto_prepare=false", "data.tokenizer_vocab_size=300", "train.global_batch_size=8",
+        "parallel.micro_batch_size=8", "budget=steps", "budget.steps=3",
+        "schedule.warmup_steps=1", "logging=quiet", "train.eval_batches=2",
+        f"checkpoint.load_weights_only={tmp_path / 'src'}",
+    ])
+    new = Trainer(cfg, tmp_path / "new")
+    new.setup()
+    assert new.step == 0 and new.samples_seen == 0  # new schedule, new data position
+    assert not new.optimizer.state  # new optimizer
+    for p, q in zip(new.model.parameters(), src.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    bad = compose([*cfg_overrides_with(cfg, "model.n_layer=3")])
+    with pytest.raises(Exception, match=r"model\.n_layer=3 \(checkpoint: 2\)"):
+        Trainer(bad, tmp_path / "bad").setup()
+
+
+def cfg_overrides_with(cfg, extra: str) -> list[str]:
+    return [
+        "model=nano", "model.vocab_size=300", "model.seq_len=32", "precision=fp32",
+        "data.name=tinytext", f"data.root={cfg.data.root}", "data.auto_prepare=false",
+        "data.tokenizer_vocab_size=300", "train.global_batch_size=8",
+        "parallel.micro_batch_size=8", "budget=steps", "budget.steps=3", "logging=quiet",
+        f"checkpoint.load_weights_only={cfg.checkpoint.load_weights_only}", extra,
+    ]

@@ -179,6 +179,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint)
         if self.rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / STOPPED).unlink(missing_ok=True)  # this attempt is not stopped
         self._resume()
         self.stop = StopRequest(cfg.train.time_limit_minutes)
@@ -440,6 +441,7 @@ class Trainer:
                     "%d in all)", self.step + 1, loss, grad_norm, self.nonfinite_in_a_row,
                     self.skipped_steps)
         if self.nonfinite_in_a_row >= limit:
+            self.optimizer.zero_grad(set_to_none=True)
             last = self.ckpt.latest() if self.cfg.checkpoint.enabled else None
             raise FloatingPointError(
                 f"{self.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient "
