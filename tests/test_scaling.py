@@ -227,3 +227,15 @@ def test_tool_prints_published_chinchilla_optimum(capsys):
     assert scaling_law.main(["--chinchilla", "5.76e23"]) == 0
     text = capsys.readouterr().out
     assert "N = 3.22e+10 params, D = 2.98e+12 tokens" in text
+
+
+def test_warnings_for_unbracketed_valleys_and_constants_on_bounds():
+    from pretrain.scaling import bound_warnings, isoflop_bracketed
+
+    group = isoflop_groups(synthetic_isoflop_sweep(0))[-1]
+    assert isoflop_bracketed(group)
+    assert not isoflop_bracketed(group[4:])  # only the large models: the smallest wins
+    assert bound_warnings(CHINCHILLA) == []
+    unfixed = ChinchillaLaw(E=4.5e-5, A=3.9, B=20.7, alpha=0.11, beta=0.11)
+    assert "E = 4.5e-05 is on its lower bound" in bound_warnings(unfixed)[0]
+    assert bound_warnings(ComputeLaw(a=1.0, b=-1.0, c=2.0))[0].startswith("b = -1")

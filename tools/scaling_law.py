@@ -32,6 +32,7 @@ from pretrain.scaling import (  # noqa: E402
     RunPoint,
     collect_runs,
     compute_frontier,
+    isoflop_bracketed,
     isoflop_groups,
     isoflop_minimum,
     report_chinchilla_law,
@@ -74,6 +75,8 @@ def print_report(title: str, rep: FitReport) -> None:
         print(f"  {k:>6} = {est}")
     for k, est in rep.predictions.items():
         print(f"  {k:>6} : {est}")
+    for w in rep.warnings:
+        print(f"  warning: {w}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     except NotIdentifiable as e:
         print(f"\nL(N, D): not fitted: {e}")
 
+    for g in isoflop_groups(points):
+        if len(g) >= 3 and not isoflop_bracketed(g):
+            side = "below" if min(g, key=lambda p: p.loss) is g[0] else "above"
+            print(f"\nwarning: at C = {g[0].flops:.3g} the best size is the "
+                  f"{'smallest' if side == 'below' else 'largest'} run: the iso-FLOP valley lies "
+                  f"{side} the sizes run ({g[0].n_params:.3g}..{g[-1].n_params:.3g}); "
+                  "extend the sweep that way")
     minima = [(g, isoflop_minimum(g)) for g in isoflop_groups(points)]
     minima = [(g, m) for g, m in minima if m is not None]
     if minima:

@@ -293,12 +293,33 @@ class FitReport:
     constants: dict[str, Estimate]
     predictions: dict[str, Estimate] = field(default_factory=dict)
     samples: list = field(default_factory=list)  # the bootstrap laws, for bands in plots
+    warnings: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"law": type(self.law).__name__, **asdict(self.law),
                 "constants": {k: asdict(v) for k, v in self.constants.items()},
                 "predictions": {k: asdict(v) for k, v in self.predictions.items()},
-                "bootstrap_samples": len(self.samples)}
+                "bootstrap_samples": len(self.samples), "warnings": self.warnings}
+
+
+def bound_warnings(law: ComputeLaw | ChinchillaLaw) -> list[str]:
+    """Constants that ended on a bound of the search: the runs did not determine them, and
+    predictions that lean on them are extrapolations of the bounds, not of the data."""
+    out = []
+    if isinstance(law, ComputeLaw):
+        if law.b <= -0.999 or law.b >= -1e-6:
+            out.append(f"b = {law.b:.3g} is on a bound of [-1, 0]: the runs do not fix it")
+        if law.c <= 1e-9:
+            out.append("c = 0: no irreducible loss is visible in these runs (a pure power law)")
+        return out
+    if law.E < 1e-3:
+        out.append(f"E = {law.E:.2g} is on its lower bound: the runs do not constrain the "
+                   "irreducible loss, so N_opt and D_opt are not trustworthy")
+    for name in ("alpha", "beta"):
+        v = getattr(law, name)
+        if v <= 0.0101 or v >= 2.99:
+            out.append(f"{name} = {v:.3g} is on a bound of [0.01, 3]: the runs do not fix it")
+    return out
 
 
 def bootstrap(points: Sequence[RunPoint], fit: Callable[[list[RunPoint], np.ndarray | None],
@@ -344,7 +365,7 @@ def report_compute_law(points: Sequence[RunPoint], target_flops: float | None = 
     laws = bootstrap(points, refit, _compute_law_theta(law, c0), n_boot, seed)
     constants = {k: _estimate(getattr(law, k), np.array([getattr(s, k) for s in laws]),
                               geometric=k == "a") for k in ("a", "b", "c")}
-    rep = FitReport(law, constants, samples=laws)
+    rep = FitReport(law, constants, samples=laws, warnings=bound_warnings(law))
     if target_flops:
         rep.predictions["loss"] = _estimate(
             float(law.predict(target_flops)), np.array([s.predict(target_flops) for s in laws]))
@@ -365,7 +386,7 @@ def report_chinchilla_law(points: Sequence[RunPoint], target_flops: float | None
     laws = bootstrap(points, refit, _chinchilla_theta(law), n_boot, seed)
     constants = {k: _estimate(getattr(law, k), np.array([getattr(s, k) for s in laws]),
                               geometric=k in ("A", "B")) for k in ("E", "A", "B", "alpha", "beta")}
-    rep = FitReport(law, constants, samples=laws)
+    rep = FitReport(law, constants, samples=laws, warnings=bound_warnings(law))
     if target_flops:
         n_opt, d_opt = law.optimal(target_flops)
         opts = [s.optimal(target_flops) for s in laws]
@@ -390,6 +411,14 @@ def isoflop_groups(points: Sequence[RunPoint], rel_tol: float = 0.1) -> list[lis
         else:
             groups.append([p])
     return [sorted(g, key=lambda p: p.n_params) for g in groups]
+
+
+def isoflop_bracketed(group: Sequence[RunPoint]) -> bool:
+    """Whether a budget's lowest loss is at an inner size: the valley is inside the sizes
+    run. When it is not (the smallest or the largest model wins), the sweep says which way
+    N_opt lies but not where, and L(N, D) fitted to it extrapolates."""
+    best = min(range(len(group)), key=lambda i: group[i].loss)
+    return 0 < best < len(group) - 1
 
 
 def isoflop_minimum(group: Sequence[RunPoint]) -> tuple[float, float] | None:
