@@ -108,6 +108,7 @@ case "$FAKE_MODE" in
     for i in $(seq 200); do sleep 0.05; done; exit 0 ;;
   checkpoint-then-fail) mkdir -p "$RUN_DIR/checkpoints/step_0000009"; exit 1 ;;
   finish) echo '{}' > "$RUN_DIR/result.json"; exit 0 ;;
+  stopped-json) echo '{"exit_code": 75}' > "$RUN_DIR/stopped.json"; exit 0 ;;
 esac
 """
 FAKE_SCONTROL = """#!/bin/bash
@@ -160,7 +161,8 @@ def test_batch_script_forwards_usr1_and_requeues(tmp_path):
 
 @pytest.mark.parametrize("mode, restarts, requeued, rc", [
     ("exit75", 0, True, 0),                  # a worker's EX_TEMPFAIL, one process
-    ("checkpoint-then-fail", 0, True, 0),    # stopped on its own time limit after saving
+    ("stopped-json", 0, True, 0),            # torchrun ranks stopped (time limit): exit 0
+    ("checkpoint-then-fail", 0, True, 0),    # failed after saving new progress
     ("exit1", 0, False, 1),                  # a crash without progress: no requeue loop
     ("finish", 0, False, 0),                 # finished: never requeued
     ("exit75", 3, False, 75),                # MAX_REQUEUES reached
