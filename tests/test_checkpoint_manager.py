@@ -127,3 +127,14 @@ def test_resolve_checkpoint_finds_the_newest_in_a_run_dir(tmp_path):
     assert resolve_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_0000006"
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         resolve_checkpoint(tmp_path / "elsewhere")
+
+
+def test_due_by_steps_and_by_minutes(tmp_path):
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, interval_steps=5))
+    assert [s for s in range(1, 12) if mgr.due(s)] == [5, 10]
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, interval_minutes=1.0))
+    assert not mgr.due(1)
+    mgr.last_save_time -= 61  # a minute and a second since the last save
+    assert mgr.due(2)
+    off = CheckpointManager(tmp_path, CheckpointConfig(enabled=False, interval_steps=1))
+    assert not off.due(1)

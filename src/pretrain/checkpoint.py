@@ -195,9 +195,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
 class CheckpointManager:
     """Saves (async where possible), finalises, retains and finds checkpoints of one run."""
 
-    def __init__(self, folder: Path, cfg: CheckpointConfig):
+    def __init__(self, folder: Path, cfg: CheckpointConfig,
+                 device: torch.device = torch.device("cpu")):
         self.folder = Path(folder)
         self.cfg = cfg
+        self.device = device  # for the small agreement collectives (NCCL needs CUDA tensors)
         self.pending: tuple[Future, Path, dict] | None = None
         self.last_save_time = time.monotonic()
         # Async saves run their collectives in a background thread: give them their own
@@ -213,7 +215,7 @@ class CheckpointManager:
         if self.cfg.interval_steps and step % self.cfg.interval_steps == 0:
             return True
         if self.cfg.interval_minutes:
-            elapsed = torch.tensor(time.monotonic() - self.last_save_time)
+            elapsed = torch.tensor(time.monotonic() - self.last_save_time, device=self.device)
             if dist.is_initialized():  # every rank must agree, or the save collective hangs
                 dist.broadcast(elapsed, src=0)
             return elapsed.item() >= 60 * self.cfg.interval_minutes
@@ -261,7 +263,7 @@ class CheckpointManager:
     def poll(self) -> None:
         """Finish a pending async save if its writes are done; cheap to call every step."""
         if self.pending is not None:
-            done = torch.tensor(int(self.pending[0].done()))
+            done = torch.tensor(int(self.pending[0].done()), device=self.device)
             if dist.is_initialized():
                 dist.all_reduce(done, op=dist.ReduceOp.MIN)
             if done.item():

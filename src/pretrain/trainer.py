@@ -177,7 +177,7 @@ class Trainer:
         # Every rank continues from the same RNG state (rank 0 alone drew random numbers to
         # time the peak), so dropout masks agree wherever activations are replicated (TP).
         torch.manual_seed(cfg.train.seed)
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint, self.device)
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / STOPPED).unlink(missing_ok=True)  # this attempt is not stopped
