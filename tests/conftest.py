@@ -22,10 +22,8 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
-import hydra  # noqa: E402
 import pytest  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from omegaconf import open_dict  # noqa: E402
 
 from pretrain.config import Config, DataConfig, register_configs  # noqa: E402
 from pretrain.naming import register_resolvers  # noqa: E402
@@ -75,23 +73,14 @@ def make_data_config(root: Path | str, **overrides) -> DataConfig:
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Compose conf/config.yaml + overrides as train.py does, and return the Config dataclass.
+    """Compose conf/config.yaml + overrides exactly as the tools do (pretrain.cli, the same
+    path train.py's config takes), then unset HydraConfig so tests stay independent."""
+    from pretrain.cli import compose_config as compose_like_the_tools
 
-    The hydra node is kept while composing so that ``run_name`` resolves through the same
-    resolver (and HydraConfig) as in a real run; it is then dropped, as @hydra.main does.
-    """
-    from pretrain.config import to_config
-
-    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = hydra.compose(config_name="config", overrides=list(overrides),
-                            return_hydra_config=True)
-        HydraConfig.instance().set_config(cfg)
-        try:
-            with open_dict(cfg):
-                del cfg["hydra"]
-            return to_config(cfg)
-        finally:
-            HydraConfig.instance().cfg = None
+    try:
+        return compose_like_the_tools(list(overrides), CONF_DIR)
+    finally:
+        HydraConfig.instance().cfg = None
 
 
 @pytest.fixture
