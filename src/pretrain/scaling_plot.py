@@ -76,6 +76,13 @@ def plot_loss_vs_compute(points: Sequence[RunPoint], compute: FitReport | None,
     ax.set_xlabel("training compute C (FLOPs, 6ND)")
     ax.set_ylabel("final validation loss (nats/token)")
     ax.set_title("Loss vs compute")
+    return _save(fig, ax, path)
+
+
+def _save(fig, ax, path: Path) -> Path:
+    """The finishing touches every plot shares: grid, legend, layout, PNG, close."""
+    import matplotlib.pyplot as plt
+
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -124,9 +131,4 @@ def plot_isoflop(points: Sequence[RunPoint], chinchilla: FitReport | None, path:
     if all(len(g) == 1 for g in groups):
         title += " (no budget has 2+ runs: add an iso-FLOP sweep, budget=flops)"
     ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
