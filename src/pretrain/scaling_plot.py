@@ -81,8 +81,7 @@ def plot_loss_vs_compute(points: Sequence[RunPoint], compute: FitReport | None,
 
 def _save(fig, ax, path: Path) -> Path:
     """The finishing touches every plot shares: grid, legend, layout, PNG, close."""
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
