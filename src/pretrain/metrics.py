@@ -16,11 +16,13 @@ def format_metrics(m: dict[str, Any]) -> str:
     fmt = {
         "loss": "loss {:.4f}", "val_loss": "val_loss {:.4f}", "lr": "lr {:.2e}",
         "grad_norm": "gnorm {:.3f}", "tokens_per_s": "{:,.0f} tok/s", "mfu": "MFU {:.1%}",
-        "memory_gb": "mem {:.2f} GB",
+        "memory_gb": "mem {:.2f} GB", "loss_scale": "scale {:g}",
     }
     for key, f in fmt.items():
         if m.get(key) is not None:
             parts.append(f.format(m[key]))
+    if m.get("skipped_steps"):
+        parts.append(f"{m['skipped_steps']} skipped")
     return " | ".join(parts)
 
 

@@ -420,8 +420,11 @@ class Trainer:
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            if self.scaler.get_scale() < scale:
+            if self.scaler.get_scale() < scale:  # the documented sign of a skipped step
                 self.skipped_steps += 1
+                log.warning("step %d: fp16 gradients overflowed (inf/nan), step skipped on "
+                            "every rank; loss scale %g -> %g (%d skipped in all)",
+                            self.step + 1, scale, self.scaler.get_scale(), self.skipped_steps)
         elif math.isfinite(loss_value) and math.isfinite(norm_value):
             self.optimizer.step()
             self.nonfinite_in_a_row = 0
@@ -538,6 +541,7 @@ class Trainer:
             "memory_gb": peak_mem.item() / 1e9,
             "tokens": self.step * self.budget.global_batch_tokens,
             "loss_scale": self.scaler.get_scale() if self.scaler else None,
+            "skipped_steps": self.skipped_steps,
         }
 
     def fit(self) -> dict:
