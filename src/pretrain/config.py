@@ -78,8 +78,14 @@ class PrecisionConfig:
     # Gradient reduction dtype across data-parallel ranks.
     reduce_dtype: str = "float32"
     loss_scaling: bool = False  # dynamic loss scaling (fp16 only)
+    # fp8: torchao float8 training of the block Linears, on top of the bf16 policy.
     fp8: bool = False
-    fp8_recipe: str = "tensorwise"  # tensorwise | rowwise
+    fp8_recipe: str = "tensorwise"  # tensorwise | rowwise (torchao recipe names)
+    # Which Linears: auto = torchao's size thresholds (skip those fp8 makes slower on an
+    # H100); all = every Linear whose dimensions are multiples of 16. Never the output head.
+    fp8_filter: str = "auto"
+    # fp8 needs fp8 tensor cores (compute capability >= 8.9); true emulates the fp8 matmuls
+    # elsewhere (CPU, older GPUs): same numerics, slower, for tests and debugging.
     fp8_allow_emulation: bool = False
 
 

@@ -24,6 +24,16 @@ class Policy:
     reduce_dtype: torch.dtype
     loss_scaling: bool
     fp8: bool
+    fp8_recipe: str = "tensorwise"
+    fp8_filter: str = "auto"
+    # fp8 matmuls emulated in high precision (no fp8 tensor cores here; allowed by the user)
+    fp8_emulate: bool = False
+
+    @property
+    def peak_dtype(self) -> str:
+        """The key of the datasheet peak that bounds this policy's matmuls (for MFU)."""
+        return "float8" if self.fp8 and not self.fp8_emulate else \
+            str(self.compute_dtype).removeprefix("torch.")
 
     def autocast(self, device: torch.device):
         """Autocast to the compute dtype when it differs from the parameters' dtype."""
@@ -46,6 +56,7 @@ def fp8_supported(device: torch.device) -> tuple[bool, str]:
 
 def resolve_policy(cfg: PrecisionConfig, device: torch.device) -> Policy:
     """Check the policy can run on ``device`` and return it, or raise naming the fix."""
+    emulate = False
     if cfg.fp8:
         ok, why = fp8_supported(device)
         if not ok and not cfg.fp8_allow_emulation:
@@ -53,10 +64,10 @@ def resolve_policy(cfg: PrecisionConfig, device: torch.device) -> Policy:
                 f"precision=fp8 cannot run: {why} (H100/H200/L40S/RTX 40xx). Use precision=bf16, "
                 "or set precision.fp8_allow_emulation=true to emulate it (slow, for tests)."
             )
-        raise PrecisionError(
-            "precision=fp8 (torchao float8 training) is not wired into the trainer yet; "
-            "use precision=bf16."
-        )
+        emulate = not ok
+        from pretrain.fp8 import require_torchao
+
+        require_torchao()
     return Policy(
         name=cfg.name,
         param_dtype=DTYPES[cfg.param_dtype],
@@ -64,4 +75,7 @@ def resolve_policy(cfg: PrecisionConfig, device: torch.device) -> Policy:
         reduce_dtype=DTYPES[cfg.reduce_dtype],
         loss_scaling=cfg.loss_scaling,
         fp8=cfg.fp8,
+        fp8_recipe=cfg.fp8_recipe,
+        fp8_filter=cfg.fp8_filter,
+        fp8_emulate=emulate,
     )

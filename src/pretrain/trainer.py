@@ -40,6 +40,7 @@ from pretrain.device import (
     peak_memory_bytes,
     pick_device,
 )
+from pretrain.fp8 import after_optimizer_step, fp8_all_gather
 from pretrain.loss import cross_entropy
 from pretrain.metrics import MetricsLogger
 from pretrain.model import GPT, set_attention_backend
@@ -173,6 +174,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.budget.steps,
                                          self.budget.global_batch_tokens)
         self.scaler = self._grad_scaler()
+        # FSDP fp8 all-gathers: weight scales precomputed once per step, in one all-reduce
+        self.fp8_scales = self.policy.fp8 and any(fp8_all_gather(p) for p in self.model_parts)
         self.peak_flops = self._peak_flops() if self.rank0 else None
         # Every rank continues from the same RNG state (rank 0 alone drew random numbers to
         # time the peak), so dropout masks agree wherever activations are replicated (TP).
@@ -246,8 +249,8 @@ class Trainer:
         """Denominator of MFU, per device: datasheet peak on a GPU, a measured large matmul
         on a CPU (one process's share of it when several share the CPU)."""
         dtype = self.policy.compute_dtype
-        if self.device.type == "cuda":
-            return gpu_peak_flops(self.device, str(dtype).removeprefix("torch."))
+        if self.device.type == "cuda":  # fp8: the fp8 dense peak (not all matmuls are fp8)
+            return gpu_peak_flops(self.device, self.policy.peak_dtype)
         peak = measure_matmul_flops(dtype, self.device, seconds=0.5)
         log.info("CPU peak (measured %s matmul): %.1f GFLOP/s", dtype, peak / 1e9)
         return peak
@@ -427,6 +430,8 @@ class Trainer:
                             self.step + 1, scale, self.scaler.get_scale(), self.skipped_steps)
         elif math.isfinite(loss_value) and math.isfinite(norm_value):
             self.optimizer.step()
+            if self.fp8_scales:
+                after_optimizer_step(self.model_parts)
             self.nonfinite_in_a_row = 0
         else:
             self._skip_nonfinite(loss_value, norm_value)

@@ -29,6 +29,7 @@ CHOICES = {
     "precision.compute_dtype": ("float32", "bfloat16", "float16"),
     "precision.reduce_dtype": ("float32", "bfloat16", "float16"),
     "precision.fp8_recipe": ("tensorwise", "rowwise"),
+    "precision.fp8_filter": ("auto", "all"),
     "logging.wandb": ("disabled", "offline", "online"),
 }
 
@@ -91,6 +92,9 @@ def check(cfg: Config, world_size: int | None = None) -> None:
     prec = cfg.precision
     if prec.loss_scaling and prec.compute_dtype != "float16":
         p.append("precision.loss_scaling=true only makes sense with compute_dtype=float16")
+    if prec.fp8 and prec.compute_dtype != "bfloat16":
+        p.append(f"precision.fp8=true runs the non-fp8 parts in bf16; compute_dtype="
+                 f"{prec.compute_dtype} is not supported with it: use precision=fp8 as is")
     if not 0 <= cfg.schedule.min_lr_ratio <= 1:
         p.append(f"schedule.min_lr_ratio={cfg.schedule.min_lr_ratio} must be in [0, 1]")
     if cfg.schedule.warmup_steps is not None and cfg.schedule.warmup_tokens is not None:

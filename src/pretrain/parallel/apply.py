@@ -1,7 +1,7 @@
 """Turn a meta-device GPT into this rank's share of the model, in the order that composes:
 
-pipeline split -> tensor (+ sequence) parallel -> activation checkpointing -> compile
--> FSDP2 / replicate, all on the meta device (no memory), then materialise: allocate the
+fp8 conversion -> pipeline split -> tensor (+ sequence) parallel -> activation checkpointing
+-> compile -> FSDP2 / replicate, all on the meta device (no memory), then materialise: allocate the
 local shards and fill them from the reference initialisation, so every layout starts from
 the same global weights as one process does.
 """
@@ -68,12 +68,23 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
                 device: torch.device, policy: Policy,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> ParallelModel:
     """Apply every parallelism to ``model`` (on the meta device); nothing is allocated."""
+    sharded = mesh is not None and layout.dp > 1 and layout.dp_mode in ("zero2", "zero3")
+    if policy.fp8:
+        from pretrain.fp8 import convert_to_fp8
+
+        convert_to_fp8(model, policy.fp8_recipe, policy.fp8_filter, emulate=policy.fp8_emulate,
+                       fsdp_all_gather=sharded)
+    # Tensorwise fp8 under TP: torchao's Float8 styles (activations gathered in fp8). With
+    # sequence parallelism they put an fp8 tensor through a collective gloo rejects
+    # ("RuntimeError: Invalid scalar type", torch 2.13), so on CPU that case gathers in bf16.
+    fp8_tp = policy.fp8 and policy.fp8_recipe == "tensorwise" and (
+        device.type == "cuda" or not layout.sequence_parallel)
     stage_ids, parts = [0], [model]
     if mesh is not None and layout.pp > 1:
         stage_ids, parts = split_model(model, layout, mesh.pp.get_local_rank())
     for part in parts:
         if mesh is not None and layout.tp > 1:
-            apply_tensor_parallel(part, mesh.tp, layout.sequence_parallel)
+            apply_tensor_parallel(part, mesh.tp, layout.sequence_parallel, fp8_tensorwise=fp8_tp)
         apply_activation_checkpointing(part.layers, layout.activation_checkpointing,
                                        cfg.parallel.ac_every_n_layers)
         if cfg.train.compile:  # regional: each block once, the same code for all of them

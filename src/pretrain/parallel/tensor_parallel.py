@@ -51,12 +51,33 @@ class ReplicateParallel(ParallelStyle):
                                  output_fn=self._to_local)
 
 
-def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def _block_styles(block: nn.Module, fp8_tensorwise: bool):
+    """(colwise, rowwise, prepare-input) style classes for a block's Linears: torchao's
+    Float8 styles when every block Linear is a tensorwise Float8Linear (their inputs are
+    cast to fp8 before the all-gather, as torchtitan does), else the plain ones."""
+    if fp8_tensorwise:
+        from pretrain.fp8 import is_fp8
+
+        linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
+        if linears and all(is_fp8(m) for m in linears):
+            from torchao.float8.float8_tensor_parallel import (
+                Float8ColwiseParallel,
+                Float8RowwiseParallel,
+                PrepareFloat8ModuleInput,
+            )
+
+            return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+
+def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                          fp8_tensorwise: bool = False) -> None:
     """Shard ``model`` (a whole GPT or one pipeline stage of it) over ``tp_mesh`` in place.
 
     Activations between sub-layers are plain tensors: replicated, or sharded on the sequence
     (dim 1) with SP. Logits leave the head as a DTensor sharded on the vocabulary; compute
-    the loss under :func:`loss_context`.
+    the loss under :func:`loss_context`. ``fp8_tensorwise``: the block Linears are
+    tensorwise Float8Linears and the TP collectives may carry fp8.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
 
@@ -79,25 +100,26 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
     parallelize_module(model, tp_mesh, root)
 
     for block in model.layers.values():
+        colwise, rowwise, prepare_input = _block_styles(block, fp8_tensorwise)
         plan: dict[str, ParallelStyle] = {
             "attn_norm": norm_style(),
-            "attn.wq": ColwiseParallel(),
-            "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(output_layouts=seq),
+            "attn.wq": colwise(),
+            "attn.wk": colwise(),
+            "attn.wv": colwise(),
+            "attn.wo": rowwise(output_layouts=seq),
             "mlp_norm": norm_style(),
-            "mlp.w1": ColwiseParallel(),
-            "mlp.w2": RowwiseParallel(output_layouts=seq),
+            "mlp.w1": colwise(),
+            "mlp.w2": rowwise(output_layouts=seq),
         }
         if block.mlp.w3 is not None:
-            plan["mlp.w3"] = ColwiseParallel()
+            plan["mlp.w3"] = colwise()
         if sequence_parallel:  # gather the sequence before the column-parallel matmuls
-            plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1), None),
-                                              desired_input_layouts=(Replicate(), None),
-                                              use_local_output=True)
-            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                             desired_input_layouts=(Replicate(),),
-                                             use_local_output=True)
+            plan["attn"] = prepare_input(input_layouts=(Shard(1), None),
+                                         desired_input_layouts=(Replicate(), None),
+                                         use_local_output=True)
+            plan["mlp"] = prepare_input(input_layouts=(Shard(1),),
+                                        desired_input_layouts=(Replicate(),),
+                                        use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
     # parallelize_module replaced tok_emb.weight and lm_head.weight by two DTensors with the
     # same placement (Shard(0): vocabulary rows); share one again.
