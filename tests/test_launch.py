@@ -18,10 +18,14 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import launch  # noqa: E402
 
+CONTAINER_VARS = ("CONTAINER_IMAGE", "APPTAINER_IMAGE", "CONTAINER_MOUNTS")
+
 
 def dry_run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in CONTAINER_VARS}
     return subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), *args,
-                           "--dry-run"], cwd=cwd, capture_output=True, text=True, timeout=120)
+                           "--dry-run"], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_gpt3_175b_on_1024_gpus_renders_a_valid_script(tmp_path):
@@ -90,6 +94,48 @@ def test_cpu_cluster_script_uses_processes_and_cluster_env():
     assert "#SBATCH --signal=B:USR1@60" in lines
 
 
+def test_container_options_render_into_the_job(tmp_path):
+    plain = dry_run("+recipe=gpt3-1.3b", cwd=tmp_path)
+    pyxis = dry_run("--container-image", "nvcr.io#org/pretrain:1", "+recipe=gpt3-1.3b",
+                    "--container-mounts", "/scratch/hf:/hf", cwd=tmp_path)  # flags anywhere
+    sif = dry_run("+recipe=gpt3-1.3b", "--apptainer-image", "/img/pretrain.sif", cwd=tmp_path)
+    for proc in (plain, pyxis, sif):
+        assert proc.returncode == 0, proc.stderr
+    plain_lines = plain.stdout.splitlines()
+    # without a container the job is what it was: the launching interpreter, and no image
+    # among the settings launch.py fills in (the template's own defaults come after them)
+    settings = plain_lines[plain_lines.index("set -uo pipefail"):
+                           plain_lines.index("# Settings tools/launch.py fills in; by hand, "
+                                             "the environment or these defaults apply.")]
+    assert f"PYTHON={sys.executable}" in settings
+    assert not [line for line in settings if line.startswith(CONTAINER_VARS)]
+    # with one, the settings name the image and the image's python; nothing else changes
+    def changed(proc):
+        return (set(proc.stdout.splitlines()) - set(plain_lines),
+                set(plain_lines) - set(proc.stdout.splitlines()))
+
+    assert changed(pyxis) == ({"PYTHON=python", "CONTAINER_IMAGE='nvcr.io#org/pretrain:1'",
+                               "CONTAINER_MOUNTS=/scratch/hf:/hf"}, {f"PYTHON={sys.executable}"})
+    assert changed(sif) == ({"PYTHON=python", "APPTAINER_IMAGE=/img/pretrain.sif"},
+                            {f"PYTHON={sys.executable}"})
+    assert "in nvcr.io#org/pretrain:1" in pyxis.stderr
+    path = tmp_path / "job.sbatch"
+    path.write_text(pyxis.stdout)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_container_image_from_the_environment_and_clear_errors(tmp_path):
+    env = {**os.environ, "APPTAINER_IMAGE": "/img/pretrain.sif"}  # sbatch passes it on
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), "+recipe=tiny",
+                           "--dry-run"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "PYTHON=python" in proc.stdout.splitlines()
+    both = dry_run("+recipe=tiny", "--container-image", "a.sqsh", "--apptainer-image", "b.sif")
+    assert both.returncode == 2 and "exclude each other" in both.stderr and both.stdout == ""
+    mounts = dry_run("+recipe=tiny", "--container-mounts", "/a:/b")
+    assert mounts.returncode == 2 and "needs --container-image" in mounts.stderr
+
+
 def test_cluster_overrides_do_not_change_the_run_directory():
     assert compose_config(["+recipe=tiny", "cluster=local", "cluster.time=1:00:00"]).run_name \
         == "tiny"
@@ -119,10 +165,11 @@ esac
 """
 
 
-def run_batch(tmp_path: Path, mode: str, restarts: int = 0, signal_after: bool = False
-              ) -> tuple[int, Path, str]:
+def run_batch(tmp_path: Path, mode: str, restarts: int = 0, signal_after: bool = False,
+              env_extra: dict[str, str] | None = None) -> tuple[int, Path, str]:
     bin_dir, log_dir, run_dir = tmp_path / "bin", tmp_path / "log", tmp_path / "run"
-    for d in (bin_dir, log_dir, run_dir):
+    work_dir = tmp_path / "work"  # the job's working directory (sbatch --chdir)
+    for d in (bin_dir, log_dir, run_dir, work_dir):
         d.mkdir(exist_ok=True)
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
@@ -131,8 +178,12 @@ def run_batch(tmp_path: Path, mode: str, restarts: int = 0, signal_after: bool =
            "FAKE_MODE": mode, "RUN_DIR": str(run_dir), "SLURM_JOB_ID": "42",
            "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
            "SLURM_RESTART_COUNT": str(restarts), "NPROC_PER_NODE": "4", "MAX_REQUEUES": "3"}
+    for var in (*CONTAINER_VARS, "TRAIN_PY", "PYTHON"):
+        env.pop(var, None)
+    env.update(env_extra or {})
     proc = subprocess.Popen(["bash", str(REPO / "slurm" / "train.sbatch"), "+recipe=tiny"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=work_dir, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     if signal_after:
         deadline = time.monotonic() + 20
         while not (log_dir / "srun.started").exists() and time.monotonic() < deadline:
@@ -150,10 +201,63 @@ def test_batch_script_starts_torchrun_on_every_node(tmp_path):
     assert "-m torch.distributed.run --nnodes=2 --nproc-per-node=4" in args
     assert "--rdzv-backend=c10d --rdzv-endpoint=node1:20042 --rdzv-id=42" in args
     assert "SIGUSR1" in args and args.strip().endswith("train.py +recipe=tiny")
+    # no container: torchrun is srun's command itself, as it always was
+    assert args.startswith("--kill-on-bad-exit=1 --ntasks=2 --ntasks-per-node=1 "
+                           "python -m torch.distributed.run ")
+    assert "container" not in out
 
 
-def test_batch_script_forwards_usr1_and_requeues(tmp_path):
-    rc, log, out = run_batch(tmp_path, "wait-signal", signal_after=True)
+CONTAINERS = {  # variables of the job -> what srun must be given before torchrun
+    "pyxis": ({"CONTAINER_IMAGE": "nvcr.io#org/pretrain:1", "CONTAINER_MOUNTS": "/hf:/cache"},
+              "--container-image=nvcr.io#org/pretrain:1 "
+              "--container-mounts={work}:{work},{repo}:{repo},{run}:{run},/hf:/cache "
+              "--container-workdir={work} env PYTHONPATH={repo}/src "),
+    "apptainer": ({"APPTAINER_IMAGE": "/img/pretrain.sif", "APPTAINER": "singularity"},
+                  "singularity exec --nv --bind {work}:{work},{repo}:{repo},{run}:{run} "
+                  "--pwd {work} /img/pretrain.sif env PYTHONPATH={repo}/src "),
+}
+
+
+@pytest.mark.parametrize("runtime", sorted(CONTAINERS))
+def test_batch_script_runs_torchrun_in_a_container(tmp_path, runtime):
+    env, prefix = CONTAINERS[runtime]
+    rc, log, out = run_batch(tmp_path, "exit0",
+                             env_extra={**env, "TRAIN_PY": str(REPO / "train.py")})
+    assert rc == 0, out
+    args = (log / "srun.args").read_text()
+    # the work dir, the code and the run dir each mounted at its own path, then torchrun
+    # with the image's python and the checkout's package first on its path
+    expected = ("--kill-on-bad-exit=1 --ntasks=2 --ntasks-per-node=1 "
+                + prefix.format(work=tmp_path / "work", repo=REPO, run=tmp_path / "run")
+                + "python -m torch.distributed.run --nnodes=2 --nproc-per-node=4 ")
+    assert args.startswith(expected), args
+    assert args.strip().endswith(f"{REPO}/train.py +recipe=tiny")
+
+
+def test_batch_script_mounts_each_directory_once(tmp_path):
+    # the run dir inside the work dir and the code in the work dir: one mount covers all
+    run_dir = tmp_path / "work" / "runs" / "tiny"
+    run_dir.mkdir(parents=True)
+    rc, log, out = run_batch(tmp_path, "exit0", env_extra={
+        "CONTAINER_IMAGE": "img.sqsh", "RUN_DIR": str(run_dir)})
+    assert rc == 0, out
+    work = tmp_path / "work"
+    assert (f"--container-image=img.sqsh --container-mounts={work}:{work} "
+            f"--container-workdir={work} env PYTHONPATH={work}/src python ") \
+        in (log / "srun.args").read_text()
+
+
+def test_batch_script_refuses_two_container_runtimes(tmp_path):
+    rc, log, out = run_batch(tmp_path, "exit0", env_extra={
+        "CONTAINER_IMAGE": "img.sqsh", "APPTAINER_IMAGE": "img.sif"})
+    assert rc == 2 and "not both" in out
+    assert not (log / "srun.args").exists()
+
+
+@pytest.mark.parametrize("container", [{}, {"CONTAINER_IMAGE": "img.sqsh"},
+                                       {"APPTAINER_IMAGE": "img.sif"}])
+def test_batch_script_forwards_usr1_and_requeues(tmp_path, container):
+    rc, log, out = run_batch(tmp_path, "wait-signal", signal_after=True, env_extra=container)
     assert (log / "srun.signal").read_text().strip() == "usr1"  # the trap reached srun
     assert (log / "requeued").read_text().strip() == "42"
     assert rc == 0 and "requeueing job 42" in out

@@ -4,6 +4,8 @@
     python tools/launch.py +recipe=ladder-chinchilla model=gpt3-1.3b --nodes 4
     python tools/launch.py +recipe=tiny-zero3 cluster=local      # CPU processes (gloo)
     python tools/launch.py +recipe=NAME --partition gpu --account proj --time 48:00:00
+    python tools/launch.py +recipe=NAME --container-image nvcr.io#you/pretrain-recipes:tag
+    python tools/launch.py +recipe=NAME --apptainer-image /shared/pretrain-recipes.sif
 
 The config is composed exactly as train.py composes it (cluster defaults from
 conf/cluster/, picked with ``cluster=NAME``). The layout decides the world size
@@ -11,7 +13,9 @@ tp * pp * dp; the cluster (or --nodes / --gpus-per-node) decides how it is sprea
 two must agree: nodes x GPUs per node = world size, tensor parallelism inside a node.
 A layout with ``parallel.dp=null`` takes its world size from --nodes x --gpus-per-node.
 slurm/train.sbatch is rendered into ``<run dir>/train.sbatch`` with the settings filled in
-and submitted with sbatch (``--dry-run`` prints it and writes nothing).
+and submitted with sbatch (``--dry-run`` prints it and writes nothing). With a container
+image (pyxis or Apptainer, docs/docker.md) every node runs torchrun inside it, with the
+image's ``python``.
 """
 
 from __future__ import annotations
@@ -129,13 +133,41 @@ def sbatch_lines(cfg: Config, alloc: Allocation, run_dir: Path, workdir: Path) -
     return [f"#SBATCH {o}" for o in opts]
 
 
-def settings_lines(cfg: Config, alloc: Allocation, run_dir: Path, overrides: list[str]) -> list[str]:
+@dataclass(frozen=True)
+class Container:
+    """The image each node's torchrun runs in (slurm/train.sbatch's variables of that name)."""
+
+    image: str | None = None  # pyxis/enroot: srun --container-image
+    apptainer_image: str | None = None  # Apptainer/Singularity .sif: apptainer exec --nv
+    mounts: str | None = None  # more SRC:DST[:FLAGS],... besides the work, code and run dirs
+
+    def __post_init__(self):
+        if self.image and self.apptainer_image:
+            raise LaunchError("--container-image (pyxis) and --apptainer-image exclude each "
+                              "other: pick one")
+        if self.mounts and not (self.image or self.apptainer_image):
+            raise LaunchError("--container-mounts needs --container-image or --apptainer-image")
+
+    def __bool__(self) -> bool:
+        return bool(self.image or self.apptainer_image)
+
+    def lines(self) -> list[str]:
+        q = shlex.quote
+        return [f"{var}={q(value)}" for var, value in (
+            ("CONTAINER_IMAGE", self.image), ("APPTAINER_IMAGE", self.apptainer_image),
+            ("CONTAINER_MOUNTS", self.mounts)) if value]
+
+
+def settings_lines(cfg: Config, alloc: Allocation, run_dir: Path, overrides: list[str],
+                   container: Container = Container()) -> list[str]:
     cl = cfg.cluster
     q = shlex.quote
+    # In a container the image's interpreter runs, not the one running this tool.
+    python = cl.python or ("python" if container else sys.executable)
     lines = [
         f"RUN_DIR={q(str(run_dir))}",
         f"NPROC_PER_NODE={alloc.procs_per_node}",
-        f"PYTHON={q(cl.python or sys.executable)}",
+        f"PYTHON={q(python)}",
         f"TRAIN_PY={q(str(REPO / 'train.py'))}",
         f"SHUTDOWN_TIMEOUT={cl.shutdown_timeout_s}",
         f"MAX_REQUEUES={cl.max_requeues}",
@@ -143,17 +175,19 @@ def settings_lines(cfg: Config, alloc: Allocation, run_dir: Path, overrides: lis
     ]
     if cl.rdzv_port:
         lines.append(f"RDZV_PORT={cl.rdzv_port}")
+    lines += container.lines()
     lines += [f"export {k}={q(str(v))}" for k, v in cl.env.items()]
     lines += list(cl.setup)
     return lines
 
 
 def render(cfg: Config, alloc: Allocation, run_dir: Path, overrides: list[str],
-           workdir: Path) -> str:
+           workdir: Path, container: Container = Container()) -> str:
     """slurm/train.sbatch with its #SBATCH lines and settings filled in."""
     text = TEMPLATE.read_text()
+    settings = settings_lines(cfg, alloc, run_dir, overrides, container)
     for marker, lines in (("#@SBATCH_LINES@", sbatch_lines(cfg, alloc, run_dir, workdir)),
-                          ("#@SETTINGS@", settings_lines(cfg, alloc, run_dir, overrides))):
+                          ("#@SETTINGS@", settings)):
         if marker not in text:
             raise RuntimeError(f"{TEMPLATE} lost its {marker} line")
         text = text.replace(marker, "\n".join(lines))
@@ -168,9 +202,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partition")
     ap.add_argument("--account")
     ap.add_argument("--time")
+    # Defaults from the environment: sbatch passes it on to the job, which would see them.
+    ap.add_argument("--container-image", default=os.environ.get("CONTAINER_IMAGE") or None,
+                    help="pyxis/enroot image for srun --container-image (an enroot URI such "
+                         "as nvcr.io#org/image:tag, or a .sqsh file); $CONTAINER_IMAGE")
+    ap.add_argument("--apptainer-image", default=os.environ.get("APPTAINER_IMAGE") or None,
+                    help="Apptainer/Singularity .sif for apptainer exec --nv; $APPTAINER_IMAGE")
+    ap.add_argument("--container-mounts", default=os.environ.get("CONTAINER_MOUNTS") or None,
+                    help="more SRC:DST[:FLAGS],... mounts (data, caches); the work, code and "
+                         "run directories are mounted at their own paths already")
     ap.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     ap.add_argument("--wait", action="store_true", help="sbatch --wait: return the job's exit code")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides before, between or after the flags
 
     overrides = list(args.overrides)
     for key in ("partition", "account", "time"):  # the flags are cluster.* overrides
@@ -178,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(f"cluster.{key}={getattr(args, key)}")
     cfg = compose_config(overrides)
     try:
+        container = Container(args.container_image, args.apptainer_image, args.container_mounts)
         alloc = allocation(cfg, args.nodes, args.gpus_per_node)
         check(cfg, alloc.world_size)
     except (LaunchError, ConfigError) as e:
@@ -185,11 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     workdir = Path.cwd()
     run_dir = (workdir / cfg.runs_dir / cfg.run_name).resolve()
-    script = render(cfg, alloc, run_dir, overrides, workdir)
+    script = render(cfg, alloc, run_dir, overrides, workdir, container)
     kind = f"{alloc.gpus_per_node} GPUs" if alloc.gpus_per_node else f"{alloc.procs_per_node} CPU processes"
     summary = (f"{cfg.run_name}: {alloc.nodes} node(s) x {kind} = world size "
                f"{alloc.world_size} (tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, "
-               f"dp={alloc.world_size // (cfg.parallel.tp * cfg.parallel.pp)})")
+               f"dp={alloc.world_size // (cfg.parallel.tp * cfg.parallel.pp)})"
+               + (f", in {container.image or container.apptainer_image}" if container else ""))
     if args.dry_run:
         print(script)
         print(f"# {summary}", file=sys.stderr)
