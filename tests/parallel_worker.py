@@ -68,6 +68,18 @@ def memory(trainer: Trainer) -> dict[str, int]:
     }
 
 
+def linear_kinds(trainer: Trainer) -> dict[str, str]:
+    """Each Linear's class and its weight's local tensor class (fp8: ``Float8Linear``, and
+    ``WeightWithDynamicFloat8CastTensor`` when FSDP all-gathers it in fp8)."""
+    kinds = {}
+    for part in trainer.model_parts:
+        for n, m in part.named_modules():
+            if isinstance(m, torch.nn.Linear):
+                w = m.weight.to_local() if isinstance(m.weight, DTensor) else m.weight
+                kinds[n] = f"{type(m).__name__}/{type(w).__name__}"
+    return kinds
+
+
 def run_layout(overrides: list[str], out: Path, name: str) -> None:
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = to_config(compose("config", overrides=[*overrides, "run_name=test"]))
@@ -95,7 +107,8 @@ def run_layout(overrides: list[str], out: Path, name: str) -> None:
         dist.all_gather_object(per_rank, measured)
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save({"losses": losses, "grad_norms": norms, "val_loss": val, "init": init,
-                    "final": final, "memory": per_rank, "layout": trainer.plan["layout"]},
+                    "final": final, "memory": per_rank, "layout": trainer.plan["layout"],
+                    "linears": linear_kinds(trainer)},
                    out / f"{name}.pt")
 
 
