@@ -79,12 +79,15 @@ def resolve_plan(cfg: Config, world_size: int | None = None
         **budget.as_dict(),
         "attention": attention,
         "precision": cfg.precision.name,
+        "compile": cfg.train.compile,
         "layout": resolve_layout(cfg, world_size).as_dict(),
         "model": cfg.model.name,
         "data": cfg.data.name,
         "device": str(device),
         "lr": scaled_lr(cfg.optim, budget.global_batch_tokens),
     }
+    if policy.fp8:
+        plan["fp8"] = cfg.precision.fp8_recipe + (" (emulated)" if policy.fp8_emulate else "")
     return plan, budget, device, policy
 
 
@@ -154,11 +157,13 @@ class Trainer:
         log.info("plan: %s", json.dumps(self.plan))
         log.info(
             "model %s: %s params (%s non-embedding), %s FLOPs/token | budget %s -> %s tokens "
-            "in %d steps of %s tokens | precision %s | attention %s | layout %s | device %s",
+            "in %d steps of %s tokens | precision %s | attention %s%s | layout %s | device %s",
             cfg.model.name, f"{self.budget.n_params:,}", f"{self.budget.n_params_non_embedding:,}",
             f"{self.budget.flops_per_token:,}", self.budget.rule, f"{self.budget.tokens:,}",
-            self.budget.steps, f"{self.budget.global_batch_tokens:,}", cfg.precision.name,
-            self.plan["attention"], lay.describe(), self.device,
+            self.budget.steps, f"{self.budget.global_batch_tokens:,}",
+            " ".join(filter(None, [self.plan["precision"], self.plan.get("fp8")])),
+            self.plan["attention"], " | compile (per block)" if cfg.train.compile else "",
+            lay.describe(), self.device,
         )
         path = self._data()
         self.train_data = TokenWindows(path, "train", cfg.model.seq_len, seed=cfg.data.seed)
