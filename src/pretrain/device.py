@@ -30,7 +30,19 @@ def gpu_peak_flops(device: torch.device, dtype: str) -> float | None:
 
 def measure_matmul_flops(dtype: torch.dtype, device: torch.device, n: int = 2048,
                          seconds: float = 1.0) -> float:
-    """Achieved FLOP/s of a large square matmul: the practical peak of a CPU."""
+    """Achieved FLOP/s of a large square matmul: the practical peak of a CPU.
+
+    ``n`` shrinks where one n x n matmul would alone take longer than ``seconds``: a dtype
+    the CPU only emulates (fp16 without AVX512-FP16 runs at ~0.4 GFLOP/s, one 2048^3 matmul
+    in ~40 s, paid twice at every fp16 start-up)."""
+    probe = torch.randn(256, 256, device=device).to(dtype)
+    probe @ probe  # warm-up, then time one
+    t0 = time.perf_counter()
+    probe @ probe
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    rate = 2 * 256**3 / max(time.perf_counter() - t0, 1e-9)
+    n = max(256, min(n, int((rate * seconds / 2) ** (1 / 3))))
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     a @ b  # warm-up
