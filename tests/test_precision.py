@@ -1,0 +1,306 @@
+"""Precision policies and torch.compile against an fp32 eager reference (CPU, gloo).
+
+A nano GPT (2 blocks, d_model 64, vocabulary 256, 64 tokens a sequence, 8 sequences a step:
+N = 512 tokens) trains 50 AdamW steps on a fixed Markov-chain corpus from the same seed,
+once per variant, in this process; the 2-process runs share one ``torchrun``
+(tests/precision_worker.py).
+
+bf16 tolerance. bf16 keeps 8 significant bits: eps = 2^-8, unit roundoff u = 2^-9. Under
+autocast the matmul inputs and outputs are rounded to bf16 (relative error <= u each), while
+the loss itself (log-sum-exp over the vocabulary, mean over tokens), the master weights and
+AdamW stay fp32. How that reaches the reported loss:
+  * at equal weights (step 1), each logit z carries an error of a few u |z| from the chain
+    of roundings before it, and a token's loss moves by (softmax - onehot) . dz. The signs
+    are independent across tokens, so the mean over N tokens moves by about
+    k u |z| / sqrt(N): with k ~ 5 roundings, |z| ~ 2 after some training and sqrt(512) ~ 23,
+    about 4e-4 (1e-4 relative at loss 4); at initialisation the logits are ~0.02 and the
+    difference is tiny. Measured: 2.0e-5 at step 1;
+  * over the steps the weights drift apart: gradients differ by O(u) relative, AdamW turns
+    that into O(u lr) per coordinate and step, and the loss drift stays of the order of the
+    forward noise over 50 steps. Measured, worst step per 10 steps: 1.1e-4, 1.9e-4,
+    3.3e-4, 2.5e-4, 3.1e-4 (absolute; at most 7.5e-5 of the fp32 loss).
+The bound is BF16_RTOL = 2^-10 = u / 2 of the fp32 loss at every step: 13x the worst
+measured difference, and below the error of a loss merely rounded to bf16 once (up to u,
+u / 2 on average). So it also asserts that the loss and the weights stay fp32: measured
+(by hand) with the cross-entropy taken in bf16 the difference reaches 3.6e-3 relative; with
+bf16 master weights (updates of lr = 3e-3 vanish in a LayerNorm gain of 1, whose bf16
+spacing is 2^-7), 2.1e-2. For scale: fp16 autocast (u = 2^-11, 8x finer) differs from
+fp32 by at most 6.2e-5 on the same run, 6x less than bf16.
+
+compile tolerance. Regional compile (each block compiled alone, parallel/apply.py) keeps
+fp32 and changes only how the block's ops are fused and in which order they sum (Inductor
+kernels for LayerNorm, softmax, GELU): a few fp32 units of roundoff (2^-24 ~ 6e-8) per
+op, the same class of difference as a parallel layout (tests/test_parallel_layouts.py).
+The loss, ~4, has an fp32 spacing of 4.8e-7. Measured over 50 steps: at most 9.5e-7 (two
+spacings), identical at step 1. Bound: COMPILE_LOSS_ATOL = 1e-5, 10x that and still
+about 20 fp32 spacings: room for reordering, none for a change to the block's maths.
+Parameters: every coordinate within lr / 10 of eager after 50 steps (measured 2.9e-5; a
+coordinate whose gradient nearly cancels turns rounding noise into a fraction of an Adam
+step, see tests/test_parallel_layouts.py). ZeRO-3 over 2 ranks with full activation
+checkpointing and compile, against one eager process: 4.8e-7 (loss), 2.3e-5 (parameters)
+after 10 steps, bounded as the layouts are (1e-4) and by lr / 10.
+
+Not tested because it fails in torch 2.13: compile with tensor parallelism and activation
+checkpointing (full or selective; with or without sequence parallel). The first compiled
+forward raises AssertionError in AOTAutograd's ``save_from_forward`` ("expected all
+tensors_saved_with_vc_check to be Tensors"): the partitioner of the checkpointed, DTensor
+graph puts the TP DeviceMesh among the values saved for backward. TP + compile, and
+TP + activation checkpointing, each work alone.
+
+fp16. An inf in one rank's gradient at exactly one step: that step is skipped on every rank
+(parameters bit-identical before and after, gathered from all shards), the loss scale
+halves there (65536 -> 32768) and only there, skipped_steps == 1 on both ranks, and the
+trainer warns. Note that under FSDP2 the per-rank verdicts would agree even with a plain
+GradScaler (tried): DTensor's dispatch of ``_amp_foreach_non_finite_check_and_unscale_``
+max-reduces found_inf over the mesh dimensions the gradients are sharded on. The trainer
+uses ShardedGradScaler, which all-reduces it over the world too; the test checks which.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import compose_config
+from precision_worker import block_output_dtype, run_steps
+from test_parallel_layouts import VOCAB, write_markov_data
+
+from pretrain.trainer import Trainer
+
+HERE = Path(__file__).resolve().parent
+STEPS, LR = 50, 3e-3
+BF16_RTOL = 2**-10
+COMPILE_LOSS_ATOL = 1e-5
+COMPILE_PARAM_ATOL = LR / 10
+LEARNS_BY = 1.0  # nats: 5.55 -> 3.95 measured in 50 steps
+FP16_STEPS, INJECT_AT = 5, 2  # the third step (logged as step 3) overflows
+DP2_STEPS = 10  # zero3 + activation checkpointing + compile, against the first 10 steps
+LOSS_ATOL_DP2 = 1e-4  # as tests/test_parallel_layouts.py (fp32 reduction order only)
+
+COMMON = [
+    "model=nano", f"model.vocab_size={VOCAB}", "model.seq_len=64", "model.attention=sdpa",
+    "data.name=markov", "data.auto_prepare=false", f"data.tokenizer_vocab_size={VOCAB}",
+    "train.device=cpu", "train.global_batch_size=8", "train.eval_interval=1000",
+    "train.sample_tokens=0", "logging=quiet", f"optim.lr={LR}", "schedule.warmup_steps=5",
+    "budget=steps",
+]
+
+# 2 processes, one torchrun: name -> (overrides, steps to run, injection)
+DP2_JOBS = {
+    "fp16_zero2_forward_inf": (
+        ["precision=fp16", "parallel=zero2", f"budget.steps={FP16_STEPS}"], None,
+        {"step": INJECT_AT, "rank": 1, "how": "forward"}),
+    "fp16_zero3_shard_inf": (
+        ["precision=fp16", "parallel=zero3", f"budget.steps={FP16_STEPS}"], None,
+        {"step": INJECT_AT, "rank": 1, "how": "shard"}),
+    # Last, so that a compile failure leaves the fp16 results in place. The first steps of
+    # the reference's 50-step schedule (the LR after warmup depends on the budget).
+    "fp32_zero3_full_ac_compile": (
+        ["precision=fp32", "parallel=zero3", "parallel.activation_checkpointing=full",
+         "train.compile=true", f"budget.steps={STEPS}"], DP2_STEPS, None),
+}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> tuple[Path, list[str]]:
+    root = tmp_path_factory.mktemp("precision")
+    write_markov_data(root / "data" / "markov")
+    return root, [*COMMON, f"data.root={root / 'data'}", f"runs_dir={root / 'runs'}"]
+
+
+@contextmanager
+def one_thread():
+    """One intra-op thread, as torchrun gives each rank: on a busy 2-core machine a team
+    of 2 spin-waits for a core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def train(env, name: str, extra: list[str], steps: int = STEPS, **kwargs) -> dict:
+    root, common = env
+    cfg = compose_config([*common, f"budget.steps={steps}", "parallel.micro_batch_size=8",
+                          *extra])
+    with one_thread():
+        trainer = Trainer(cfg, root / name)
+        trainer.setup()
+        record = run_steps(trainer, **kwargs)
+        record["block_dtype"] = block_output_dtype(trainer)
+    return record
+
+
+@pytest.fixture(scope="module")
+def fp32(env) -> dict:
+    return train(env, "fp32", ["precision=fp32"], snapshot_at=DP2_STEPS)
+
+
+@pytest.fixture(scope="module")
+def bf16(env) -> dict:
+    return train(env, "bf16", ["precision=bf16"])
+
+
+@pytest.fixture(scope="module")
+def compiled(env) -> dict:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # no cache entry from another test: this run compiles the block
+    counters.clear()
+    try:
+        return train(env, "compiled", ["precision=fp32", "train.compile=true"])
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def dp2(env) -> dict[str, list[dict] | str]:
+    """Every DP2_JOBS job in one 2-process torchrun: per job, the two ranks' records, or
+    (for a job that did not finish) the run's output."""
+    root, common = env
+    out = root / "dp2"
+    out.mkdir()
+    spec = out / "spec.json"
+    jobs = {name: {"overrides": [*overrides, "parallel.micro_batch_size=4"], "steps": steps,
+                   "inject": inject}
+            for name, (overrides, steps, inject) in DP2_JOBS.items()}
+    spec.write_text(json.dumps({"common": common, "jobs": jobs}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(HERE / "precision_worker.py"), str(out), str(spec)]
+    env_vars = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    env_vars["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600,
+                          env=env_vars)
+    results: dict[str, list[dict] | str] = {}
+    for name in DP2_JOBS:
+        files = [out / f"{name}.rank{r}.pt" for r in range(2)]
+        if all(f.exists() for f in files):
+            results[name] = [torch.load(f, weights_only=False) for f in files]
+        else:
+            results[name] = (f"{name} did not finish (exit {proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
+    return results
+
+
+def job(dp2: dict, name: str) -> list[dict]:
+    got = dp2[name]
+    assert not isinstance(got, str), got
+    return got
+
+
+def assert_learns(losses: list[float]) -> None:
+    assert all(math.isfinite(x) for x in losses)
+    assert np.mean(losses[-5:]) < losses[0] - LEARNS_BY, losses
+
+
+# -- bf16 --------------------------------------------------------------------------------
+
+
+def test_bf16_tracks_fp32_within_half_a_bf16_roundoff(fp32, bf16):
+    assert fp32["block_dtype"] == torch.float32
+    assert bf16["block_dtype"] == torch.bfloat16  # autocast is on, in the blocks
+    assert_learns(fp32["losses"])
+    assert_learns(bf16["losses"])
+    ref, got = np.array(fp32["losses"]), np.array(bf16["losses"])
+    diff = np.abs(got - ref)
+    print(f"bf16 vs fp32: step 1 {diff[0]:.1e}, max {diff.max():.1e} "
+          f"({(diff / ref).max():.1e} relative, bound {BF16_RTOL:.1e}); per 10 steps "
+          f"{' '.join(f'{d:.1e}' for d in diff.reshape(-1, 10).max(1))}")
+    assert diff[0] > 0  # the same weights give another loss: bf16 really computed it
+    assert np.all(diff <= BF16_RTOL * ref), diff / ref
+    assert fp32["skipped_steps"] == bf16["skipped_steps"] == 0
+
+
+# -- compile -----------------------------------------------------------------------------
+
+
+def test_compile_compiles_each_block_once(compiled):
+    assert compiled["compiled"] == [True, True]  # every block went through torch.compile
+    assert not compiled["root_compiled"]  # regional: embeddings and head stay eager
+    frames, stats = compiled["dynamo"]["frames"], compiled["dynamo"]["stats"]
+    assert frames.get("ok", 0) >= 1, compiled["dynamo"]
+    # One graph serves both blocks (the same code; weights are inputs, not constants):
+    # compile time does not grow with depth.
+    assert stats.get("unique_graphs") == 1, compiled["dynamo"]
+
+
+def test_compile_trains_like_eager(fp32, compiled):
+    assert_learns(compiled["losses"])
+    diff = np.abs(np.array(compiled["losses"]) - np.array(fp32["losses"]))
+    param_diff = max((compiled["final"][k] - v).abs().max().item()
+                     for k, v in fp32["final"].items())
+    print(f"compile vs eager: max loss diff {diff.max():.1e}, max param diff {param_diff:.1e}")
+    assert np.all(diff <= COMPILE_LOSS_ATOL), diff
+    np.testing.assert_allclose(compiled["grad_norms"], fp32["grad_norms"], rtol=1e-4)
+    assert compiled["final"].keys() == fp32["final"].keys()
+    assert param_diff <= COMPILE_PARAM_ATOL
+
+
+@pytest.mark.slow
+def test_compile_composes_with_zero3_and_full_activation_checkpointing(fp32, dp2):
+    ranks = job(dp2, "fp32_zero3_full_ac_compile")
+    ref_losses = fp32["losses"][:DP2_STEPS]
+    for got in ranks:
+        assert got["compiled"] == [True, True]
+        assert got["dynamo"]["frames"].get("ok", 0) >= 1, got["dynamo"]
+        diff = np.abs(np.array(got["losses"]) - np.array(ref_losses))
+        assert np.all(diff <= LOSS_ATOL_DP2), diff
+        np.testing.assert_allclose(got["grad_norms"], fp32["grad_norms"][:DP2_STEPS],
+                                   rtol=1e-4)
+        param_diff = max((got["final"][k] - v).abs().max().item()
+                         for k, v in fp32["snapshot"].items())
+        assert got["final"].keys() == fp32["snapshot"].keys()
+        assert param_diff <= COMPILE_PARAM_ATOL
+    print(f"zero3 + full AC + compile (2 ranks) vs one eager process: max loss diff "
+          f"{diff.max():.1e}, max param diff {param_diff:.1e}")
+
+
+# -- fp16 --------------------------------------------------------------------------------
+
+
+def assert_one_skipped_step(got: dict, scaler: str) -> None:
+    """The step INJECT_AT changed no parameter, halved the loss scale and was counted and
+    reported; every other step updated the parameters at an unchanged scale."""
+    assert got["scaler"] == scaler
+    steps = got["steps"]
+    assert len(steps) == FP16_STEPS
+    for i, s in enumerate(steps):
+        skipped = i == INJECT_AT
+        assert s["full_changed"] is not skipped, (i, s)
+        assert s["local_changed"] is not skipped, (i, s)
+        assert s["scale"] == (2.0**15 if i >= INJECT_AT else 2.0**16), (i, s)
+        assert math.isfinite(s["loss"]) or skipped, (i, s)
+    assert not math.isfinite(steps[INJECT_AT]["grad_norm"])
+    assert got["skipped_steps"] == 1
+    overflowed = [m for m in got["warnings"] if "fp16 gradients overflowed" in m]
+    assert len(overflowed) == 1, got["warnings"]
+    assert f"step {INJECT_AT + 1}:" in overflowed[0] and "65536 -> 32768" in overflowed[0]
+
+
+def test_fp16_skips_an_overflowed_step_one_process(env):
+    got = train(env, "fp16", ["precision=fp16"], steps=FP16_STEPS,
+                inject={"step": INJECT_AT, "rank": 0, "how": "forward"})
+    assert got["block_dtype"] == torch.float16
+    assert_one_skipped_step(got, "GradScaler")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fp16_zero2_forward_inf", "fp16_zero3_shard_inf"])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(dp2, name):
+    ranks = job(dp2, name)
+    for got in ranks:
+        assert_one_skipped_step(got, "ShardedGradScaler")
+    # the ranks agree on everything they report, and on the parameters
+    for key in ("loss", "grad_norm", "scale"):  # (NaN equals NaN here)
+        np.testing.assert_array_equal(*[[s[key] for s in r["steps"]] for r in ranks])
+    for key, value in ranks[0]["final"].items():
+        assert torch.equal(value, ranks[1]["final"][key]), key
