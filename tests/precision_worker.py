@@ -141,7 +141,9 @@ def run_steps(trainer: Trainer, inject: dict | None = None,
         "skipped_steps": trainer.skipped_steps, "warnings": handler.messages,
         "snapshot": snapshot, "final": full_params(trainer),
         "scaler": type(trainer.scaler).__name__,
-        "compiled": [getattr(b, "_compiled_call_impl", None) is not None
+        # a checkpointed block is a wrapper around the compiled block (parallel/apply.py)
+        "compiled": [getattr(getattr(b, "_checkpoint_wrapped_module", b),
+                             "_compiled_call_impl", None) is not None
                      for b in trainer.model.layers.values()],
         "root_compiled": getattr(trainer.model, "_compiled_call_impl", None) is not None,
         "dynamo": {"frames": dict(counters["frames"]), "stats": dict(counters["stats"])},
@@ -163,6 +165,8 @@ def main() -> None:
             cfg = to_config(compose("config", overrides=[*spec["common"], *job["overrides"],
                                                          "run_name=test"]))
         counters.clear()
+        torch._dynamo.reset()  # each job compiles afresh (stale caches of an earlier job's
+        # blocks made inductor recurse without end when two compile jobs shared a process)
         trainer = Trainer(cfg, out / name)
         trainer.setup()
         record = run_steps(trainer, job.get("inject"), steps=job.get("steps"))

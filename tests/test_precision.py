@@ -40,12 +40,12 @@ step, see tests/test_parallel_layouts.py). ZeRO-3 over 2 ranks with full activat
 checkpointing and compile, against one eager process: 4.8e-7 (loss), 2.3e-5 (parameters)
 after 10 steps, bounded as the layouts are (1e-4) and by lr / 10.
 
-Not tested because it fails in torch 2.13: compile with tensor parallelism and activation
-checkpointing (full or selective; with or without sequence parallel). The first compiled
-forward raises AssertionError in AOTAutograd's ``save_from_forward`` ("expected all
-tensors_saved_with_vc_check to be Tensors"): the partitioner of the checkpointed, DTensor
-graph puts the TP DeviceMesh among the values saved for backward. TP + compile, and
-TP + activation checkpointing, each work alone.
+Tensor parallelism + sequence parallelism + selective activation checkpointing + compile on
+2 ranks, against the same eager process, is bounded the same way. It exercises the order
+parallel/apply.py uses because torchtitan's (checkpoint, then compile) fails under TP in
+torch 2.13: AOTAutograd's ``save_from_forward`` raises "expected all
+tensors_saved_with_vc_check to be Tensors", the TP DeviceMesh being among the values a
+checkpointed DTensor graph saves for backward.
 
 fp16. An inf in one rank's gradient at exactly one step: that step is skipped on every rank
 (parameters bit-identical before and after, gathered from all shards), the loss scale
@@ -106,6 +106,10 @@ DP2_JOBS = {
     "fp32_zero3_full_ac_compile": (
         ["precision=fp32", "parallel=zero3", "parallel.activation_checkpointing=full",
          "train.compile=true", f"budget.steps={STEPS}"], DP2_STEPS, None),
+    "fp32_tp2_sp_selective_ac_compile": (
+        ["precision=fp32", "parallel.tp=2", "parallel.dp=1", "parallel.sequence_parallel=true",
+         "parallel.activation_checkpointing=selective", "train.compile=true",
+         f"budget.steps={STEPS}"], DP2_STEPS, None),
 }
 
 
@@ -246,8 +250,10 @@ def test_compile_trains_like_eager(fp32, compiled):
 
 
 @pytest.mark.slow
-def test_compile_composes_with_zero3_and_full_activation_checkpointing(fp32, dp2):
-    ranks = job(dp2, "fp32_zero3_full_ac_compile")
+@pytest.mark.parametrize("name", ["fp32_zero3_full_ac_compile",
+                                  "fp32_tp2_sp_selective_ac_compile"])
+def test_compile_composes_with_sharding_and_activation_checkpointing(fp32, dp2, name):
+    ranks = job(dp2, name)
     ref_losses = fp32["losses"][:DP2_STEPS]
     for got in ranks:
         assert got["compiled"] == [True, True]
@@ -260,7 +266,7 @@ def test_compile_composes_with_zero3_and_full_activation_checkpointing(fp32, dp2
                          for k, v in fp32["snapshot"].items())
         assert got["final"].keys() == fp32["snapshot"].keys()
         assert param_diff <= COMPILE_PARAM_ATOL
-    print(f"zero3 + full AC + compile (2 ranks) vs one eager process: max loss diff "
+    print(f"{name} (2 ranks) vs one eager process: max loss diff "
           f"{diff.max():.1e}, max param diff {param_diff:.1e}")
 
 

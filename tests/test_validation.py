@@ -99,6 +99,9 @@ def test_all_problems_reported_together(compose):
     (["schedule.warmup_tokens=1000"], "schedule.warmup_steps or schedule.warmup_tokens"),
     (["schedule.decay=exponential"], "schedule.decay='exponential'"),
     (["precision=fp32", "precision.loss_scaling=true"], "precision.loss_scaling"),
+    (["precision=bf16", "precision.param_dtype=bfloat16"], "precision.param_dtype=float32"),
+    (["precision=fp8", "precision.compute_dtype=float16"], "compute_dtype=float16"),
+    (["precision=fp8", "precision.fp8_recipe=delayed"], "precision.fp8_recipe"),
 ])
 def test_other_config_errors(compose, overrides, needle):
     found = problems(compose(overrides))

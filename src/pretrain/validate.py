@@ -92,6 +92,11 @@ def check(cfg: Config, world_size: int | None = None) -> None:
     prec = cfg.precision
     if prec.loss_scaling and prec.compute_dtype != "float16":
         p.append("precision.loss_scaling=true only makes sense with compute_dtype=float16")
+    if prec.param_dtype != "float32":
+        p.append(f"precision.param_dtype={prec.param_dtype}: master weights and optimizer "
+                 "state are kept in float32 (pure low-precision weights are not supported); "
+                 f"set precision.param_dtype=float32 and compute in {prec.param_dtype} with "
+                 f"precision.compute_dtype={prec.param_dtype}")
     if prec.fp8 and prec.compute_dtype != "bfloat16":
         p.append(f"precision.fp8=true runs the non-fp8 parts in bf16; compute_dtype="
                  f"{prec.compute_dtype} is not supported with it: use precision=fp8 as is")

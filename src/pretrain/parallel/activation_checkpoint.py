@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
@@ -25,16 +26,24 @@ def checkpoint_blocks(layers: nn.ModuleDict, every_n: int = 1) -> None:
             layers[key] = checkpoint_wrapper(layers[key])
 
 
-def checkpoint_attention_core(layers: nn.ModuleDict) -> None:
+def checkpoint_attention_core(layers: nn.ModuleDict, compiled: bool = False) -> None:
+    """Recompute softmax(QK^T)V in backward. In a compiled block the checkpointed kernel
+    runs eagerly (one graph before it, one after): it is a single fused SDPA/flash call,
+    which compile would not change, and a checkpoint traced inside a compiled block whose
+    weights are DTensors fails in torch 2.13 (see parallel/apply.py)."""
     for module in layers.modules():
         if isinstance(module, Attention):
-            module.kernel = functools.partial(checkpoint, module.kernel, use_reentrant=False)
+            kernel = functools.partial(checkpoint, module.kernel, use_reentrant=False)
+            module.kernel = torch.compiler.disable(kernel) if compiled else kernel
 
 
-def apply_activation_checkpointing(layers: nn.ModuleDict, mode: str, every_n: int) -> None:
+def apply_activation_checkpointing(layers: nn.ModuleDict, mode: str, every_n: int,
+                                   compiled: bool = False) -> None:
+    """``compiled``: the blocks are already compiled (``Module.compile``); full and
+    every-n checkpointing then wrap the compiled blocks."""
     if mode == "full":
         checkpoint_blocks(layers)
     elif mode == "selective" and every_n > 0:
         checkpoint_blocks(layers, every_n)
     elif mode == "selective":
-        checkpoint_attention_core(layers)
+        checkpoint_attention_core(layers, compiled)

@@ -1,7 +1,7 @@
 """Turn a meta-device GPT into this rank's share of the model, in the order that composes:
 
-fp8 conversion -> pipeline split -> tensor (+ sequence) parallel -> activation checkpointing
--> compile -> FSDP2 / replicate, all on the meta device (no memory), then materialise: allocate the
+fp8 conversion -> pipeline split -> tensor (+ sequence) parallel -> compile (per block) ->
+activation checkpointing -> FSDP2 / replicate, all on the meta device (no memory), then materialise: allocate the
 local shards and fill them from the reference initialisation, so every layout starts from
 the same global weights as one process does.
 """
@@ -85,11 +85,15 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
     for part in parts:
         if mesh is not None and layout.tp > 1:
             apply_tensor_parallel(part, mesh.tp, layout.sequence_parallel, fp8_tensorwise=fp8_tp)
-        apply_activation_checkpointing(part.layers, layout.activation_checkpointing,
-                                       cfg.parallel.ac_every_n_layers)
         if cfg.train.compile:  # regional: each block once, the same code for all of them
             for block in part.layers.values():
                 block.compile()
+        # After compile: a checkpoint wrapper around the compiled block. The other order
+        # (torchtitan's) fails under TP in torch 2.13: AOTAutograd saves the DTensor's
+        # DeviceMesh for backward ("expected all tensors_saved_with_vc_check to be Tensors").
+        apply_activation_checkpointing(part.layers, layout.activation_checkpointing,
+                                       cfg.parallel.ac_every_n_layers,
+                                       compiled=cfg.train.compile)
         if mesh is not None and layout.dp > 1:
             apply_data_parallel(part, list(part.layers.values()), mesh, layout, policy)
     pm = ParallelModel(parts=parts, stage_ids=stage_ids, n_stages=layout.n_stages)
