@@ -1,9 +1,9 @@
 """Turn a meta-device GPT into this rank's share of the model, in the order that composes:
 
 fp8 conversion -> pipeline split -> tensor (+ sequence) parallel -> compile (per block) ->
-activation checkpointing -> FSDP2 / replicate, all on the meta device (no memory), then materialise: allocate the
-local shards and fill them from the reference initialisation, so every layout starts from
-the same global weights as one process does.
+activation checkpointing -> FSDP2 / replicate, all on the meta device (no memory), then
+materialise: allocate the local shards and fill them from the reference initialisation, so
+every layout starts from the same global weights as one process does.
 """
 
 from __future__ import annotations
