@@ -126,7 +126,8 @@ def test_fp8_trains_close_to_bf16(runs):
     print(f"fp8 {fp8[0]:.4f} -> {fp8[-1]:.4f}, bf16 {bf16[0]:.4f} -> {bf16[-1]:.4f}, "
           f"max |diff| {diff:.4g}")
     assert fp8[-1] < fp8[0] - 0.8  # it learns
-    assert 0 < diff < FP8_VS_BF16  # fp8 really ran, and close to bf16
+    assert diff < FP8_VS_BF16
+    assert fp8[0] != bf16[0]  # same weights, same batch: only the fp8 matmuls differ
     kinds = runs["fp8"]["linears"]
     assert kinds["lm_head"].startswith("Linear/")
     for i in range(2):
