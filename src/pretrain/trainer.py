@@ -138,6 +138,7 @@ class Trainer:
         self.samples_seen = 0
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
+        self.pipeline_loss_scale: float | None = None
         self.first_val_loss: float | None = None
         self.exit_code = 0
 
@@ -231,7 +232,7 @@ class Trainer:
             model = GPT(cfg.model)
         set_attention_backend(model, self.plan["attention"])
         pm = parallelize(model, cfg, self.layout, self.mesh, self.device, self.policy,
-                         loss_fn=cross_entropy)
+                         loss_fn=self._pipeline_loss)
         reference = None
         if self.mesh is not None:
             def reference() -> GPT:
@@ -239,6 +240,12 @@ class Trainer:
                                    cfg.train.seed)
         materialize(pm, self.device, cfg.train.seed, reference)
         return pm
+
+    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The pipeline schedule's loss. The schedule runs backward on it itself, so fp16 loss
+        scaling multiplies it here, during training steps only (see forward_backward)."""
+        loss = cross_entropy(logits, targets)
+        return loss if self.pipeline_loss_scale is None else loss * self.pipeline_loss_scale
 
     def _grad_scaler(self):
         if not self.policy.loss_scaling:
@@ -391,11 +398,17 @@ class Trainer:
         with loss_context(self.layout.tp), self.policy.autocast(self.device):
             if pm.schedule is not None:
                 losses: list[torch.Tensor] = []
-                pm.schedule.step(*([x] if pm.has_first_stage else []),
-                                 target=y if pm.has_last_stage else None, losses=losses)
+                if self.scaler:  # scale() also creates the scaler's state on first use
+                    self.scaler.scale(torch.ones((), device=self.device))
+                    self.pipeline_loss_scale = self.scaler.get_scale()
+                try:
+                    pm.schedule.step(*([x] if pm.has_first_stage else []),
+                                     target=y if pm.has_last_stage else None, losses=losses)
+                finally:
+                    scale, self.pipeline_loss_scale = self.pipeline_loss_scale or 1.0, None
                 if not pm.has_last_stage:
                     return torch.zeros((), device=self.device)
-                return torch.stack([_local(loss.detach()) for loss in losses]).mean()
+                return torch.stack([_local(loss.detach()) for loss in losses]).mean() / scale
             model = pm.parts[0]
             total = torch.zeros((), device=self.device)
             skip_sync = self.mesh is not None and self.layout.dp > 1 and \

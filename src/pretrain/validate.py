@@ -195,9 +195,6 @@ def _check_layout(cfg: Config, world_size: int, p: list[str]) -> None:
         if par.pp_schedule == "zbv" and cfg.train.compile:
             p.append("parallel.pp_schedule=zbv splits backward into input and weight parts, "
                      "which torch.compile does not support; set train.compile=false")
-        if cfg.precision.loss_scaling:
-            p.append("precision.loss_scaling (fp16) is not supported with parallel.pp > 1; "
-                     "use precision=bf16")
 
     if par.dp_mode != "ddp" and dp > 0:
         rep = par.dp_replicate
