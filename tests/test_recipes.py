@@ -38,7 +38,10 @@ def test_recipe_composes_validates_and_plans(compose, recipe):
     assert plan["flops_per_token"] == flops_per_token(cfg.model)
     assert plan["total_flops"] == pytest.approx(plan["flops_per_token"] * plan["tokens"])
     assert plan["attention"] == "sdpa"  # auto on this CPU
-    assert plan["precision"] == cfg.precision.name
+    if cfg.precision.name == "auto":  # decided for this machine, and said why
+        assert plan["precision"] in ("bf16", "fp32") and plan["precision_auto"]
+    else:  # a named precision is run exactly as named
+        assert plan["precision"] == cfg.precision.name and "precision_auto" not in plan
     lay, par = plan["layout"], cfg.parallel
     dp = par.dp or 1  # dp=null (data parallel over the launched world): 1 in a dry run
     assert (lay["tp"], lay["pp"], lay["dp"]) == (par.tp, par.pp, dp)

@@ -239,3 +239,75 @@ def test_warnings_for_unbracketed_valleys_and_constants_on_bounds():
     unfixed = ChinchillaLaw(E=4.5e-5, A=3.9, B=20.7, alpha=0.11, beta=0.11)
     assert "E = 4.5e-05 is on its lower bound" in bound_warnings(unfixed)[0]
     assert bound_warnings(ComputeLaw(a=1.0, b=-1.0, c=2.0))[0].startswith("b = -1")
+
+
+def _ladder(rows: list[tuple[float, float, float]]) -> list[RunPoint]:
+    return [RunPoint(f"p{i}", n, d, 6 * n * d, loss) for i, (n, d, loss) in enumerate(rows)]
+
+
+# A real-looking 3-budget ladder (0.5 tokens/param, noisy losses): the curve passes through
+# all three runs, every usable bootstrap resample is the same three runs, and the percentile
+# interval of the prediction comes out a rounding error away from the estimate, on either
+# side of it. Drawn as an error bar, that was "'yerr' must not contain negative values".
+THREE_BUDGETS = [(2e5, 1e5, 6.508), (6.3e5, 3.15e5, 6.276), (2e6, 1e6, 5.207)]
+
+
+def test_tool_survives_a_sweep_whose_interval_leaves_out_the_estimate(tmp_path, capsys):
+    import scaling_law
+
+    pytest.importorskip("matplotlib")
+    _write_runs(tmp_path / "sweep", _ladder(THREE_BUDGETS))
+    out = tmp_path / "out"
+    assert scaling_law.main([str(tmp_path / "sweep"), "--out", str(out),
+                             "--bootstrap", "50"]) == 0
+    fit = json.loads((out / "fit.json").read_text())
+    est = fit["compute_law"]["predictions"]["loss"]
+    assert est["high"] - est["low"] < 1e-6 * est["value"]  # collapsed: no real interval
+    assert any(w.startswith("3 budgets for 3 constants") for w in fit["compute_law"]["warnings"])
+    assert (out / "loss_vs_compute.png").stat().st_size > 10_000
+    assert "3 budgets for 3 constants" in capsys.readouterr().out
+
+
+def test_plot_draws_an_interval_that_excludes_the_point(tmp_path):
+    """A bootstrap interval wholly on one side of the fit's own value (skewed resamples):
+    drawn as it is, and reported."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    from pretrain.scaling import Estimate, interval_warnings
+    from pretrain.scaling_plot import plot_loss_vs_compute
+
+    points = _ladder([(2e5, 1e5, 6.5), (4e5, 2e5, 6.1), (8e5, 4e5, 5.8), (1.6e6, 8e5, 5.5)])
+    rep = report_compute_law(points, 1e14, n_boot=20)
+    rep.predictions["loss"] = Estimate(4.40, 0.05, 4.45, 4.60)
+    assert "leaves out the fit's own value 4.4" in interval_warnings(rep)[0]
+    path = plot_loss_vs_compute(points, rep, None, 1e14, tmp_path / "l.png")
+    assert imread(path)[..., :3].std() > 0.05
+
+
+@pytest.mark.parametrize("rows,not_fitted", [
+    ([(2e5, 1e5, 6.5)], "need at least 3 runs, got 1"),                       # one run
+    ([(2e5, 1e5, 6.5), (2e6, 1e6, 5.5)], "need at least 3 runs, got 2"),      # two
+    ([(2e5, 1e6, 6.0), (4e5, 5e5, 5.8), (8e5, 2.5e5, 5.9), (1.6e6, 1.25e5, 6.2)],
+     "need at least 3 runs, got 1"),                                          # one budget
+    ([(2e5 * 2**k, 1e5 * 2**k, 6.0) for k in range(5)], None),                # flat ladder
+    ([(2e5, 1e5, float("nan")), (4e5, 2e5, 6.0), (8e5, 4e5, -1.0)],
+     "need at least 3 runs, got 1"),                                          # diverged runs
+])
+def test_tool_on_degenerate_sweeps_explains_and_still_writes(tmp_path, capsys, rows,
+                                                             not_fitted):
+    import scaling_law
+
+    pytest.importorskip("matplotlib")
+    _write_runs(tmp_path / "sweep", _ladder(rows))
+    out = tmp_path / "out"
+    assert scaling_law.main([str(tmp_path / "sweep"), "--out", str(out),
+                             "--bootstrap", "20"]) == 0
+    text = capsys.readouterr().out
+    fit = json.loads((out / "fit.json").read_text())
+    assert (out / "loss_vs_compute.png").exists() and (out / "isoflop.png").exists()
+    if not_fitted:
+        assert f"L(C): not fitted: L(C) has 3 constants: {not_fitted}" in text
+        assert "compute_law" not in fit
+    else:  # flat: fitted, and told the exponent is not determined
+        assert any(w.startswith("b = 0 is on a bound") for w in fit["compute_law"]["warnings"])

@@ -24,6 +24,7 @@ from pretrain.cli import compose_config  # noqa: E402
 from pretrain.planning.autolayout import LayoutError, resolve_auto  # noqa: E402
 from pretrain.planning.gpus import GpuError, get_gpu  # noqa: E402
 from pretrain.planning.report import build_plan, format_plan  # noqa: E402
+from pretrain.precision import resolve_auto_precision  # noqa: E402
 from pretrain.validate import ConfigError, check  # noqa: E402
 
 FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if n < 1:
         return fail(f"--gpus={n} must be a positive number of GPUs")
     candidates = None
+    cfg, auto_precision = resolve_auto_precision(cfg, gpu)
     try:
         if par.name == "auto":
             cfg, candidates = resolve_auto(cfg, n, gpu)
@@ -81,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = build_plan(cfg, n, gpu, args.mfu, candidates)
     except (LayoutError, ConfigError, BudgetError) as e:
         return fail(str(e))
+    if auto_precision:
+        plan["precision_auto"] = auto_precision
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return FITS if plan["fits"] else DOES_NOT_FIT
 

@@ -28,7 +28,6 @@ sys.path.insert(0, str(REPO / "src"))
 from pretrain.scaling import (  # noqa: E402
     CHINCHILLA,
     FitReport,
-    NotIdentifiable,
     RunPoint,
     collect_runs,
     compute_frontier,
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                                            args.seed)
         print_report("\nL(N, D) = E + A/N^alpha + B/D^beta", chinchilla)
         fit["chinchilla_law"] = chinchilla.as_dict()
-    except NotIdentifiable as e:
+    except ValueError as e:  # NotIdentifiable, or a fit that did not converge
         print(f"\nL(N, D): not fitted: {e}")
 
     for g in isoflop_groups(points):
@@ -145,15 +144,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  C = {g[0].flops:.3g}: N_opt = {n_opt:.3g}, loss {loss:.4f}")
             fit["isoflop_minima"].append({"flops": g[0].flops, "n_opt": n_opt, "loss": loss})
 
+    # the numbers first: a plot that cannot be drawn must not lose them
+    (out / "fit.json").write_text(json.dumps(fit, indent=2))
+    print(f"\nfit: {out / 'fit.json'}")
     if not args.no_plots:
         from pretrain.scaling_plot import plot_isoflop, plot_loss_vs_compute
 
         paths = [plot_loss_vs_compute(points, compute, chinchilla, target,
                                       out / "loss_vs_compute.png"),
                  plot_isoflop(points, chinchilla, out / "isoflop.png")]
-        print("\nplots: " + ", ".join(map(str, paths)))
-    (out / "fit.json").write_text(json.dumps(fit, indent=2))
-    print(f"fit: {out / 'fit.json'}")
+        print("plots: " + ", ".join(map(str, paths)))
     return 0
 
 

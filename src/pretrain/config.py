@@ -70,6 +70,8 @@ class DataConfig:
 
 @dataclass
 class PrecisionConfig:
+    # auto: bf16 where the device multiplies it natively, fp16 on pre-Ampere GPUs, else fp32
+    # (pretrain.precision.choose_auto); the other names are the presets in conf/precision/.
     name: str = "fp32"
     # Master weights and optimizer state.
     param_dtype: str = "float32"
@@ -187,6 +189,8 @@ class TrainConfig:
     eval_batches: int = 8
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda
+    # On CUDA, fp32 matmuls on TF32 tensor cores (torch.set_float32_matmul_precision("high")).
+    tf32: bool = True
     compile: bool = False
     # Stop (save, exit 75 = requeue me) after this many minutes, like a SLURM time limit.
     time_limit_minutes: float | None = None

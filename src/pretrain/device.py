@@ -3,19 +3,69 @@
 from __future__ import annotations
 
 import ctypes
+import functools
+import glob
+import logging
+import math
+import os
+import platform
 import resource
 import sys
 import time
 
 import torch
 
+log = logging.getLogger("pretrain")
+
+
+class DeviceError(ValueError):
+    pass
+
+
+def gpus_present() -> str | None:
+    """Evidence that this machine or job has NVIDIA GPUs, whether or not torch can use them:
+    a launcher that assigned GPUs (``CUDA_VISIBLE_DEVICES``, Slurm's ``SLURM_*GPUS*``) or
+    the driver's device files. None when there is none."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None and cvd.strip() not in ("", "-1", "none", "NoDevFiles"):
+        return f"CUDA_VISIBLE_DEVICES={cvd}"
+    for key in ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS",
+                "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK"):
+        value = os.environ.get(key)
+        if value and value.strip() not in ("0", ""):
+            return f"{key}={value}"
+    nodes = sorted(glob.glob("/dev/nvidia[0-9]*"))
+    return f"{len(nodes)} GPU device file(s) ({nodes[0]}...)" if nodes else None
+
+
+def _cuda_unusable_reason() -> str:
+    if torch.version.cuda is None:
+        return (f"this PyTorch ({torch.__version__}) is a CPU-only build; install the CUDA "
+                "build of the same version")
+    return (f"this PyTorch is built for CUDA {torch.version.cuda} but cannot initialise it "
+            "(a driver older than that CUDA, or no access to /dev/nvidia*: check nvidia-smi)")
+
 
 def pick_device(requested: str) -> torch.device:
+    """The run's device. ``auto``: CUDA when usable, else the CPU, except that a launcher
+    (torchrun, Slurm) that was given GPUs torch cannot use is an error: eight CPU processes
+    training 1000x slower than asked for is never what a cluster job meant."""
     if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        evidence = gpus_present()
+        if evidence is not None:
+            launched = [k for k in ("WORLD_SIZE", "SLURM_JOB_ID") if k in os.environ]
+            message = (f"train.device=auto: GPUs are present ({evidence}) but CUDA is not "
+                       f"usable: {_cuda_unusable_reason()}. To train on the CPU on purpose, "
+                       "set train.device=cpu")
+            if launched:
+                raise DeviceError(message + f" (launched with {', '.join(launched)} set)")
+            log.warning("%s; training on the CPU now", message)
+        return torch.device("cpu")
     if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"train.device={requested} but no CUDA device is visible; "
-                         "use train.device=cpu (or auto)")
+        raise DeviceError(f"train.device={requested} but CUDA is not usable: "
+                          f"{_cuda_unusable_reason()}; or use train.device=cpu (or auto)")
     return torch.device(requested)
 
 
@@ -28,31 +78,91 @@ def gpu_peak_flops(device: torch.device, dtype: str) -> float | None:
     return spec.peak_flops(dtype) if spec is not None else None
 
 
+# The three operand layouts of a Linear's matmuls: forward x @ W^T, input gradient g @ W,
+# weight gradient g^T @ x. A CPU's kernels differ by layout (an emulated bf16 GEMM runs
+# 1.3 GFLOP/s as a @ b and 25 as a @ b^T on an AVX2 CPU), so a peak taken from one layout
+# alone can sit far below what the model's own matmuls reach.
+_LAYOUTS = {
+    "a@b.T": lambda a, b: a @ b.t(),
+    "a@b": lambda a, b: a @ b,
+    "a.T@b": lambda a, b: a.t() @ b,
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_seconds(fn, device: torch.device, budget: float, min_repeats: int = 3) -> float:
+    """The fastest of several timed calls (one untimed call first): noise from other work
+    on the machine only ever slows a call down, so the minimum is the machine's rate."""
+    fn()
+    _sync(device)
+    best, spent, repeats = math.inf, 0.0, 0
+    while repeats < min_repeats or spent < budget:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        best, spent, repeats = min(best, dt), spent + dt, repeats + 1
+    return max(best, 1e-9)
+
+
 def measure_matmul_flops(dtype: torch.dtype, device: torch.device, n: int = 2048,
                          seconds: float = 1.0) -> float:
-    """Achieved FLOP/s of a large square matmul: the practical peak of a CPU.
+    """The practical peak FLOP/s of ``dtype`` matmuls here: the best of the three layouts a
+    Linear uses (``_LAYOUTS``), each the fastest of several timed square matmuls.
 
-    ``n`` shrinks where one n x n matmul would alone take longer than ``seconds``: a dtype
-    the CPU only emulates (fp16 without AVX512-FP16 runs at ~0.4 GFLOP/s, one 2048^3 matmul
-    in ~40 s, paid twice at every fp16 start-up)."""
-    probe = torch.randn(256, 256, device=device).to(dtype)
-    probe @ probe  # warm-up, then time one
-    t0 = time.perf_counter()
-    probe @ probe
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    rate = 2 * 256**3 / max(time.perf_counter() - t0, 1e-9)
-    n = max(256, min(n, int((rate * seconds / 2) ** (1 / 3))))
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    a @ b  # warm-up
-    iters, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        iters += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 2 * n**3 * iters / (time.perf_counter() - t0)
+    The size adapts: each matmul does enough work to time well (about a tenth of its
+    layout's share of ``seconds``), from 256 up to ``n``; a dtype the CPU only emulates gets
+    smaller matrices rather than minutes of start-up."""
+    per_layout = seconds / len(_LAYOUTS)
+    best = 0.0
+    for fn in _LAYOUTS.values():
+        probe = torch.randn(256, 256, device=device).to(dtype)
+        rate = 2 * 256**3 / _best_seconds(functools.partial(fn, probe, probe), device, 0.0, 2)
+        size = int((rate * per_layout / 10 / 2) ** (1 / 3)) // 64 * 64
+        size = max(256, min(n, size))
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        dt = _best_seconds(functools.partial(fn, a, b), device, per_layout)
+        best = max(best, 2 * size**3 / dt)
+    return best
+
+
+def cpu_native_matmul(dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether this CPU runs ``dtype`` matmuls in hardware, and the evidence, from a
+    capability check (free, and the same answer in every process of a run).
+
+    bf16 is native with AVX512-BF16 or AMX on x86 and with the BF16 extension on Arm;
+    fp16 with AMX-FP16 (x86) or on Arm. Elsewhere PyTorch emulates them, 7-100x slower
+    than fp32. Honours ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA``, which cap the
+    kernels PyTorch and oneDNN may use (and imitate an older CPU)."""
+    if dtype == torch.float32:
+        return True, "fp32"
+    cap = torch.backends.cpu.get_cpu_capability()
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        ok = dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        ok = ok or (dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        return ok, f"Arm CPU ({cap}) {'with' if ok else 'without'} {name} instructions"
+    if dtype == torch.bfloat16:
+        flags = [f for f, has in (("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
+                                  ("AMX", torch.cpu._is_amx_tile_supported())) if has]
+        needs = "AVX512-BF16 or AMX"
+    else:
+        flags = ["AMX-FP16"] if torch.cpu._is_amx_fp16_supported() else []
+        needs = "AMX-FP16"
+    if not flags:
+        return False, f"{cap} CPU without {needs}"
+    isa = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL")
+    capped = [f"ATEN_CPU_CAPABILITY caps PyTorch at {cap}"] if cap in ("DEFAULT", "AVX2") else []
+    if not isa.upper().startswith(("ALL", "AVX512_CORE_BF16", "AVX512_CORE_AMX", "AVX10")):
+        capped.append(f"ONEDNN_MAX_CPU_ISA={isa} caps oneDNN below {needs}")
+    if capped:
+        return False, f"the CPU has {'/'.join(flags)} but {'; '.join(capped)}"
+    return True, f"{cap} CPU with {'/'.join(flags)}"
 
 
 def peak_memory_bytes(device: torch.device) -> int:

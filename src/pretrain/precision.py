@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from pretrain.config import PrecisionConfig
+from pretrain.config import Config, PrecisionConfig
+from pretrain.planning.gpus import GpuSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,6 +47,65 @@ class Policy:
 
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
         return torch.amp.GradScaler(device.type) if self.loss_scaling else None
+
+
+AUTO = "auto"
+PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "precision"
+# What ``precision=auto`` takes from the preset it picks; everything else (param and
+# reduce dtypes, a user's overrides) stays as the config has it.
+AUTO_KEYS = ("name", "compute_dtype", "loss_scaling")
+
+
+def choose_auto(device: torch.device | GpuSpec) -> tuple[str, str]:
+    """The precision ``auto`` means on ``device``, and why. A capability check, not a
+    timing: free, and the same answer in every process of a run.
+
+    CUDA: bf16 from compute capability 8.0 (A100, H100, RTX 30xx+), else fp16 with loss
+    scaling (V100, T4). CPU: bf16 only where the CPU multiplies bf16 in hardware, else fp32
+    (emulated bf16 matmuls run 7-100x slower than fp32 there). A GPU type of the planner's
+    table (``conf/gpu/``, no GPU at hand): bf16 when it lists a bf16 peak, else fp16."""
+    from pretrain.device import cpu_native_matmul
+
+    if isinstance(device, GpuSpec):
+        if device.peak_flops("bfloat16"):
+            return "bf16", f"{device.name} has bf16 tensor cores (conf/gpu)"
+        return "fp16", f"{device.name} lists no bf16 peak (conf/gpu): fp16 with loss scaling"
+    if device.type == "cuda":
+        cc = torch.cuda.get_device_capability(device)
+        gpu = f"{torch.cuda.get_device_name(device)} (compute capability {cc[0]}.{cc[1]})"
+        if cc >= (8, 0):
+            return "bf16", f"{gpu} has bf16 tensor cores"
+        return "fp16", f"{gpu} has no bf16 tensor cores: fp16 with loss scaling"
+    if device.type == "cpu":
+        native, why = cpu_native_matmul(torch.bfloat16)
+        if native:
+            return "bf16", f"this CPU has native bf16 matmuls ({why})"
+        return "fp32", f"this CPU has no native bf16 matmul ({why})"
+    return "fp32", f"no reduced-precision rule for device type '{device.type}'"
+
+
+def load_preset(name: str) -> PrecisionConfig:
+    """``conf/precision/NAME.yaml`` as a PrecisionConfig: the one definition of a preset."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(PrecisionConfig),
+                             OmegaConf.load(PRESET_DIR / f"{name}.yaml"))
+    return OmegaConf.to_object(merged)
+
+
+def resolve_auto_precision(cfg: Config, device: torch.device | GpuSpec
+                           ) -> tuple[Config, str | None]:
+    """``cfg`` with ``precision=auto`` replaced by the preset ``choose_auto`` picks, and the
+    reason ("fp32: this CPU has no native bf16 matmul (...)"); unchanged (reason None) for
+    a named precision, which is always run exactly as named."""
+    if cfg.precision.name != AUTO:
+        return cfg, None
+    name, why = choose_auto(device)
+    preset = load_preset(name)
+    out = copy.copy(cfg)
+    out.precision = dataclasses.replace(
+        cfg.precision, **{k: getattr(preset, k) for k in AUTO_KEYS})
+    return out, f"{name}: {why}"
 
 
 def fp8_supported(device: torch.device) -> tuple[bool, str]:

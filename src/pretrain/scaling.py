@@ -60,8 +60,8 @@ def collect_runs(root: Path | str, flops: str = "6nd") -> list[RunPoint]:
             continue
         result, plan = json.loads(result_path.read_text()), json.loads(plan_path.read_text())
         loss = result.get("final_val_loss")
-        if loss is None or not math.isfinite(loss):
-            continue
+        if loss is None or not math.isfinite(loss) or loss <= 0:
+            continue  # a diverged run: nothing to fit
         n, d = float(plan["n_params"]), float(result.get("tokens") or plan["tokens"])
         c = 6.0 * n * d if flops == "6nd" else float(plan["total_flops"]) * d / plan["tokens"]
         name = str(result_path.parent.relative_to(root)) if result_path.parent != root else \
@@ -108,7 +108,9 @@ def _minimize(objective: Callable, starts: np.ndarray, bounds: Sequence[tuple[fl
                            options={"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-12})
             if res.fun < best_f:
                 best_x, best_f = res.x, res.fun
-    assert best_x is not None
+    if best_x is None:
+        raise ValueError("the fit did not converge from any start (non-finite objective): "
+                         "check the runs' losses")
     return best_x
 
 
@@ -322,6 +324,22 @@ def bound_warnings(law: ComputeLaw | ChinchillaLaw) -> list[str]:
     return out
 
 
+def interval_warnings(rep: FitReport) -> list[str]:
+    """Predictions whose bootstrap interval leaves out the full-data estimate (beyond
+    rounding): the fit moves a lot when runs are resampled, so the point is not to be
+    trusted on its own."""
+    out = []
+    for k, est in rep.predictions.items():
+        if not (np.isfinite(est.low) and np.isfinite(est.high)):
+            continue
+        tol = 1e-9 * max(abs(est.value), 1.0)
+        if est.value < est.low - tol or est.value > est.high + tol:
+            out.append(f"the bootstrap 95% interval of {k} [{est.low:.4g}, {est.high:.4g}] "
+                       f"leaves out the fit's own value {est.value:.4g}: the fit is unstable "
+                       "under resampling of these runs; add runs, and read the interval")
+    return out
+
+
 def bootstrap(points: Sequence[RunPoint], fit: Callable[[list[RunPoint], np.ndarray | None],
               object], start: np.ndarray, n_boot: int, seed: int = 0) -> list:
     """Refit on ``n_boot`` resamples of the runs (with replacement), each L-BFGS-B started
@@ -366,9 +384,15 @@ def report_compute_law(points: Sequence[RunPoint], target_flops: float | None = 
     constants = {k: _estimate(getattr(law, k), np.array([getattr(s, k) for s in laws]),
                               geometric=k == "a") for k in ("a", "b", "c")}
     rep = FitReport(law, constants, samples=laws, warnings=bound_warnings(law))
+    if len(points) == 3:
+        rep.warnings.append(
+            "3 budgets for 3 constants: the curve passes through every run, and the "
+            "bootstrap cannot measure its uncertainty (every usable resample is the same 3 "
+            "runs); add budgets before trusting the prediction")
     if target_flops:
         rep.predictions["loss"] = _estimate(
             float(law.predict(target_flops)), np.array([s.predict(target_flops) for s in laws]))
+    rep.warnings += interval_warnings(rep)
     return rep
 
 
@@ -395,6 +419,7 @@ def report_chinchilla_law(points: Sequence[RunPoint], target_flops: float | None
         rep.predictions["loss"] = _estimate(
             float(law.optimal_loss(target_flops)),
             np.array([s.optimal_loss(target_flops) for s in laws]))
+    rep.warnings += interval_warnings(rep)
     return rep
 
 

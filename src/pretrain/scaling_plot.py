@@ -57,12 +57,15 @@ def plot_loss_vs_compute(points: Sequence[RunPoint], compute: FitReport | None,
         ax.axhline(law.c, color="C0", ls=":", lw=1, label=f"irreducible c = {law.c:.3f}")
         if target_flops:
             est = compute.predictions["loss"]
-            yerr = None
-            if np.isfinite(est.low):
-                yerr = [[est.value - est.low], [est.high - est.value]]
-            ax.errorbar([target_flops], [est.value], yerr=yerr, fmt="*", ms=14, color="C3",
-                        capsize=4, zorder=4,
-                        label=f"prediction at C={target_flops:.3g}: {est.value:.3f}")
+            # The bootstrap interval is drawn as it is, apart from the point: a percentile
+            # interval of resampled fits need not contain the full-data fit (skewed or
+            # collapsed resamples), so it is not an error bar around the point.
+            if np.isfinite(est.low) and np.isfinite(est.high):
+                ax.plot([target_flops, target_flops], [est.low, est.high], color="C3", lw=2,
+                        solid_capstyle="butt", zorder=4,
+                        label=f"bootstrap 95%: [{est.low:.3f}, {est.high:.3f}]")
+            ax.plot([target_flops], [est.value], marker="*", ms=14, ls="none", color="C3",
+                    zorder=5, label=f"prediction at C={target_flops:.3g}: {est.value:.3f}")
     if chinchilla is not None:
         assert isinstance(chinchilla.law, ChinchillaLaw)
         ax.plot(grid, chinchilla.law.optimal_loss(grid), color="C2", ls="--",

@@ -34,6 +34,7 @@ from pretrain.config import Config
 from pretrain.data.loader import TokenWindows
 from pretrain.data.prepare import DataError, data_dir, load_index, prepare
 from pretrain.device import (
+    cpu_native_matmul,
     gpu_peak_flops,
     keep_freed_memory,
     measure_matmul_flops,
@@ -55,7 +56,7 @@ from pretrain.parallel.layout import (
     world_size_from_env,
 )
 from pretrain.parallel.tensor_parallel import loss_context
-from pretrain.precision import Policy, resolve_policy
+from pretrain.precision import Policy, choose_auto, resolve_auto_precision, resolve_policy
 from pretrain.preemption import EXIT_REQUEUE, StopRequest
 from pretrain.validate import check
 
@@ -72,6 +73,7 @@ def resolve_plan(cfg: Config, world_size: int | None = None
         world_size = declared_world_size(cfg)
     check(cfg, world_size)
     device = pick_device(cfg.train.device)
+    cfg, auto_precision = resolve_auto_precision(cfg, device)
     policy = resolve_policy(cfg.precision, device)
     attention = resolve_backend(cfg.model.attention, device, policy.compute_dtype)
     budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
@@ -86,9 +88,27 @@ def resolve_plan(cfg: Config, world_size: int | None = None
         "device": str(device),
         "lr": scaled_lr(cfg.optim, budget.global_batch_tokens),
     }
+    if auto_precision:
+        plan["precision_auto"] = auto_precision
     if policy.fp8:
         plan["fp8"] = cfg.precision.fp8_recipe + (" (emulated)" if policy.fp8_emulate else "")
+    if device.type == "cuda":
+        plan["tf32"] = cfg.train.tf32
     return plan, budget, device, policy
+
+
+def resolve_auto(cfg: Config, world_size: int) -> tuple[Config, dict]:
+    """``cfg`` with every ``auto`` setting decided (precision from the device, then the
+    layout, whose memory depends on it), and what was decided, for the plan. Deterministic
+    per machine kind, so every rank decides the same."""
+    notes: dict = {}
+    cfg, why = resolve_auto_precision(cfg, pick_device(cfg.train.device))
+    if why:
+        notes["precision_auto"] = why
+    cfg, candidates = resolve_auto_layout(cfg, world_size)
+    if candidates:
+        notes["parallel_auto"] = [c.summary() for c in candidates[:5]]
+    return cfg, notes
 
 
 def resolve_auto_layout(cfg: Config, world_size: int) -> tuple[Config, list]:
@@ -128,11 +148,10 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path):
         self.run_dir = Path(run_dir)
         self.world_size = world_size_from_env()
-        cfg, self.auto_candidates = resolve_auto_layout(cfg, self.world_size)
+        cfg, notes = resolve_auto(cfg, self.world_size)
         self.cfg = cfg
         self.plan, self.budget, self.device, self.policy = resolve_plan(cfg, self.world_size)
-        if self.auto_candidates:
-            self.plan["parallel_auto"] = [c.summary() for c in self.auto_candidates[:5]]
+        self.plan.update(notes)
         self.layout: Layout = resolve_layout(cfg, self.world_size)
         self.step = 0
         self.samples_seen = 0
@@ -155,14 +174,21 @@ class Trainer:
             log.setLevel(logging.WARNING)
         self.dp_rank = self.mesh.dp.get_local_rank() if self.mesh is not None else 0
         self.pp_group = self.mesh.pp.get_group() if self.mesh is not None and lay.pp > 1 else None
+        if self.device.type == "cuda":
+            # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 accumulate),
+            # as torchtitan and Megatron-LM do; train.tf32=false keeps full fp32.
+            torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")
         log.info("plan: %s", json.dumps(self.plan))
+        if "precision_auto" in self.plan:
+            log.info("precision=auto -> %s", self.plan["precision_auto"])
         log.info(
             "model %s: %s params (%s non-embedding), %s FLOPs/token | budget %s -> %s tokens "
             "in %d steps of %s tokens | precision %s | attention %s%s | layout %s | device %s",
             cfg.model.name, f"{self.budget.n_params:,}", f"{self.budget.n_params_non_embedding:,}",
             f"{self.budget.flops_per_token:,}", self.budget.rule, f"{self.budget.tokens:,}",
             self.budget.steps, f"{self.budget.global_batch_tokens:,}",
-            " ".join(filter(None, [self.plan["precision"], self.plan.get("fp8")])),
+            " ".join(filter(None, [self.plan["precision"], self.plan.get("fp8"),
+                                   "(auto)" if "precision_auto" in self.plan else None])),
             self.plan["attention"], " | compile (per block)" if cfg.train.compile else "",
             lay.describe(), self.device,
         )
@@ -264,7 +290,17 @@ class Trainer:
         if self.device.type == "cuda":  # fp8: the fp8 dense peak (not all matmuls are fp8)
             return gpu_peak_flops(self.device, self.policy.peak_dtype)
         peak = measure_matmul_flops(dtype, self.device, seconds=0.5)
-        log.info("CPU peak (measured %s matmul): %.1f GFLOP/s", dtype, peak / 1e9)
+        log.info("CPU peak (measured %s matmul, best of 3 layouts, %d threads): %.1f GFLOP/s",
+                 dtype, torch.get_num_threads(), peak / 1e9)
+        native, why = cpu_native_matmul(dtype)
+        if not native:  # named explicitly: run as asked, but say what it costs, once
+            fp32 = measure_matmul_flops(torch.float32, self.device, seconds=0.5)
+            log.warning(
+                "precision=%s on a CPU without native %s matmuls (%s): they run at %.1f "
+                "GFLOP/s here against %.1f for fp32, %.0fx slower. Use precision=auto (%s on "
+                "this CPU) or precision=fp32.", self.plan["precision"],
+                str(dtype).removeprefix("torch."), why, peak / 1e9, fp32 / 1e9, fp32 / peak,
+                choose_auto(self.device)[0])
         return peak
 
     @property
@@ -638,10 +674,9 @@ def run(cfg: Config, run_dir: Path) -> dict | None:
     """Entry point shared by train.py and the tools: dry run or train (one process, or one
     of the processes torchrun started)."""
     if cfg.dry_run:
-        cfg, candidates = resolve_auto_layout(cfg, declared_world_size(cfg))
+        cfg, notes = resolve_auto(cfg, declared_world_size(cfg))
         plan, *_ = resolve_plan(cfg)
-        if candidates:
-            plan["parallel_auto"] = [c.summary() for c in candidates[:5]]
+        plan.update(notes)
         if dist_env.env_rank() == 0:
             print(json.dumps(plan), flush=True)
         return plan

@@ -112,7 +112,8 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, mfu: float | None = None,
 
 
 def format_plan(p: dict) -> str:
-    lines = [f"plan: {p['model']} ({p['params']:,} params), {p['precision']}, "
+    auto = " (auto)" if p.get("precision_auto") else ""
+    lines = [f"plan: {p['model']} ({p['params']:,} params), {p['precision']}{auto}, "
              f"{p['gpus']} x {p['gpu']} ({p['gpu_memory_gib']:g} GiB)",
              f"layout: {p['layout']}"]
     if p.get("auto_candidates"):
