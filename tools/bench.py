@@ -96,10 +96,11 @@ def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
         tokens = steps * trainer.budget.global_batch_tokens
         tps = tokens / dt
         achieved = tps * trainer.budget.flops_per_token
+        trainer.check_peak(achieved)  # a peak timed in a busy moment is measured again
         return {
             "mode": mode, "recipe_model": cfg.model.name, "device": str(device),
             "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "threads": torch.get_num_threads(), "precision": cfg.precision.name,
+            "threads": torch.get_num_threads(), "precision": trainer.plan["precision"],
             "attention": trainer.plan["attention"], "compile": cfg.train.compile,
             "n_params": trainer.budget.n_params, "seq_len": cfg.model.seq_len,
             "global_batch": gbs, "micro_batch": mbs, "steps": steps,

@@ -110,24 +110,29 @@ def _best_seconds(fn, device: torch.device, budget: float, min_repeats: int = 3)
 
 
 def measure_matmul_flops(dtype: torch.dtype, device: torch.device, n: int = 2048,
-                         seconds: float = 1.0) -> float:
+                         seconds: float = 1.0, rounds: int = 3) -> float:
     """The practical peak FLOP/s of ``dtype`` matmuls here: the best of the three layouts a
     Linear uses (``_LAYOUTS``), each the fastest of several timed square matmuls.
 
     The size adapts: each matmul does enough work to time well (about a tenth of its
     layout's share of ``seconds``), from 256 up to ``n``; a dtype the CPU only emulates gets
-    smaller matrices rather than minutes of start-up."""
-    per_layout = seconds / len(_LAYOUTS)
-    best = 0.0
+    smaller matrices rather than minutes of start-up. The layouts take turns over
+    ``rounds`` rounds, so a burst of other work on a shared machine has to last the whole
+    measurement to lower it."""
+    share = seconds / (len(_LAYOUTS) * rounds)
+    operands = []
     for fn in _LAYOUTS.values():
         probe = torch.randn(256, 256, device=device).to(dtype)
         rate = 2 * 256**3 / _best_seconds(functools.partial(fn, probe, probe), device, 0.0, 2)
-        size = int((rate * per_layout / 10 / 2) ** (1 / 3)) // 64 * 64
+        size = int((rate * share * rounds / 10 / 2) ** (1 / 3)) // 64 * 64
         size = max(256, min(n, size))
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)
-        dt = _best_seconds(functools.partial(fn, a, b), device, per_layout)
-        best = max(best, 2 * size**3 / dt)
+        operands.append((functools.partial(fn, a, b), size))
+    best = 0.0
+    for _ in range(rounds):
+        for call, size in operands:
+            best = max(best, 2 * size**3 / _best_seconds(call, device, share, 2))
     return best
 
 
