@@ -42,7 +42,7 @@ COMMON = [
     "precision=fp8", "precision.fp8_allow_emulation=true", "precision.fp8_filter=all",
     "data.name=markov", "data.auto_prepare=false", f"data.tokenizer_vocab_size={VOCAB}",
     "budget=steps", f"budget.steps={STEPS}", "train.global_batch_size=16",
-    "parallel.micro_batch_size=4", "train.eval_batches=4", "train.eval_interval=1000",
+    "parallel.micro_batch_size=8", "train.eval_batches=4", "train.eval_interval=1000",
     "train.sample_tokens=0", "logging=quiet", "optim.lr=3e-3", "schedule.warmup_steps=3",
 ]
 
