@@ -136,7 +136,7 @@ def _world(spec: dict) -> dict:
         model = GPT(cfg.model)
     set_attention_backend(model, "sdpa")
     pm = parallelize(model, cfg, layout, mesh, device, policy, cross_entropy)
-    materialize(pm, device, 0, None)
+    materialize(pm, device, 0)
     b, s = par.micro_batch_size, cfg.model.seq_len
     for part in pm.parts:
         if part.tok_emb is not None:
@@ -152,13 +152,15 @@ def _world(spec: dict) -> dict:
     return {**state_bytes(pm.parameters(), optimizer), "pp_rank": mesh.pp.get_local_rank()}
 
 
-def _forked(spec: dict) -> str:
+def forked(spec: dict, fn=None) -> str:
+    """``fn(spec)`` (default: ``_world``) in a child process; its result as one JSON line."""
+    fn = fn or _world
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: one world, then exit without running the parent's cleanup
         os.close(read)
         try:
-            result = json.dumps(_world(spec))
+            result = json.dumps(fn(spec))
         except BaseException as e:  # report, never fall through into the parent's code
             result = json.dumps({"error": f"{type(e).__name__}: {e}"})
         os.write(write, result.encode())
@@ -174,4 +176,4 @@ if __name__ == "__main__":
     import pretrain.parallel.apply  # noqa: F401  (import once, before forking)
 
     for spec in json.loads(sys.argv[1]):
-        print(_forked(spec), flush=True)
+        print(forked(spec), flush=True)

@@ -4,6 +4,13 @@
     python tools/plan.py +recipe=gpt3-6.7b parallel.tp=8 parallel.pp=2 --gpus 64 --mfu 0.45
     python tools/plan.py +recipe=gpt3-6.7b parallel=auto --gpus 256 --gpu a100-80gb --json
     python tools/plan.py +recipe=tiny --gpu-file my_gpus/        # extra GPU types (YAML)
+    python tools/plan.py +recipe=gpt3-175b --simulate --rank 1023  # start one rank for real
+
+``--simulate`` starts rank R of the run on this CPU, on a fake process group of the run's
+world size: the real mesh, parallelisation, initial weights of that rank's shards and
+optimizer state, then one micro batch's forward and backward on fake tensors with torch's
+memory tracker. Its last line is one JSON object: what the rank holds, measured, next to
+the planner's prediction ("predicted").
 
 Overrides are Hydra's, exactly as train.py takes them. ``--gpus`` defaults to the layout's
 own size (tp x pp x dp); with ``parallel=auto`` it is required. ``--mfu`` defaults to the GPU
@@ -41,6 +48,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     help="YAML file or directory of extra GPU types (repeatable)")
     ap.add_argument("--top", type=int, default=5, help="candidates shown for parallel=auto")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--simulate", action="store_true",
+                    help="start one rank of the run on this CPU (fake process group)")
+    ap.add_argument("--rank", type=int, default=0, help="the rank --simulate starts")
+    ap.add_argument("--no-step", dest="step", action="store_false",
+                    help="--simulate without the fake-tensor forward/backward")
     return ap.parse_known_args(argv)
 
 
@@ -85,7 +97,38 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     if auto_precision:
         plan["precision_auto"] = auto_precision
+    if args.simulate:
+        return run_simulation(cfg, n, args.rank, args.step, plan)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return FITS if plan["fits"] else DOES_NOT_FIT
+
+
+def run_simulation(cfg, world_size: int, rank: int, step: bool, plan: dict) -> int:
+    from pretrain.planning.simulate import simulate
+
+    if not 0 <= rank < world_size:
+        return fail(f"--rank={rank} is not a rank of this {world_size}-GPU run: "
+                    f"use 0..{world_size - 1}")
+    print(f"simulating rank {rank} of {world_size} ({plan['layout']}) on this "
+          "CPU: mesh, parallelize, this rank's initial weights and optimizer state"
+          + (", then one micro batch on fake tensors" if step else ""), flush=True)
+    result = simulate(cfg, world_size, rank, step=step)
+    pred = result["predicted"]
+
+    def size(b: float) -> str:
+        return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+    print(f"rank {rank} {result['coordinate']}: stages {result['stages']}; parameters "
+          f"{size(result['local_param_bytes'])} (planner {size(pred['local_param_bytes'])}), "
+          f"gradients {size(result['local_grad_bytes'])}, optimizer state "
+          f"{size(result['local_optimizer_bytes'])}; initialised in "
+          f"{result['init_seconds']:.1f} s; peak host memory "
+          f"{size(result['peak_rss_bytes'])}", flush=True)
+    if "step_peak_bytes" in result:
+        print(f"one micro batch on fake tensors: step peak {size(result['step_peak_bytes'])} ("
+              + ", ".join(f"{k} {size(v)}" for k, v in result["step_peak_by_kind"].items() if v)
+              + ")", flush=True)
+    print(json.dumps(result), flush=True)
     return FITS if plan["fits"] else DOES_NOT_FIT
 
 

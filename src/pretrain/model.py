@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from pretrain.attention import KERNELS
 from pretrain.config import ModelConfig
+from pretrain.initialization import Init, init_parameters
 
 
 def padded_vocab_size(cfg: ModelConfig) -> int:
@@ -136,22 +137,34 @@ class GPT(nn.Module):
         if self.cfg.tie_embeddings and self.tok_emb is not None and self.lm_head is not None:
             self.lm_head.weight = self.tok_emb.weight
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """GPT-2 initialisation: N(0, init_std), residual projections scaled by
-        1/sqrt(2 * n_layer), zero biases, unit norms. Also rebuilds the RoPE tables, which a
-        meta-device construction leaves empty."""
+    def init_rule(self, name: str) -> Init:
+        """How parameter ``name`` (the whole model's name) starts, GPT-2's way: N(0,
+        init_std), residual projections (wo, w2) scaled by 1/sqrt(2 * n_layer), zero biases,
+        unit norms. A tied head draws the embedding's numbers, so a pipeline stage's copy of
+        it starts equal."""
+        module, _, kind = name.rpartition(".")
+        if kind == "bias":
+            return Init("zeros")
+        if module.endswith("norm"):  # norm, attn_norm, mlp_norm
+            return Init("ones")
         std = self.cfg.init_std
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                scale = 1 / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("wo", "w2")) else 1
-                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                module.reset_parameters()
+        if module.endswith(("attn.wo", "mlp.w2")):
+            std /= math.sqrt(2 * self.cfg.n_layer)
+        tied = self.cfg.tie_embeddings and name == "lm_head.weight"
+        return Init("normal", std, key="tok_emb.weight" if tied else None)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter from ``seed`` (a pure function of seed, name and
+        global shape: see pretrain.initialization), also when this module is a pipeline
+        stage or holds only shards. Also rebuilds the RoPE tables, which a meta-device
+        construction leaves empty."""
+        init_parameters(self, seed, self.init_rule)
+        self.init_rope()
+
+    @torch.no_grad()
+    def init_rope(self) -> None:
+        """Compute the RoPE tables (a buffer, not a parameter: never saved or learned)."""
         if self.rope is not None:
             head_dim = self.cfg.d_model // self.cfg.n_head
             self.rope.copy_(

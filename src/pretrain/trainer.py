@@ -42,6 +42,7 @@ from pretrain.device import (
     pick_device,
 )
 from pretrain.fp8 import after_optimizer_step, fp8_all_gather
+from pretrain.initialization import local_region
 from pretrain.loss import cross_entropy
 from pretrain.metrics import MetricsLogger
 from pretrain.model import GPT, set_attention_backend
@@ -132,8 +133,7 @@ def build_model(cfg: Config, device: torch.device, attention: str, seed: int) ->
         model = GPT(cfg.model)
     model.to_empty(device=device)
     model.tie_weights()
-    torch.manual_seed(seed)
-    model.init_weights()
+    model.init_weights(seed)
     set_attention_backend(model, attention)
     return model
 
@@ -200,7 +200,10 @@ class Trainer:
                          if "validation" in self.train_data.index["splits"] else None)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.parallel = self._build_model()
+        # Checkpoints are found before the model exists: a resumed run skips initialising.
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint, self.device)
+        resume = self._resume_path()
+        self.parallel = self._build_model(initialise=resume is None)
         self.optimizer = build_optimizer(
             torch.nn.ModuleList(self.parallel.parts), cfg.optim, self.plan["lr"], self.device,
             also_embeddings=self.parallel.tied.params if self.parallel.tied is not None else (),
@@ -214,11 +217,10 @@ class Trainer:
         # Every rank continues from the same RNG state (rank 0 alone drew random numbers to
         # time the peak), so dropout masks agree wherever activations are replicated (TP).
         torch.manual_seed(cfg.train.seed)
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint, self.device)
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / STOPPED).unlink(missing_ok=True)  # this attempt is not stopped
-        self._resume()
+        self._resume(resume)
         self.stop = StopRequest(cfg.train.time_limit_minutes)
         if self.rank0:
             tok = self.train_data.path / "tokenizer.json"
@@ -253,20 +255,22 @@ class Trainer:
             )
         return path
 
-    def _build_model(self) -> ParallelModel:
-        """Meta-device GPT -> this rank's parallel share -> real, initialised weights."""
+    def _build_model(self, initialise: bool = True) -> ParallelModel:
+        """Meta-device GPT -> this rank's parallel share -> its shards allocated and (unless
+        a checkpoint is about to overwrite them) initialised, each rank drawing only its own
+        shards' values."""
         cfg = self.cfg
         with torch.device("meta"):
             model = GPT(cfg.model)
         set_attention_backend(model, self.plan["attention"])
         pm = parallelize(model, cfg, self.layout, self.mesh, self.device, self.policy,
                          loss_fn=self._pipeline_loss)
-        reference = None
-        if self.mesh is not None:
-            def reference() -> GPT:
-                return build_model(cfg, torch.device("cpu"), self.plan["attention"],
-                                   cfg.train.seed)
-        materialize(pm, self.device, cfg.train.seed, reference)
+        t0 = time.perf_counter()
+        materialize(pm, self.device, cfg.train.seed if initialise else None)
+        if initialise:
+            log.info("initialised this rank's shards in %.2f s (%.1f MB of parameters)",
+                     time.perf_counter() - t0, sum(local_region(p)[0].nbytes
+                                                   for p in pm.parameters()) / 1e6)
         return pm
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -375,9 +379,9 @@ class Trainer:
                 f"{path} holds a different model: {'; '.join(diff)}. Use the same model "
                 "settings, another run_name, or checkpoint.resume=false to start afresh.")
 
-    def _resume(self) -> None:
-        """Continue from the newest complete checkpoint of this run (or resume_from); else
-        start a new run, from load_weights_only's weights when given."""
+    def _resume_path(self) -> Path | None:
+        """The checkpoint this run continues from: ``resume_from``, else the newest complete
+        one of this run (when ``resume``), else None (a new run)."""
         ck = self.cfg.checkpoint
         path = None
         if ck.resume_from:
@@ -386,13 +390,19 @@ class Trainer:
             path = self.ckpt.latest()
         if path is not None:
             self._check_compatible(path)
+        return path
+
+    def _resume(self, path: Path | None) -> None:
+        """Continue from ``path`` (see _resume_path); else start a new run, from
+        load_weights_only's weights when given."""
+        if path is not None:
             meta = CheckpointManager.load(path, self._checkpoint_state())
             log.info("resumed from %s: step %d, %s tokens seen (saved with layout %s)",
                      path, self.step, f"{self.step * self.budget.global_batch_tokens:,}",
                      meta.get("layout"))
             return
-        if ck.load_weights_only:
-            self._load_weights(ck.load_weights_only)
+        if self.cfg.checkpoint.load_weights_only:
+            self._load_weights(self.cfg.checkpoint.load_weights_only)
 
     def _load_weights(self, source: str) -> None:
         """Weights only (new optimizer, new schedule): a checkpoint of ours, or a

@@ -2,8 +2,8 @@
 
 fp8 conversion -> pipeline split -> tensor (+ sequence) parallel -> compile (per block) ->
 activation checkpointing -> FSDP2 / replicate, all on the meta device (no memory), then
-materialise: allocate the local shards and fill them from the reference initialisation, so
-every layout starts from the same global weights as one process does.
+materialise: allocate the local shards and initialise them (each rank draws only its own
+shards' values, which are those of the same elements in one process: see initialization.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from pretrain.config import Config
 from pretrain.model import GPT
@@ -105,28 +104,18 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
 
 
 @torch.no_grad()
-def materialize(pm: ParallelModel, device: torch.device, seed: int,
-                reference: Callable[[], GPT] | None = None) -> None:
-    """Allocate the parameters and initialise them.
+def materialize(pm: ParallelModel, device: torch.device, seed: int | None) -> None:
+    """Allocate this rank's shards on ``device`` and initialise them from ``seed``.
 
-    One process initialises in place (``init_weights`` with ``seed``). With a process group,
-    ``reference()`` builds the full model the same way on the CPU and every rank copies its
-    shards out of it (``set_model_state_dict`` with a full state dict distributes each tensor
-    to the local DTensor shard): the same numbers as one process, whatever the layout, for
-    the price of one full CPU copy per rank while starting.
+    Each rank draws only the values of its own shards (``GPT.init_weights``: a pure
+    function of seed, name and global shape), so start-up memory is O(shard) and every
+    layout starts from the weights one process would. ``seed`` None allocates without
+    initialising, for a run about to load a checkpoint over them.
     """
     for part in pm.parts:
         part.to_empty(device=device)
         part.tie_weights()
-    if reference is None:
-        torch.manual_seed(seed)
-        for part in pm.parts:
-            part.init_weights()
-        return
-    full = reference()
-    state = full.state_dict()
-    for part in pm.parts:
-        set_model_state_dict(part, dict(state),
-                             options=StateDictOptions(full_state_dict=True, strict=False))
-        if part.rope is not None:  # a non-persistent buffer, not in the state dict
-            part.rope.copy_(full.rope)
+        if seed is not None:
+            part.init_weights(seed)
+        elif part.rope is not None:  # not in a checkpoint: computed, never learned
+            part.init_rope()

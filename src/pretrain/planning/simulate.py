@@ -1,0 +1,210 @@
+"""Be any rank of any cluster on this CPU: start it for real, measure what it holds.
+
+``tools/plan.py --simulate`` joins a fake process group (torch's
+``torch.testing._internal.distributed.fake_pg``: collectives return at once with the right
+shapes; torchtitan dry-runs layouts the same way) of the recipe's world size as rank R, and
+runs the training code's own start-up for that rank: the device mesh, ``parallelize``
+(pipeline split, TP, activation checkpointing, FSDP2), ``materialize`` (this rank's shards
+allocated and given their real initial values on the CPU) and the optimizer with its state.
+Then, unless skipped, one forward and backward of one micro batch through each of the rank's
+stages (and an optimizer step) runs on a second copy of the rank's model under
+``FakeTensorMode``, where tensors have shapes but no storage, with torch's ``MemTracker``
+counting the bytes a real step would hold.
+
+What comes back is measured, next to what the planner (``planning/memory.py``) predicts for
+the same rank, so the two can be compared wherever a simulation runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from pretrain.config import Config
+from pretrain.initialization import local_region
+from pretrain.loss import cross_entropy
+from pretrain.model import GPT, set_attention_backend
+from pretrain.optim import build_optimizer
+from pretrain.parallel.apply import ParallelModel, materialize, parallelize
+from pretrain.parallel.layout import Layout, resolve_layout
+from pretrain.parallel.mesh import build_mesh
+from pretrain.parallel.tensor_parallel import loss_context
+from pretrain.planning.memory import rank_memory
+from pretrain.planning.params import rank_params
+from pretrain.precision import Policy, resolve_policy
+
+log = logging.getLogger("pretrain.simulate")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor's local shard; FSDP2's
+    padded shard storage; a tied weight once): what is really allocated."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        local = local_region(t)[0]
+        st = local.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+                         ) -> int:
+    """Create the optimizer's state as its first step would, without changing a weight
+    (zero gradients, learning rate 0: what torch.distributed.checkpoint does before loading
+    into a fresh optimizer). Returns the bytes the gradients held meanwhile."""
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    grads = sum(_local_bytes(p.grad) for p in params)
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(_local_bytes(v) for s in optimizer.state.values() for v in s.values()
+               if torch.is_tensor(v))
+
+
+def _build(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str
+           ) -> ParallelModel:
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    set_attention_backend(model, attention)
+    return parallelize(model, cfg, layout, mesh, torch.device("cpu"), policy, cross_entropy)
+
+
+def _stage_input(part: GPT, cfg: Config, layout: Layout, policy: Policy) -> torch.Tensor:
+    """One micro batch as this stage receives it: token ids on the first stage, else the
+    residual stream (sequence-sharded under SP; in the compute dtype when FSDP/replicate
+    cast the parameters, as the pipeline would send it)."""
+    b, s = layout.micro_batch_size, cfg.model.seq_len
+    if part.tok_emb is not None:
+        return torch.randint(0, cfg.model.vocab_size, (b, s))
+    if layout.sequence_parallel and layout.tp > 1:
+        s //= layout.tp
+    dtype = policy.compute_dtype if layout.dp > 1 else policy.param_dtype
+    return torch.randn(b, s, cfg.model.d_model, dtype=dtype, requires_grad=True)
+
+
+def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str) -> dict:
+    """Peak bytes of one micro batch's forward and backward through each of this rank's
+    stages, then an optimizer step, on a fake copy of the rank's model (nothing allocated).
+    A pipeline keeps several micro batches in flight; this is one (see the planner)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    pm = _build(cfg, layout, mesh, policy, attention)  # on the meta device
+    with FakeTensorMode(allow_non_fake_inputs=True):  # meta -> fake: shapes, no storage
+        materialize(pm, torch.device("cpu"), None)
+        optimizer = build_optimizer(torch.nn.ModuleList(pm.parts), cfg.optim, 1e-4,
+                                    torch.device("cpu"))
+        inputs = [_stage_input(p, cfg, layout, policy) for p in pm.parts]
+        tracker = MemTracker()
+        tracker.track_external(*pm.parts, optimizer, *inputs)
+        with tracker:
+            for part, x in zip(pm.parts, inputs, strict=True):
+                with loss_context(layout.tp), policy.autocast(torch.device("cpu")):
+                    out = part(x)
+                    if part.lm_head is not None:
+                        targets = torch.randint(0, cfg.model.vocab_size, x.shape[:2])
+                        loss = cross_entropy(out, targets)
+                    else:
+                        local = out.to_local() if isinstance(out, DTensor) else out
+                        loss = local.float().sum()
+                    loss.backward()
+                del out, loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        peak = tracker.get_tracker_snapshot("peak")
+    totals = {dev: snap.get("Total", 0) for dev, snap in peak.items()}
+    kinds = {getattr(k, "value", str(k)): v for snap in peak.values() for k, v in snap.items()
+             if k != "Total"}
+    return {"step_peak_bytes": max(totals.values(), default=0), "step_peak_by_kind": kinds}
+
+
+def predicted(cfg: Config, layout: Layout, pp_rank: int, tp_rank: int) -> dict:
+    """The planner's numbers for this rank (CPU: no CUDA context, no fragmentation)."""
+    sp = rank_params(cfg.model, layout, pp_rank, tp_rank)
+    pb = torch.tensor([], dtype=getattr(torch, cfg.precision.param_dtype)).element_size()
+    parts = rank_memory(cfg, layout, pp_rank, device="cpu").parts
+    return {
+        "local_param_bytes": pb * sp.local,
+        "local_grad_bytes": parts["gradients"],
+        "local_optimizer_bytes": parts["optimizer state"],
+        "memory_by_part": {k: int(v) for k, v in parts.items()},
+    }
+
+
+def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict:
+    """Start rank ``rank`` of a ``world_size``-process run of ``cfg`` in this process."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from pretrain.attention import resolve_backend
+
+    if not 0 <= rank < world_size:
+        raise ValueError(f"--rank={rank} is not a rank of a {world_size}-process world "
+                         f"(0..{world_size - 1})")
+    t_start = time.perf_counter()
+    device = torch.device("cpu")
+    attention_asked = cfg.model.attention
+    if attention_asked == "flash":  # a GPU kernel: memory as SDPA's (also O(sequence))
+        cfg = replace(cfg, model=replace(cfg.model, attention="sdpa"))
+    policy = resolve_policy(cfg.precision, device)
+    attention = resolve_backend(cfg.model.attention, device, policy.compute_dtype)
+    layout = resolve_layout(cfg, world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        mesh = build_mesh(layout, device)
+        coord = dict(zip(mesh.root.mesh_dim_names, mesh.root.get_coordinate(), strict=True))
+        pm = _build(cfg, layout, mesh, policy, attention)
+        t0 = time.perf_counter()
+        materialize(pm, device, cfg.train.seed)
+        init_seconds = time.perf_counter() - t0
+        params = pm.parameters()
+        optimizer = build_optimizer(
+            torch.nn.ModuleList(pm.parts), cfg.optim, cfg.optim.lr, device,
+            also_embeddings=pm.tied.params if pm.tied is not None else ())
+        t0 = time.perf_counter()
+        grad_bytes = init_optimizer_state(optimizer, params)
+        result = {
+            "world_size": world_size, "rank": rank, "coordinate": coord,
+            "layout": layout.describe(), "stages": pm.stage_ids,
+            "precision": cfg.precision.name, "attention": attention,
+            "local_param_bytes": _storage_bytes(params),
+            "local_grad_bytes": grad_bytes,
+            "local_optimizer_bytes": optimizer_bytes(optimizer),
+            "init_seconds": round(init_seconds, 3),
+            "optimizer_init_seconds": round(time.perf_counter() - t0, 3),
+            "predicted": predicted(cfg, layout, coord["pp"], coord["tp"]),
+        }
+        if attention_asked == "flash":
+            result["attention_note"] = "flash is a GPU kernel: simulated with sdpa"
+        del optimizer, params, pm
+        if step:
+            result.update(fake_step(cfg, layout, mesh, policy, attention))
+    finally:
+        dist.destroy_process_group()
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+    return result
