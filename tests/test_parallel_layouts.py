@@ -230,3 +230,11 @@ def test_tp2_halves_block_parameters(reference, groups):
     for m in groups(2)["tp2"]["memory"]:
         # Norms and the row-parallel biases (6 x d_model per block) stay replicated: 0.4% here.
         assert m["block_params"] / one == pytest.approx(0.5, abs=0.01)
+
+
+@pytest.mark.parametrize("name", ["zero3_dp2", "tp2", "pp2_1f1b"])
+def test_first_step_starts_from_the_one_process_weights(reference, groups, name):
+    """Each rank initialises only its own shards (pretrain.initialization), yet the first
+    step's loss is that of one process to fp32 rounding: the same weights, bit for bit."""
+    got = groups(2)[name]
+    assert abs(got["losses"][0] - reference["single"]["losses"][0]) <= 1e-6

@@ -42,12 +42,18 @@ def stage_indices(layout: Layout, pp_rank: int) -> list[int]:
     return [pp_rank + v * layout.pp for v in range(layout.virtual_stages)]
 
 
+def stage_layers(n_layer: int, stage: int, n_stages: int) -> range:
+    """The global indices of the transformer blocks stage ``stage`` of ``n_stages`` runs
+    (balanced by count; validation requires n_layer % n_stages == 0). Stage 0 also holds
+    the embeddings, the last stage the final norm and the head. The planner reads this."""
+    per = n_layer // n_stages
+    return range(stage * per, (stage + 1) * per)
+
+
 def split_stage(model: GPT, stage: int, n_stages: int) -> GPT:
     """A copy of ``model`` (on the meta device: copying costs nothing) keeping only what
     stage ``stage`` of ``n_stages`` runs."""
-    n_layer = len(model.layers)
-    per = n_layer // n_stages
-    keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    keep = {str(i) for i in stage_layers(len(model.layers), stage, n_stages)}
     part = copy.deepcopy(model)
     for key in list(part.layers.keys()):
         if key not in keep:

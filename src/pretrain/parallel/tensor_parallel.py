@@ -32,6 +32,22 @@ from torch.distributed.tensor.parallel import (
 
 from pretrain.model import GPT
 
+# The Megatron plan, as data: the planner (planning/params.py) reads the same names.
+COLWISE = ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")  # Shard(0): output features
+ROWWISE = ("attn.wo", "mlp.w2")  # weight Shard(1): input features; bias replicated
+VOCAB_PARALLEL = ("tok_emb", "pos_emb", "lm_head")  # Shard(0): vocabulary / position rows
+
+
+def tp_shard_dim(name: str) -> int | None:
+    """The dimension of parameter ``name`` (the whole model's name) that tensor
+    parallelism shards, or None when it is replicated over the TP ranks."""
+    module, _, kind = name.rpartition(".")
+    if module in VOCAB_PARALLEL or module.endswith(COLWISE):
+        return 0
+    if module.endswith(ROWWISE):
+        return 1 if kind == "weight" else None
+    return None
+
 
 class ReplicateParallel(ParallelStyle):
     """Parameters replicated over the TP mesh (as DTensors), inputs and outputs plain
@@ -101,18 +117,10 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
 
     for block in model.layers.values():
         colwise, rowwise, prepare_input = _block_styles(block, fp8_tensorwise)
-        plan: dict[str, ParallelStyle] = {
-            "attn_norm": norm_style(),
-            "attn.wq": colwise(),
-            "attn.wk": colwise(),
-            "attn.wv": colwise(),
-            "attn.wo": rowwise(output_layouts=seq),
-            "mlp_norm": norm_style(),
-            "mlp.w1": colwise(),
-            "mlp.w2": rowwise(output_layouts=seq),
-        }
-        if block.mlp.w3 is not None:
-            plan["mlp.w3"] = colwise()
+        plan: dict[str, ParallelStyle] = {"attn_norm": norm_style(), "mlp_norm": norm_style()}
+        present = {name for name, _ in block.named_modules()}  # w3 only with SwiGLU
+        plan.update({name: colwise() for name in COLWISE if name in present})
+        plan.update({name: rowwise(output_layouts=seq) for name in ROWWISE})
         if sequence_parallel:  # gather the sequence before the column-parallel matmuls
             plan["attn"] = prepare_input(input_layouts=(Shard(1), None),
                                          desired_input_layouts=(Replicate(), None),

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pretrain.config import Config
 from pretrain.model import padded_vocab_size
 from pretrain.parallel.layout import Layout
+from pretrain.parallel.pipeline import stage_indices, stage_layers
 from pretrain.planning.activations import (
     ActivationSetup,
     attention_core_terms,
@@ -113,14 +114,11 @@ def activation_setup(cfg: Config, layout: Layout, device: str = "cuda") -> Activ
     )
 
 
-def _stage_layers(cfg: Config, layout: Layout, stage: int) -> list[int]:
-    per = cfg.model.n_layer // layout.n_stages
-    return list(range(stage * per, (stage + 1) * per))
+def _stage_layers(cfg: Config, layout: Layout, stage: int) -> range:
+    return stage_layers(cfg.model.n_layer, stage, layout.n_stages)
 
 
 def _stages_of(layout: Layout, pp_rank: int) -> list[int]:
-    from pretrain.parallel.pipeline import stage_indices
-
     return stage_indices(layout, pp_rank) if layout.pp > 1 else [0]
 
 

@@ -4,14 +4,14 @@ The model is read from the meta-device GPT (the same module ``budget.count_param
 tied weights, biases, norms and vocabulary padding are all right), then each parameter is
 placed the way ``pretrain.parallel`` places it:
 
-- pipeline: stage s of pp * v holds layers [s * L/(pp v), (s+1) * L/(pp v)); stage 0 the
-  embeddings, the last stage the final norm and the head; ranks hold stages as
-  ``parallel.pipeline.stage_indices`` says. A head tied to the embedding but on another stage
+- pipeline: stage s holds the layers ``parallel.pipeline.stage_layers`` gives it; stage 0
+  the embeddings, the last stage the final norm and the head; ranks hold stages as
+  ``parallel.pipeline.stage_indices`` says (the functions the pipeline split itself uses). A head tied to the embedding but on another stage
   is a second copy (Megatron's "embedding group", ``parallel/tied.py``).
-- tensor parallel (``parallel/tensor_parallel.py``): column-parallel weights and biases
-  (wq, wk, wv, w1, w3, the head) and the vocab-/position-parallel embeddings are Shard(0),
-  row-parallel weights (wo, w2) Shard(1), their biases and the norms replicated. DTensor
-  shards like ``torch.chunk``: ceil(n / t) rows on the first ranks.
+- tensor parallel: the dimension ``parallel.tensor_parallel.tp_shard_dim`` names, the one
+  the TP plan itself is built from (column-parallel and vocabulary-parallel: 0, row-parallel
+  weights: 1, row-parallel biases and norms: replicated). DTensor shards like
+  ``torch.chunk``: ceil(n / t) rows on the first ranks.
 - FSDP2 (zero2 / zero3, over dp_shard ranks): dim 0 of the TP-local tensor, padded to
   ceil(d0 / dp_shard) rows on every rank (FSDP2 pads so all-gathers are even). DDP
   (``replicate``) keeps whole tensors.
@@ -28,10 +28,8 @@ from dataclasses import dataclass
 
 from pretrain.config import ModelConfig
 from pretrain.parallel.layout import Layout
-from pretrain.parallel.pipeline import stage_indices
-
-COLWISE = ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")
-ROWWISE = ("attn.wo", "mlp.w2")
+from pretrain.parallel.pipeline import stage_indices, stage_layers
+from pretrain.parallel.tensor_parallel import tp_shard_dim
 
 
 @dataclass(frozen=True)
@@ -41,15 +39,6 @@ class Param:
     layer: int | None  # transformer block index, None for embeddings / final norm / head
     tp_dim: int | None  # dimension TP shards, None when replicated over TP
     matmul: bool  # an nn.Linear parameter (autocast casts it; fp8 converts it)
-
-
-def _tp_dim(name: str) -> int | None:
-    module, _, kind = name.rpartition(".")
-    if module.endswith(COLWISE) or module in ("lm_head", "tok_emb", "pos_emb"):
-        return 0
-    if module.endswith(ROWWISE):
-        return 1 if kind == "weight" else None
-    return None
 
 
 def inventory(model: ModelConfig) -> tuple[Param, ...]:
@@ -72,7 +61,7 @@ def _inventory(fields: tuple) -> tuple[Param, ...]:
     for name, p in gpt.named_parameters():  # tied parameters are listed once
         parts = name.split(".")
         layer = int(parts[1]) if parts[0] == "layers" else None
-        out.append(Param(name, tuple(p.shape), layer, _tp_dim(name),
+        out.append(Param(name, tuple(p.shape), layer, tp_shard_dim(name),
                          name.rpartition(".")[0] in linear))
     return tuple(out)
 
@@ -157,7 +146,7 @@ def _rank_params(fields: tuple, tp: int, tp_rank: int, dp_shard: int, sharded: b
     total, root, n_blocks = _Sum(), 0, 0
     for s in stages:
         first, last = s == 0, s == n_stages - 1
-        n_blocks += model.n_layer // n_stages
+        n_blocks += len(stage_layers(model.n_layer, s, n_stages))
         part = _Sum()
         for p in params:
             top = p.name.split(".")[0]

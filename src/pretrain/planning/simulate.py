@@ -127,7 +127,8 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str)
                 with loss_context(layout.tp), policy.autocast(torch.device("cpu")):
                     out = part(x)
                     if part.lm_head is not None:
-                        targets = torch.randint(0, cfg.model.vocab_size, x.shape[:2])
+                        targets = torch.randint(0, cfg.model.vocab_size,
+                                                (layout.micro_batch_size, cfg.model.seq_len))
                         loss = cross_entropy(out, targets)
                     else:
                         local = out.to_local() if isinstance(out, DTensor) else out

@@ -1,0 +1,54 @@
+"""tools/plan.py --simulate: any rank of a 1024-GPU run started on this CPU (fake process
+group), its shards initialised for real and measured against the planner."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "plan.py"
+# GPT-3 175B's layout (tp 8 + SP, 16 interleaved pipeline stages x 2, ZeRO-3 over 8: 1024
+# GPUs), on a narrow model so the test takes seconds; the real recipe: docs/parallel.md.
+NARROW_175B = ["+recipe=gpt3-175b", "model.d_model=256", "model.n_head=8", "model.n_layer=32",
+               "model.seq_len=256", "train.global_batch_size=128"]
+KEYS = {"world_size", "rank", "layout", "local_param_bytes", "local_grad_bytes",
+        "local_optimizer_bytes", "predicted", "init_seconds", "peak_rss_bytes"}
+
+
+def simulate(*argv: str) -> tuple[int, str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(TOOL), *argv], capture_output=True, text=True,
+                          timeout=300, env=env)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("rank", [0, 1023])  # first + middle stages; middle + last
+def test_any_rank_of_a_1024_gpu_run_starts_and_matches_the_planner(rank):
+    code, out, err = simulate(*NARROW_175B, "--simulate", "--rank", str(rank))
+    assert code == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])  # the last line is the JSON object
+    assert KEYS <= result.keys()
+    assert result["world_size"] == 1024 and result["rank"] == rank
+    coord = result["coordinate"]  # Megatron order: tp fastest, then dp, then pp
+    assert coord["tp"] == rank % 8 and coord["dp_shard"] == rank // 8 % 8
+    assert coord["pp"] == rank // 64
+    assert result["stages"] == [coord["pp"], coord["pp"] + 16]  # interleaved, 2 per rank
+    pred = result["predicted"]
+    assert result["local_param_bytes"] == pred["local_param_bytes"] > 0
+    assert result["local_optimizer_bytes"] == pred["local_optimizer_bytes"]
+    # the planner adds DTensor's replicated gradient of the sharded position table on stage 0
+    assert result["local_grad_bytes"] <= pred["local_grad_bytes"]
+    assert result["step_peak_bytes"] > result["local_param_bytes"]
+    assert f"rank {rank} " in out
+
+
+def test_a_rank_outside_the_world_is_refused_before_any_work():
+    code, out, err = simulate(*NARROW_175B, "--simulate", "--rank", "1024")
+    assert code == 2
+    assert "--rank=1024 is not a rank of this 1024-GPU run: use 0..1023" in err
+    assert out == ""
