@@ -170,11 +170,16 @@ def cpu_native_matmul(dtype: torch.dtype) -> tuple[bool, str]:
     return True, f"{cap} CPU with {'/'.join(flags)}"
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident host memory so far."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
+    return peak_rss_bytes()
 
 
 def keep_freed_memory() -> None:

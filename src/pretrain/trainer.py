@@ -39,6 +39,7 @@ from pretrain.device import (
     keep_freed_memory,
     measure_matmul_flops,
     peak_memory_bytes,
+    peak_rss_bytes,
     pick_device,
 )
 from pretrain.fp8 import after_optimizer_step, fp8_all_gather
@@ -211,6 +212,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.budget.steps,
                                          self.budget.global_batch_tokens)
         self.scaler = self._grad_scaler()
+        self._log_startup_memory()
         # FSDP fp8 all-gathers: weight scales precomputed once per step, in one all-reduce
         self.fp8_scales = self.policy.fp8 and any(fp8_all_gather(p) for p in self.model_parts)
         self.peak_flops = self._peak_flops() if self.rank0 else None
@@ -231,6 +233,14 @@ class Trainer:
             self.step, cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.wandb_entity,
             cfg.logging.progress_bar, enabled=self.rank0,
         )
+
+    def _log_startup_memory(self) -> None:
+        """Peak host memory so far (model and optimizer state built, no step run): each
+        rank holds O(its shard), never the whole model; the fullest rank is reported."""
+        mine = float(peak_rss_bytes())
+        most = dist_env.all_reduce(torch.tensor(mine, device=self.device), "max").item()
+        log.info("start-up peak host memory: %.2f GB on rank 0, %.2f GB on the fullest rank",
+                 mine / 1e9, most / 1e9)
 
     def _data(self) -> Path:
         """Rank 0 prepares the shards; every rank waits for its verdict, then reads them."""

@@ -18,7 +18,6 @@ the same rank, so the two can be compared wherever a simulation runs.
 from __future__ import annotations
 
 import logging
-import resource
 import time
 from dataclasses import replace
 
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pretrain.config import Config
+from pretrain.device import peak_rss_bytes
 from pretrain.initialization import local_region
 from pretrain.loss import cross_entropy
 from pretrain.model import GPT, set_attention_backend
@@ -40,10 +40,6 @@ from pretrain.planning.params import rank_params
 from pretrain.precision import Policy, resolve_policy
 
 log = logging.getLogger("pretrain.simulate")
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def _storage_bytes(tensors) -> int:
@@ -167,6 +163,9 @@ def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict
         raise ValueError(f"--rank={rank} is not a rank of a {world_size}-process world "
                          f"(0..{world_size - 1})")
     t_start = time.perf_counter()
+    # One thread, as torchrun gives each rank (OMP_NUM_THREADS=1): init_seconds is what a
+    # rank takes, and a busy CPU does not make OpenMP teams spin-wait over tiny tiles.
+    torch.set_num_threads(1)
     device = torch.device("cpu")
     attention_asked = cfg.model.attention
     if attention_asked == "flash":  # a GPU kernel: memory as SDPA's (also O(sequence))
