@@ -27,14 +27,30 @@ def test_grad_accumulation_matches_one_big_batch(compose, prepared, tmp_path):
     accum = nano_trainer(compose, prepared, tmp_path / "accum", micro_batch=2)
     assert (one.micro_batches, accum.micro_batches) == (1, 4)
     assert one.plan["layout"]["grad_accum"] == 1 and accum.plan["layout"]["grad_accum"] == 4
+    initial_one = [(n, p.detach().clone()) for n, p in one.model.named_parameters()]
+    initial_accum = [p.detach().clone() for p in accum.model.parameters()]
     for _ in range(3):
         loss_a, gnorm_a = one.train_step()
         loss_b, gnorm_b = accum.train_step()
         assert loss_a == pytest.approx(loss_b, abs=1e-5)
         assert gnorm_a == pytest.approx(gnorm_b, rel=1e-4)
     assert one.samples_seen == accum.samples_seen == 24
+    # The two differ only in summation order (~1e-7 relative in each gradient). Adam
+    # normalises every coordinate's step, so a coordinate whose gradient nearly cancels
+    # keeps rounding noise of its own size and may move a visible fraction of a step: each
+    # coordinate within a quarter of one step, each tensor's update within 1e-3 relative
+    # (a wrong accumulation moves a whole update by O(1)); see test_parallel_layouts.py.
+    # The key bias is left out of the update check: its true gradient is exactly zero (a
+    # shift of every score of a query, which softmax ignores), so its update is pure noise.
+    lr = one.plan["lr"]
     for pa, pb in zip(one.model.parameters(), accum.model.parameters(), strict=True):
-        torch.testing.assert_close(pa.detach(), pb.detach(), atol=1e-5, rtol=1e-4)
+        assert (pa - pb).abs().max().item() <= lr / 4
+    for (name, a0), b0, pa, pb in zip(initial_one, initial_accum, one.model.parameters(),
+                                      accum.model.parameters(), strict=True):
+        if name.endswith("attn.wk.bias"):
+            continue
+        update = pa.detach() - a0
+        assert (pb.detach() - b0 - update).norm() <= 1e-3 * update.norm() + 1e-12, name
 
 
 def test_same_seed_same_initial_model_and_eval(compose, prepared, tmp_path):
