@@ -7,8 +7,9 @@ after the other, to pay the start-up (importing torch N times on a small CPU) on
 
 For each layout, rank 0 writes OUT/<name>.pt: per-step losses and grad norms, the full
 parameters after initialisation and after training (gathered from every shard and stage),
-and per rank the local bytes of parameters, gradients and optimizer state (measured just
-before the last optimizer step, when all three exist) and peak RSS.
+and per rank the local bytes of parameters, gradients, optimizer state and the pipeline
+outputs the schedule keeps (measured just before the last optimizer step, when all of them
+exist) and peak RSS.
 """
 
 from __future__ import annotations
@@ -55,6 +56,18 @@ def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return merged
 
 
+def pipeline_outputs(trainer: Trainer) -> int:
+    """Bytes of microbatch outputs the pipeline schedule still holds after its step (with
+    torch's default ``return_outputs=True`` the last stage keeps every microbatch's logits
+    until the next step)."""
+    schedule = trainer.parallel.schedule
+    if schedule is None:
+        return 0
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    return sum(local_bytes(o) for stage in stages for o in stage.output_chunks
+               if torch.is_tensor(o))
+
+
 def memory(trainer: Trainer) -> dict[str, int]:
     params = trainer.parallel.parameters()
     opt_bytes = sum(local_bytes(v) for s in trainer.optimizer.state.values()
@@ -65,6 +78,7 @@ def memory(trainer: Trainer) -> dict[str, int]:
         "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": opt_bytes,
         "block_params": sum(local_bytes(p) for p in blocks),
+        "pipeline_outputs": pipeline_outputs(trainer),
     }
 
 

@@ -459,9 +459,10 @@ class Trainer:
                 if self.scaler:  # scale() also creates the scaler's state on first use
                     self.scaler.scale(torch.ones((), device=self.device))
                     self.pipeline_loss_scale = self.scaler.get_scale()
-                try:
+                try:  # return_outputs=False: the last stage keeps no micro batch's logits
                     pm.schedule.step(*([x] if pm.has_first_stage else []),
-                                     target=y if pm.has_last_stage else None, losses=losses)
+                                     target=y if pm.has_last_stage else None, losses=losses,
+                                     return_outputs=False)
                 finally:
                     scale, self.pipeline_loss_scale = self.pipeline_loss_scale or 1.0, None
                 if not pm.has_last_stage:
@@ -574,16 +575,18 @@ class Trainer:
         return (self._sum_over_dp(total) / self.cfg.train.eval_batches).item()
 
     def _pipeline_eval(self, x: torch.Tensor, y: torch.Tensor, losses: list) -> None:
+        """One pipeline step of forwards; the per micro batch losses land in ``losses`` on
+        the last stage. Only the losses are needed, so the schedule returns no outputs."""
         pm = self.parallel
         args = [x] if pm.has_first_stage else []
         target = y if pm.has_last_stage else None
         if self.layout.pp_schedule != "zbv":
             with torch.no_grad():
-                pm.schedule.eval(*args, target=target, losses=losses)
+                pm.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
             return
         # torch 2.13's eval() runs ZBV's backward actions and fails; take a full step and
         # discard its gradients (evaluation runs between steps, when there are none).
-        pm.schedule.step(*args, target=target, losses=losses)
+        pm.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         self.optimizer.zero_grad(set_to_none=True)
 
     def sample(self) -> str | None:
