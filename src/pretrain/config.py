@@ -186,6 +186,10 @@ class LoggingConfig:
 class TrainConfig:
     global_batch_size: int = 32  # sequences per optimizer step
     eval_interval: int = 100
+    # Validation batches (of parallel.micro_batch_size sequences) per evaluation, the first
+    # ones of the split, each counted once. With pp > 1 rounded up to whole pipeline steps
+    # (dp x microbatches batches), which the pipeline computes anyway; capped at what the
+    # split holds. The number used is logged and written to result.json (val_batches).
     eval_batches: int = 8
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda

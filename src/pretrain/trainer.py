@@ -534,11 +534,53 @@ class Trainer:
                 f"{last or '(none saved)'} is intact: lower optim.lr, raise warmup, or use "
                 "bf16 instead of fp16, then resume.")
 
+    def eval_batch_count(self) -> int:
+        """How many validation batches (of micro_batch_size sequences) an evaluation
+        averages over: ``train.eval_batches``, rounded up to whole pipeline steps under PP
+        (see _eval_batches_wanted), capped at the distinct batches the split holds."""
+        return min(self._eval_batches_wanted(), self._val_batches_available())
+
+    def _eval_batches_wanted(self) -> int:
+        """``train.eval_batches``; under pipeline parallelism rounded up to whole pipeline
+        steps over every DP rank (dp x microbatches batches a step): the pipeline computes
+        whole steps anyway, so every computed microbatch is a distinct batch that counts."""
+        n = self.cfg.train.eval_batches
+        if self.parallel.schedule is None:
+            return n
+        per_step = self.layout.dp * self.micro_batches
+        return math.ceil(n / per_step) * per_step
+
+    def _val_batches_available(self) -> int:
+        """Distinct validation batches in the split (at least one, which then wraps)."""
+        return max(1, self.val_data.n_windows // self.layout.micro_batch_size)
+
+    def _describe_eval(self) -> None:
+        """Say once, before the first evaluation, when it averages over another number of
+        batches than ``train.eval_batches`` asks, and why."""
+        if self.val_data is None:
+            return
+        asked, wanted = self.cfg.train.eval_batches, self._eval_batches_wanted()
+        count = self.eval_batch_count()
+        rounded = f", {wanted} in whole pipeline steps" if wanted != asked else ""
+        if count < wanted:
+            log.warning("the validation split holds %d windows of %d tokens, %d distinct "
+                        "batch(es) of %d sequences: each evaluation averages those %d "
+                        "(train.eval_batches=%d%s)", self.val_data.n_windows,
+                        self.cfg.model.seq_len + 1, count, self.layout.micro_batch_size,
+                        count, asked, rounded)
+        elif count != asked:
+            log.info("evaluation: %d validation batches (train.eval_batches=%d rounded up to "
+                     "whole pipeline steps of dp x microbatches = %d batches, which the "
+                     "pipeline computes anyway)", count, asked,
+                     self.layout.dp * self.micro_batches)
+
     def _eval_assignment(self) -> list[tuple[int, float]]:
-        """(validation batch, weight) pairs this DP rank evaluates: batch i goes to rank
-        i % dp; ranks pad with weight-0 repeats so all run the same number of forwards
-        (FSDP and pipelines need every rank in every collective), in whole pipeline steps."""
-        n, dp = self.cfg.train.eval_batches, self.layout.dp
+        """(validation batch, weight) pairs this DP rank evaluates: batch i of
+        eval_batch_count() goes to rank i % dp; ranks pad with weight-0 repeats so all run
+        the same number of forwards (FSDP and pipelines need every rank in every
+        collective), in whole pipeline steps. Under PP the count is whole pipeline steps
+        already, so there is no padding unless the split is smaller."""
+        n, dp = self.eval_batch_count(), self.layout.dp
         rounds = math.ceil(n / dp)
         if self.parallel.schedule is not None:
             rounds = math.ceil(rounds / self.micro_batches) * self.micro_batches
@@ -546,8 +588,9 @@ class Trainer:
         return [(i, 1.0) if i < n else (0, 0.0) for i in mine]
 
     def evaluate(self) -> float | None:
-        """Mean loss over the same first eval_batches micro-batches of the validation split,
-        whatever the layout."""
+        """Mean loss over the first eval_batch_count() micro-batches of the validation
+        split, each counted once: the same batches, so the same mean (up to reduction
+        order), for every layout that evaluates the same number."""
         if self.val_data is None:
             return None
         pm, mbs = self.parallel, self.layout.micro_batch_size
@@ -572,7 +615,7 @@ class Trainer:
                         per = [_local(cross_entropy(pm.parts[0](x), y))]
             for (_, weight), loss in zip(part, per, strict=True):
                 total += weight * loss.float()
-        return (self._sum_over_dp(total) / self.cfg.train.eval_batches).item()
+        return (self._sum_over_dp(total) / self.eval_batch_count()).item()
 
     def _pipeline_eval(self, x: torch.Tensor, y: torch.Tensor, losses: list) -> None:
         """One pipeline step of forwards; the per micro batch losses land in ``losses`` on
@@ -633,6 +676,7 @@ class Trainer:
         cfg = self.cfg
         steps = self.budget.steps
         tokens_per_step = self.budget.global_batch_tokens
+        self._describe_eval()
         if self.step == 0:  # a resumed run measured this before it stopped
             self.first_val_loss = self.evaluate()
             if self.first_val_loss is not None:
@@ -685,7 +729,8 @@ class Trainer:
         self.ckpt.wait()
         result = {"steps": self.step, "final_loss": loss, "first_val_loss": first_val,
                   "final_val_loss": last_val, "tokens": self.step * tokens_per_step,
-                  "skipped_steps": self.skipped_steps}
+                  "skipped_steps": self.skipped_steps,
+                  "val_batches": self.eval_batch_count() if self.val_data is not None else None}
         text = self.sample()
         if text is not None:
             log.info("sample from the trained model:\n%s\n%s\n%s", "-" * 60, text, "-" * 60)
