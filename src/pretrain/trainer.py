@@ -143,6 +143,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+class LossWindow:
+    """The training loss since the last log line, kept on the device, so that steps between
+    logs need neither an all-reduce nor a host sync for it: this rank's share summed over
+    the steps whose update was taken (a skipped step's loss is not finite), and the last
+    step's (the run's final loss)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.last = torch.full((), math.nan, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.total = torch.zeros((), device=self.device)
+        self.steps = 0
+
+    def add(self, loss: torch.Tensor, counted: bool) -> None:
+        self.last = loss.float()
+        if counted:
+            self.total = self.total + self.last
+            self.steps += 1
+
+
 class Trainer:
     """Runs one recipe. Also a DCP ``Stateful``: its progress (step, data position, LR
     schedule, loss scale, RNG) is saved and restored with the model and optimizer."""
@@ -446,8 +468,14 @@ class Trainer:
         if self.mesh is None:
             return value
         share = value.float() / self.layout.tp if self.parallel.has_last_stage else \
-            torch.zeros((), device=self.device)
+            torch.zeros(value.shape, device=self.device)
         return dist_env.all_reduce(share.clone())
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean over DP ranks of ``loss`` as train_step_local returns it (any shape: a
+        stack of losses takes one all-reduce), the same on every rank. Every rank must call
+        it, at the same point."""
+        return self._sum_over_dp(loss) / self.layout.dp
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Gradients of the mean loss over this rank's batch; returns that loss (zero on
@@ -482,11 +510,25 @@ class Trainer:
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step over the global batch; returns (mean loss, grad norm), both
-        global: the same on every rank."""
+        global: the same on every rank. Reducing the loss costs an all-reduce and a host
+        sync each step: for tests and tools that want every step's loss. fit() calls
+        train_step_local and reduces the loss on logging steps only."""
+        loss, norm = self.train_step_local()
+        return self.global_loss(loss).item(), norm
+
+    def train_step_local(self) -> tuple[torch.Tensor, float]:
+        """One optimizer step over the global batch; returns (this rank's share of the loss,
+        a detached device tensor, not reduced: see global_loss; the global grad norm).
+
+        The only host sync is the grad norm's, which every rank needs to take the same
+        decision: it is reduced over the whole model inside clip_grad_norm, and it is not
+        finite whenever the loss is not (a NaN or inf loss back-propagates into the
+        gradients, and every rank's norm covers every gradient), so a non-finite step is
+        skipped on every rank without reducing the loss."""
         cfg = self.cfg
         self.parallel.train()
         x, y = self._local_batch()
-        loss = self.forward_backward(x, y)
+        loss = self.forward_backward(x, y).detach()
         if self.parallel.tied is not None:
             self.parallel.tied.sync_grads()
         if self.scaler:
@@ -494,8 +536,7 @@ class Trainer:
         grad_norm = clip_grad_norm(self.parallel.parameters(),
                                    cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf,
                                    self.pp_group, self.parallel.duplicate_params)
-        loss_value = (self._sum_over_dp(loss) / self.layout.dp).item()
-        norm_value = grad_norm.item()  # both global: every rank takes the same decision
+        norm_value = grad_norm.item()  # global: every rank takes the same decision
         if self.scaler:  # fp16: the scaler skips steps with inf/nan gradients itself
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
@@ -505,26 +546,28 @@ class Trainer:
                 log.warning("step %d: fp16 gradients overflowed (inf/nan), step skipped on "
                             "every rank; loss scale %g -> %g (%d skipped in all)",
                             self.step + 1, scale, self.scaler.get_scale(), self.skipped_steps)
-        elif math.isfinite(loss_value) and math.isfinite(norm_value):
+        elif math.isfinite(norm_value):
             self.optimizer.step()
             if self.fp8_scales:
                 after_optimizer_step(self.model_parts)
             self.nonfinite_in_a_row = 0
         else:
-            self._skip_nonfinite(loss_value, norm_value)
+            self._skip_nonfinite(loss, norm_value)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.samples_seen += cfg.train.global_batch_size
         self.step += 1
-        return loss_value, norm_value
+        return loss, norm_value
 
-    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
+    def _skip_nonfinite(self, loss: torch.Tensor, grad_norm: float) -> None:
+        """Every rank comes here at the same step (the grad norm is global), so the loss
+        can be reduced for the warning."""
         self.skipped_steps += 1
         self.nonfinite_in_a_row += 1
         limit = self.cfg.train.max_nonfinite_steps
         log.warning("step %d: loss %s, grad norm %s: not finite, step skipped (%d in a row, "
-                    "%d in all)", self.step + 1, loss, grad_norm, self.nonfinite_in_a_row,
-                    self.skipped_steps)
+                    "%d in all)", self.step + 1, self.global_loss(loss).item(), grad_norm,
+                    self.nonfinite_in_a_row, self.skipped_steps)
         if self.nonfinite_in_a_row >= limit:
             self.optimizer.zero_grad(set_to_none=True)
             last = self.ckpt.latest() if self.cfg.checkpoint.enabled else None
@@ -672,6 +715,45 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
         }
 
+    def _reduce_window(self, window: LossWindow) -> tuple[float, float]:
+        """(mean loss over the window's counted steps, the last step's loss), both global:
+        one all-reduce and one host sync, on logging steps (every rank logs at the same
+        steps). Starts a new window."""
+        total, last = self.global_loss(torch.stack([window.total, window.last])).tolist()
+        mean = total / window.steps if window.steps else math.nan
+        window.reset()
+        return mean, last
+
+    def _save_due(self, sync_step: bool) -> bool:
+        """Whether a periodic checkpoint is due after this step. A step interval is decided
+        locally; a minute interval needs rank 0's clock (``CheckpointManager.due``
+        broadcasts it), so it is asked on stop-check steps only: such a save comes at most
+        ``train.stop_check_interval - 1`` steps late."""
+        every = self.cfg.checkpoint.interval_steps
+        if sync_step or (every and self.step % every == 0):
+            return self.ckpt.due(self.step)
+        return False
+
+    def _between_steps(self) -> tuple[str | None, bool]:
+        """After a step other than the last: (why every rank stops now, or None; whether a
+        periodic checkpoint is due). The agreement collectives (the stop request's
+        all-reduce, the async save's poll) run on stop-check steps only: every
+        ``train.stop_check_interval`` steps, on ``train.exit_interval`` steps, and on steps
+        with a checkpoint due (a stop then saves once, blocking). The steps are a function
+        of the step number, so every rank calls them at the same steps and stops at the
+        same step."""
+        train = self.cfg.train
+        exit_now = bool(train.exit_interval) and self.step % train.exit_interval == 0
+        sync_step = exit_now or self.step % train.stop_check_interval == 0
+        save_due = self._save_due(sync_step)
+        if not (sync_step or save_due):
+            return None, False
+        self.ckpt.poll()
+        stopped = self.stop.check(self.device)
+        if stopped is None and exit_now:
+            stopped = f"train.exit_interval={train.exit_interval}"
+        return stopped, save_due
+
     def fit(self) -> dict:
         cfg = self.cfg
         steps = self.budget.steps
@@ -683,16 +765,18 @@ class Trainer:
                 self.metrics.log({"step": 0, "val_loss": self.first_val_loss, "tokens": 0})
         first_val = last_val = self.first_val_loss
         t_last, steps_since = time.perf_counter(), 0
-        loss = float("nan")
+        window, final_loss = LossWindow(self.device), math.nan
         stopped = None
         while self.step < steps:
-            loss, grad_norm = self.train_step()
+            loss, grad_norm = self.train_step_local()
+            window.add(loss, counted=math.isfinite(grad_norm))
             steps_since += 1
             self.metrics.advance()
             is_last = self.step == steps
             if self.step % cfg.logging.log_interval == 0 or is_last or self.step == 1:
                 tps = steps_since * tokens_per_step / (time.perf_counter() - t_last)
-                self.metrics.log(self._step_metrics(loss, grad_norm, tps))
+                mean_loss, final_loss = self._reduce_window(window)
+                self.metrics.log(self._step_metrics(mean_loss, grad_norm, tps))
                 t_last, steps_since = time.perf_counter(), 0
             if self.step % cfg.train.eval_interval == 0 or is_last:
                 t0 = time.perf_counter()
@@ -701,18 +785,14 @@ class Trainer:
                     self.metrics.log({"step": self.step, "val_loss": last_val,
                                       "tokens": self.step * tokens_per_step})
                 t_last += time.perf_counter() - t0  # eval time is not training throughput
-            self.ckpt.poll()
-            stopped = None if is_last else self.stop.check(self.device)
-            every = cfg.train.exit_interval
-            if stopped is None and every and self.step % every == 0 and not is_last:
-                stopped = f"train.exit_interval={every}"
+            stopped, save_due = (None, False) if is_last else self._between_steps()
             if stopped is not None:
                 log.warning("stopping at step %d (%s): saving a checkpoint, then exiting with "
                             "status %d so the launcher requeues the run", self.step, stopped,
                             EXIT_REQUEUE)
                 self.save_checkpoint(block=True)
                 break
-            if self.ckpt.due(self.step) and not is_last:
+            if save_due:
                 self.save_checkpoint()
         if stopped is not None:
             # One process exits 75 itself. Under torchrun a non-zero exit of one rank makes
@@ -727,7 +807,7 @@ class Trainer:
         if self.cfg.checkpoint.enabled:
             self.save_checkpoint(block=True)
         self.ckpt.wait()
-        result = {"steps": self.step, "final_loss": loss, "first_val_loss": first_val,
+        result = {"steps": self.step, "final_loss": final_loss, "first_val_loss": first_val,
                   "final_val_loss": last_val, "tokens": self.step * tokens_per_step,
                   "skipped_steps": self.skipped_steps,
                   "val_batches": self.eval_batch_count() if self.val_data is not None else None}
