@@ -119,6 +119,7 @@ def eval_plan(eval_batches: int, dp: int, microbatches: int, pipeline: bool,
     """A Trainer holding only what evaluation planning reads, and the (batch, weight) pairs
     each DP rank evaluates."""
     t = Trainer.__new__(Trainer)
+    t.rank0 = True
     t.cfg = SimpleNamespace(train=SimpleNamespace(eval_batches=eval_batches),
                             model=SimpleNamespace(seq_len=32))
     t.layout = SimpleNamespace(dp=dp, microbatches=microbatches, micro_batch_size=micro_batch)

@@ -146,8 +146,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class LossWindow:
     """The training loss since the last log line, kept on the device, so that steps between
     logs need neither an all-reduce nor a host sync for it: this rank's share summed over
-    the steps whose update was taken (a skipped step's loss is not finite), and the last
-    step's (the run's final loss)."""
+    the steps whose update was taken (a step skipped for a non-finite gradient would turn
+    the whole mean into NaN), and the last step's (the run's final loss)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -599,8 +599,8 @@ class Trainer:
 
     def _describe_eval(self) -> None:
         """Say once, before the first evaluation, when it averages over another number of
-        batches than ``train.eval_batches`` asks, and why."""
-        if self.val_data is None:
+        batches than ``train.eval_batches`` asks, and why (rank 0: once in the log)."""
+        if self.val_data is None or not self.rank0:
             return
         asked, wanted = self.cfg.train.eval_batches, self._eval_batches_wanted()
         count = self.eval_batch_count()
