@@ -1,14 +1,17 @@
 """Train a few steps of one or more layouts in this process and dump what tests compare.
 
 Run under ``torchrun --standalone --nproc_per_node=N tests/parallel_worker.py OUT SPEC``
-(SPEC: a JSON file, {"common": [overrides], "layouts": {name: [overrides]}}), or as one
+(SPEC: a JSON file, {"common": [overrides], "layouts": {name: [overrides]}, "eval_also":
+[eval_batches, ...]}: after training, evaluate again with each of those), or as one
 process for the reference. Every layout of one world size runs in the same processes, one
 after the other, to pay the start-up (importing torch N times on a small CPU) once.
 
-For each layout, rank 0 writes OUT/<name>.pt: per-step losses and grad norms, the full
+For each layout, rank 0 writes OUT/<name>.pt: per-step losses and grad norms, the
+validation loss and how many batches it averaged (also per ``eval_also`` value), the full
 parameters after initialisation and after training (gathered from every shard and stage),
-and per rank the local bytes of parameters, gradients and optimizer state (measured just
-before the last optimizer step, when all three exist) and peak RSS.
+and per rank the local bytes of parameters, gradients, optimizer state and the pipeline
+outputs the schedule keeps (measured just before the last optimizer step, when all of them
+exist) and peak RSS.
 """
 
 from __future__ import annotations
@@ -55,6 +58,18 @@ def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return merged
 
 
+def pipeline_outputs(trainer: Trainer) -> int:
+    """Bytes of microbatch outputs the pipeline schedule still holds after its step (with
+    torch's default ``return_outputs=True`` the last stage keeps every microbatch's logits
+    until the next step)."""
+    schedule = trainer.parallel.schedule
+    if schedule is None:
+        return 0
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    return sum(local_bytes(o) for stage in stages for o in stage.output_chunks
+               if torch.is_tensor(o))
+
+
 def memory(trainer: Trainer) -> dict[str, int]:
     params = trainer.parallel.parameters()
     opt_bytes = sum(local_bytes(v) for s in trainer.optimizer.state.values()
@@ -65,6 +80,7 @@ def memory(trainer: Trainer) -> dict[str, int]:
         "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": opt_bytes,
         "block_params": sum(local_bytes(p) for p in blocks),
+        "pipeline_outputs": pipeline_outputs(trainer),
     }
 
 
@@ -80,7 +96,18 @@ def linear_kinds(trainer: Trainer) -> dict[str, str]:
     return kinds
 
 
-def run_layout(overrides: list[str], out: Path, name: str) -> None:
+def evaluate_with(trainer: Trainer, eval_batches: int) -> tuple[int, float]:
+    """(batches evaluated, validation loss) with train.eval_batches=``eval_batches``."""
+    asked = trainer.cfg.train.eval_batches
+    trainer.cfg.train.eval_batches = eval_batches
+    try:
+        return trainer.eval_batch_count(), trainer.evaluate()
+    finally:
+        trainer.cfg.train.eval_batches = asked
+
+
+def run_layout(overrides: list[str], out: Path, name: str,
+               spec_eval_also: list[int]) -> None:
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = to_config(compose("config", overrides=[*overrides, "run_name=test"]))
     trainer = Trainer(cfg, out / name)
@@ -99,6 +126,7 @@ def run_layout(overrides: list[str], out: Path, name: str) -> None:
         norms.append(norm)
     hook.remove()
     val = trainer.evaluate()
+    extra_eval = [evaluate_with(trainer, n) for n in spec_eval_also]
     final = full_params(trainer)
     measured["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     per_rank = [measured]
@@ -106,7 +134,9 @@ def run_layout(overrides: list[str], out: Path, name: str) -> None:
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, measured)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        torch.save({"losses": losses, "grad_norms": norms, "val_loss": val, "init": init,
+        torch.save({"losses": losses, "grad_norms": norms, "val_loss": val,
+                    "val_batches": trainer.eval_batch_count(), "extra_eval": extra_eval,
+                    "init": init,
                     "final": final, "memory": per_rank, "layout": trainer.plan["layout"],
                     "linears": linear_kinds(trainer)},
                    out / f"{name}.pt")
@@ -117,7 +147,7 @@ def main() -> None:
     register_configs()
     register_resolvers()
     for name, overrides in spec["layouts"].items():
-        run_layout([*spec["common"], *overrides], out, name)
+        run_layout([*spec["common"], *overrides], out, name, spec.get("eval_also", []))
         if dist.is_initialized():
             dist.barrier()
     if dist.is_initialized():

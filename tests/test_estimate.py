@@ -43,7 +43,7 @@ from pretrain.planning.activations import (
     layer_terms,
 )
 from pretrain.planning.autolayout import choose_layout
-from pretrain.planning.memory import activation_setup, rank_memory
+from pretrain.planning.memory import activation_setup, estimate_memory, rank_memory
 
 PROBE = Path(__file__).with_name("memory_probe.py")
 NANO = dict(name="nano", n_layer=2, n_head=2, d_model=64, seq_len=64, vocab_size=4096)
@@ -92,6 +92,22 @@ def step(parts: list[torch.nn.Module], cfg: Config) -> torch.optim.Optimizer:
     opt = build_optimizer(torch.nn.ModuleList(parts), cfg.optim, 1e-3, torch.device("cpu"))
     opt.step()
     return opt
+
+
+def test_pipeline_last_stage_keeps_no_logits():
+    """The trainer runs the pipeline with return_outputs=False, so the last stage's pipeline
+    buffers are its activation receive buffer and the input gradient left on it, one per
+    microbatch: no logits (tests/test_parallel_layouts.py measures that none are kept)."""
+    cfg = make_cfg(NANO, gbs=16, pp=2, dp=1)
+    layout = resolve_layout(cfg, 2)
+    m = cfg.model
+    act = 4 * m.seq_len * layout.micro_batch_size * m.d_model  # fp32 residual stream (dp=1)
+    assert layout.microbatches == 8
+    last = rank_memory(cfg, layout, 1, device="cpu").parts["pipeline buffers"]
+    first = rank_memory(cfg, layout, 0, device="cpu").parts["pipeline buffers"]
+    assert last == 2 * layout.microbatches * act
+    assert first == layout.microbatches * act  # gradient receive buffer
+    assert not any("return_outputs" in n for n in estimate_memory(cfg, layout).notes)
 
 
 def test_state_bytes_dp1_match_real_tensors():

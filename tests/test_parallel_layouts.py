@@ -4,7 +4,8 @@ A 4-layer nano GPT (tied embeddings, learned positions, biases) trains 5 AdamW s
 same global batches, once in one process (the reference) and once per layout under
 ``torchrun``. The runs of one world size share one set of processes
 (tests/parallel_worker.py), so the module costs four start-ups: 1, 2, 4 and 8 processes. Compared per step: the loss (1e-4, as
-the issue asks; observed <= 5e-7), the global grad norm and the validation loss; after
+the issue asks; observed <= 5e-7), the global grad norm and the validation loss (over the
+same 8 batches everywhere; pipelines evaluate whole steps, see EVAL_BATCHES); after
 training, every parameter, gathered from all shards and stages.
 
 Parameter tolerance. In fp32 the layouts differ from one process only in reduction order
@@ -45,12 +46,18 @@ PARAM_ATOL = LR / 4
 UPDATE_RTOL = 1e-3
 KEY_BIAS_ATOL = 2 * LR * STEPS
 VOCAB = 256
+# Every pipeline layout below evaluates whole steps of dp x microbatches = 8 batches (pp2:
+# 1 x 8; tp2 x pp2 x dp2: 2 x 4): with 8 every layout evaluates the same batches as one
+# process. A second evaluation asks for 3: one process and non-PP layouts evaluate 3 (DP
+# pads with weight-0 repeats), pipelines round up to their 8.
+EVAL_BATCHES, FEWER_EVAL_BATCHES = 8, 3
 
 COMMON = [
     "model=nano", "model.n_layer=4", f"model.vocab_size={VOCAB}", "model.seq_len=64",
     "model.attention=sdpa", "precision=fp32", "data.name=markov", "data.auto_prepare=false",
     f"data.tokenizer_vocab_size={VOCAB}", "budget=steps", f"budget.steps={STEPS}",
-    "train.global_batch_size=16", "parallel.micro_batch_size=2", "train.eval_batches=4",
+    "train.global_batch_size=16", "parallel.micro_batch_size=2",
+    f"train.eval_batches={EVAL_BATCHES}",
     "train.eval_interval=1000", "train.sample_tokens=0", "logging=quiet",
     f"optim.lr={LR}", "schedule.warmup_steps=0",
 ]
@@ -79,6 +86,8 @@ LAYOUTS = {
     "tp2_pp2_dp2": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
                         "parallel.sequence_parallel=true", "parallel.dp_mode=zero3"]),
 }
+
+PIPELINE_LAYOUTS = [n for n, (_, o) in LAYOUTS.items() if "parallel.pp=2" in o]
 
 # One process, activation checkpointing: must change no number at all.
 AC_VARIANTS = {
@@ -127,7 +136,8 @@ def run_group(root: Path, common: list[str], nproc: int,
     out = root / f"world{nproc}"
     out.mkdir()
     spec = out / "spec.json"
-    spec.write_text(json.dumps({"common": common, "layouts": layouts}))
+    spec.write_text(json.dumps({"common": common, "layouts": layouts,
+                                "eval_also": [FEWER_EVAL_BATCHES]}))
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = [sys.executable, *(launcher if nproc > 1 else []), str(HERE / "parallel_worker.py"),
            str(out), str(spec)]
@@ -170,6 +180,7 @@ def assert_same_training(got: dict, ref: dict) -> dict[str, float]:
     loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True))
     assert loss_diff <= LOSS_ATOL, (got["losses"], ref["losses"])
     np.testing.assert_allclose(got["grad_norms"], ref["grad_norms"], atol=1e-4)
+    assert got["val_batches"] == ref["val_batches"] == EVAL_BATCHES
     assert got["val_loss"] == pytest.approx(ref["val_loss"], abs=LOSS_ATOL)
     assert got["init"].keys() == ref["init"].keys() == got["final"].keys()
     for key, value in ref["init"].items():
@@ -223,6 +234,34 @@ def test_zero3_over_4_ranks_holds_a_quarter(reference, groups):
         assert _state_bytes(m) / _state_bytes(one) == pytest.approx(0.25, rel=0.02)
     print("peak RSS per rank (MB): dp=1", one["peak_rss"] >> 20,
           "| zero3 dp=4", [m["peak_rss"] >> 20 for m in ranks])
+
+
+@pytest.mark.parametrize("name", PIPELINE_LAYOUTS)
+def test_pipeline_keeps_no_microbatch_outputs(groups, name):
+    """The trainer runs the schedule with return_outputs=False: after a step no rank holds a
+    microbatch's logits (torch's default keeps all of them on the last stage, 4.9 GB on
+    gpt3-175b), as planning/memory.py assumes."""
+    ranks = groups(LAYOUTS[name][0])[name]["memory"]
+    assert [m["pipeline_outputs"] for m in ranks] == [0] * len(ranks)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_eval_counts_every_batch_it_computes(reference, groups, name):
+    """eval_batches=3 after training. A pipeline computes a whole step (8 batches) and now
+    counts all of them: its loss is one process's mean over those 8 distinct batches, not
+    over 3 (padding weight-0 repeats, as it used to). Other layouts evaluate 3, like one
+    process."""
+    ref = reference["single"]
+    (ref_count, ref_fewer), = ref["extra_eval"]
+    assert ref_count == FEWER_EVAL_BATCHES
+    assert abs(ref_fewer - ref["val_loss"]) > 10 * LOSS_ATOL  # 3 and 8 batches tell apart
+    (count, loss), = groups(LAYOUTS[name][0])[name]["extra_eval"]
+    if name in PIPELINE_LAYOUTS:
+        assert count == EVAL_BATCHES
+        assert loss == pytest.approx(ref["val_loss"], abs=LOSS_ATOL)
+    else:
+        assert count == FEWER_EVAL_BATCHES
+        assert loss == pytest.approx(ref_fewer, abs=LOSS_ATOL)
 
 
 def test_tp2_halves_block_parameters(reference, groups):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -126,3 +128,51 @@ def cfg_overrides_with(cfg, extra: str) -> list[str]:
         "parallel.micro_batch_size=8", "budget=steps", "budget.steps=3", "logging=quiet",
         f"checkpoint.load_weights_only={cfg.checkpoint.load_weights_only}", extra,
     ]
+
+
+def eval_plan(eval_batches: int, dp: int, microbatches: int, pipeline: bool,
+              windows: int = 10_000, micro_batch: int = 1) -> tuple[Trainer, list[list]]:
+    """A Trainer holding only what evaluation planning reads, and the (batch, weight) pairs
+    each DP rank evaluates."""
+    t = Trainer.__new__(Trainer)
+    t.rank0 = True
+    t.cfg = SimpleNamespace(train=SimpleNamespace(eval_batches=eval_batches),
+                            model=SimpleNamespace(seq_len=32))
+    t.layout = SimpleNamespace(dp=dp, microbatches=microbatches, micro_batch_size=micro_batch)
+    t.parallel = SimpleNamespace(schedule=object() if pipeline else None)
+    t.val_data = SimpleNamespace(n_windows=windows)
+    work = []
+    for rank in range(dp):
+        t.dp_rank = rank
+        work.append(t._eval_assignment())
+    return t, work
+
+
+def counted(work: list[list]) -> list[int]:
+    return sorted(i for rank in work for i, w in rank if w)
+
+
+def test_pipeline_eval_counts_every_computed_batch():
+    # gpt3-175b: eval_batches=20, dp 8, 192 microbatches: one pipeline step is 1,536 batches
+    t, work = eval_plan(20, dp=8, microbatches=192, pipeline=True)
+    assert t.eval_batch_count() == 1536
+    assert all(len(rank) == 192 and all(w == 1.0 for _, w in rank) for rank in work)
+    assert counted(work) == list(range(1536))  # every computed batch distinct, each once
+
+
+def test_eval_without_pipeline_is_unchanged():
+    t, work = eval_plan(3, dp=2, microbatches=4, pipeline=False)
+    assert t.eval_batch_count() == 3
+    assert work == [[(0, 1.0), (2, 1.0)], [(1, 1.0), (0, 0.0)]]  # rank 1 pads, weight 0
+
+
+def test_eval_capped_at_the_validation_split(caplog):
+    # 11 windows of 2 sequences: 5 distinct batches, fewer than one pipeline step of 8
+    t, work = eval_plan(3, dp=2, microbatches=4, pipeline=True, windows=11, micro_batch=2)
+    assert t.eval_batch_count() == 5
+    assert counted(work) == list(range(5))
+    assert all(len(rank) == 4 for rank in work)  # still whole pipeline steps, padded
+    with caplog.at_level("WARNING", logger="pretrain"):
+        t._describe_eval()
+    assert "each evaluation averages those 5" in caplog.text
+    assert "train.eval_batches=3, 8 in whole pipeline steps" in caplog.text

@@ -5,7 +5,8 @@
     python tools/bench.py +recipe=gpt3-1.3b parallel.micro_batch_size=8 --modes trainer
 
 Modes (each runs in its own process so peak memory is its own):
-  trainer  this project's training step (Trainer.train_step: accumulation, clipping, schedule)
+  trainer  this project's training step as fit() runs it between log lines
+           (Trainer.train_step_local: accumulation or pipeline, clipping, schedule)
   plain    a nanoGPT-style loop over the same model: forward, cross-entropy, backward, clip, step
   hf       the same plain loop over transformers' GPT2LMHeadModel (GPT-2 architecture only),
            an independent implementation of the same model, as a reference
@@ -60,7 +61,7 @@ def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
         gbs, mbs = cfg.train.global_batch_size, cfg.parallel.micro_batch_size
         accum = gbs // mbs
         if mode == "trainer":
-            step_fn = trainer.train_step
+            step_fn = trainer.train_step_local
         else:
             model = trainer.model if mode == "plain" else hf_gpt2(cfg, device)
             if model is None:

@@ -186,6 +186,10 @@ class LoggingConfig:
 class TrainConfig:
     global_batch_size: int = 32  # sequences per optimizer step
     eval_interval: int = 100
+    # Validation batches (of parallel.micro_batch_size sequences) per evaluation, the first
+    # ones of the split, each counted once. With pp > 1 rounded up to whole pipeline steps
+    # (dp x microbatches batches), which the pipeline computes anyway; capped at what the
+    # split holds. The number used is logged and written to result.json (val_batches).
     eval_batches: int = 8
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda
@@ -197,6 +201,11 @@ class TrainConfig:
     # Stop the same way every this many steps (Megatron's --exit-interval): a job that
     # trains in fixed chunks, requeued after each.
     exit_interval: int | None = None
+    # Every rank agrees on a stop (signal, time limit) with an all-reduce and a host sync;
+    # done every this many steps (and on exit_interval and checkpoint steps), not every
+    # step. A stop is acted on up to this many - 1 steps late: keep that many steps plus a
+    # save inside the signal's lead time (cluster.signal_seconds). 1: every step.
+    stop_check_interval: int = 10
     # A step whose loss or gradient is not finite is skipped (no update); this many in a
     # row stop the run with the last good checkpoint intact.
     max_nonfinite_steps: int = 5

@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 NEUTRAL_PREFIXES = ("+recipe=", "recipe=", "run_name=", "runs_dir=", "dry_run=", "logging.",
                     "logging=", "checkpoint.resume", "train.sample_", "data.num_proc=",
                     "data.root=", "hydra.", "train.device=", "cluster.", "cluster=",
-                    "train.time_limit_minutes=", "train.exit_interval=")
+                    "train.time_limit_minutes=", "train.exit_interval=",
+                    "train.stop_check_interval=")
 
 
 def run_name(recipe: str | None, overrides: list[str]) -> str:

@@ -1,9 +1,11 @@
 """Stop requests: SIGTERM / SIGUSR1 (what SLURM sends before preemption or the time limit)
 and the run's own time limit, agreed on by every rank.
 
-A signal handler only sets a flag; the training loop checks it between steps, so every rank
-finishes the same step, saves, and the process exits with ``EXIT_REQUEUE`` (75, EX_TEMPFAIL
-from sysexits.h: "temporary failure, retry"), which slurm/train.sbatch turns into a requeue.
+A signal handler only sets a flag; the training loop checks it between steps, every
+``train.stop_check_interval`` steps (``check`` is a collective: every rank calls it after the
+same steps), so every rank finishes the same step, saves, and the process exits with
+``EXIT_REQUEUE`` (75, EX_TEMPFAIL from sysexits.h: "temporary failure, retry"), which
+slurm/train.sbatch turns into a requeue.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ class StopRequest:
         log.warning("received %s: finishing this step, then saving and exiting", self.reason)
 
     def check(self, device: torch.device) -> str | None:
-        """The reason to stop now, the same on every rank (one tiny all-reduce)."""
+        """The reason to stop now, the same on every rank: one tiny all-reduce and a host
+        sync, so the trainer calls it every ``train.stop_check_interval`` steps, on every
+        rank after the same steps. A rank that got no signal itself reports ``signal``."""
         local = self.reason
         if local is None and self.time_limit_s and time.monotonic() - self.start > self.time_limit_s:
             local = "time_limit"

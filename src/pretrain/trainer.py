@@ -144,6 +144,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+class LossWindow:
+    """The training loss since the last log line, kept on the device, so that steps between
+    logs need neither an all-reduce nor a host sync for it: this rank's share summed over
+    the steps whose update was taken (a step skipped for a non-finite gradient would turn
+    the whole mean into NaN), and the last step's (the run's final loss)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.last = torch.full((), math.nan, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.total = torch.zeros((), device=self.device)
+        self.steps = 0
+
+    def add(self, loss: torch.Tensor, counted: bool) -> None:
+        self.last = loss.float()
+        if counted:
+            self.total = self.total + self.last
+            self.steps += 1
+
+
 class Trainer:
     """Runs one recipe. Also a DCP ``Stateful``: its progress (step, data position, LR
     schedule, loss scale, RNG) is saved and restored with the model and optimizer."""
@@ -466,8 +488,14 @@ class Trainer:
         if self.mesh is None:
             return value
         share = value.float() / self.layout.tp if self.parallel.has_last_stage else \
-            torch.zeros((), device=self.device)
+            torch.zeros(value.shape, device=self.device)
         return dist_env.all_reduce(share.clone())
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean over DP ranks of ``loss`` as train_step_local returns it (any shape: a
+        stack of losses takes one all-reduce), the same on every rank. Every rank must call
+        it, at the same point."""
+        return self._sum_over_dp(loss) / self.layout.dp
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Gradients of the mean loss over this rank's batch; returns that loss (zero on
@@ -479,9 +507,10 @@ class Trainer:
                 if self.scaler:  # scale() also creates the scaler's state on first use
                     self.scaler.scale(torch.ones((), device=self.device))
                     self.pipeline_loss_scale = self.scaler.get_scale()
-                try:
+                try:  # return_outputs=False: the last stage keeps no micro batch's logits
                     pm.schedule.step(*([x] if pm.has_first_stage else []),
-                                     target=y if pm.has_last_stage else None, losses=losses)
+                                     target=y if pm.has_last_stage else None, losses=losses,
+                                     return_outputs=False)
                 finally:
                     scale, self.pipeline_loss_scale = self.pipeline_loss_scale or 1.0, None
                 if not pm.has_last_stage:
@@ -501,11 +530,25 @@ class Trainer:
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step over the global batch; returns (mean loss, grad norm), both
-        global: the same on every rank."""
+        global: the same on every rank. Reducing the loss costs an all-reduce and a host
+        sync each step: for tests and tools that want every step's loss. fit() calls
+        train_step_local and reduces the loss on logging steps only."""
+        loss, norm = self.train_step_local()
+        return self.global_loss(loss).item(), norm
+
+    def train_step_local(self) -> tuple[torch.Tensor, float]:
+        """One optimizer step over the global batch; returns (this rank's share of the loss,
+        a detached device tensor, not reduced: see global_loss; the global grad norm).
+
+        The only host sync is the grad norm's, which every rank needs to take the same
+        decision: it is reduced over the whole model inside clip_grad_norm, and it is not
+        finite whenever the loss is not (a NaN or inf loss back-propagates into the
+        gradients, and every rank's norm covers every gradient), so a non-finite step is
+        skipped on every rank without reducing the loss."""
         cfg = self.cfg
         self.parallel.train()
         x, y = self._local_batch()
-        loss = self.forward_backward(x, y)
+        loss = self.forward_backward(x, y).detach()
         if self.parallel.tied is not None:
             self.parallel.tied.sync_grads()
         if self.scaler:
@@ -513,8 +556,7 @@ class Trainer:
         grad_norm = clip_grad_norm(self.parallel.parameters(),
                                    cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf,
                                    self.pp_group, self.parallel.duplicate_params)
-        loss_value = (self._sum_over_dp(loss) / self.layout.dp).item()
-        norm_value = grad_norm.item()  # both global: every rank takes the same decision
+        norm_value = grad_norm.item()  # global: every rank takes the same decision
         if self.scaler:  # fp16: the scaler skips steps with inf/nan gradients itself
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
@@ -524,26 +566,28 @@ class Trainer:
                 log.warning("step %d: fp16 gradients overflowed (inf/nan), step skipped on "
                             "every rank; loss scale %g -> %g (%d skipped in all)",
                             self.step + 1, scale, self.scaler.get_scale(), self.skipped_steps)
-        elif math.isfinite(loss_value) and math.isfinite(norm_value):
+        elif math.isfinite(norm_value):
             self.optimizer.step()
             if self.fp8_scales:
                 after_optimizer_step(self.model_parts)
             self.nonfinite_in_a_row = 0
         else:
-            self._skip_nonfinite(loss_value, norm_value)
+            self._skip_nonfinite(loss, norm_value)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.samples_seen += cfg.train.global_batch_size
         self.step += 1
-        return loss_value, norm_value
+        return loss, norm_value
 
-    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
+    def _skip_nonfinite(self, loss: torch.Tensor, grad_norm: float) -> None:
+        """Every rank comes here at the same step (the grad norm is global), so the loss
+        can be reduced for the warning."""
         self.skipped_steps += 1
         self.nonfinite_in_a_row += 1
         limit = self.cfg.train.max_nonfinite_steps
         log.warning("step %d: loss %s, grad norm %s: not finite, step skipped (%d in a row, "
-                    "%d in all)", self.step + 1, loss, grad_norm, self.nonfinite_in_a_row,
-                    self.skipped_steps)
+                    "%d in all)", self.step + 1, self.global_loss(loss).item(), grad_norm,
+                    self.nonfinite_in_a_row, self.skipped_steps)
         if self.nonfinite_in_a_row >= limit:
             self.optimizer.zero_grad(set_to_none=True)
             last = self.ckpt.latest() if self.cfg.checkpoint.enabled else None
@@ -553,11 +597,53 @@ class Trainer:
                 f"{last or '(none saved)'} is intact: lower optim.lr, raise warmup, or use "
                 "bf16 instead of fp16, then resume.")
 
+    def eval_batch_count(self) -> int:
+        """How many validation batches (of micro_batch_size sequences) an evaluation
+        averages over: ``train.eval_batches``, rounded up to whole pipeline steps under PP
+        (see _eval_batches_wanted), capped at the distinct batches the split holds."""
+        return min(self._eval_batches_wanted(), self._val_batches_available())
+
+    def _eval_batches_wanted(self) -> int:
+        """``train.eval_batches``; under pipeline parallelism rounded up to whole pipeline
+        steps over every DP rank (dp x microbatches batches a step): the pipeline computes
+        whole steps anyway, so every computed microbatch is a distinct batch that counts."""
+        n = self.cfg.train.eval_batches
+        if self.parallel.schedule is None:
+            return n
+        per_step = self.layout.dp * self.micro_batches
+        return math.ceil(n / per_step) * per_step
+
+    def _val_batches_available(self) -> int:
+        """Distinct validation batches in the split (at least one, which then wraps)."""
+        return max(1, self.val_data.n_windows // self.layout.micro_batch_size)
+
+    def _describe_eval(self) -> None:
+        """Say once, before the first evaluation, when it averages over another number of
+        batches than ``train.eval_batches`` asks, and why (rank 0: once in the log)."""
+        if self.val_data is None or not self.rank0:
+            return
+        asked, wanted = self.cfg.train.eval_batches, self._eval_batches_wanted()
+        count = self.eval_batch_count()
+        rounded = f", {wanted} in whole pipeline steps" if wanted != asked else ""
+        if count < wanted:
+            log.warning("the validation split holds %d windows of %d tokens, %d distinct "
+                        "batch(es) of %d sequences: each evaluation averages those %d "
+                        "(train.eval_batches=%d%s)", self.val_data.n_windows,
+                        self.cfg.model.seq_len + 1, count, self.layout.micro_batch_size,
+                        count, asked, rounded)
+        elif count != asked:
+            log.info("evaluation: %d validation batches (train.eval_batches=%d rounded up to "
+                     "whole pipeline steps of dp x microbatches = %d batches, which the "
+                     "pipeline computes anyway)", count, asked,
+                     self.layout.dp * self.micro_batches)
+
     def _eval_assignment(self) -> list[tuple[int, float]]:
-        """(validation batch, weight) pairs this DP rank evaluates: batch i goes to rank
-        i % dp; ranks pad with weight-0 repeats so all run the same number of forwards
-        (FSDP and pipelines need every rank in every collective), in whole pipeline steps."""
-        n, dp = self.cfg.train.eval_batches, self.layout.dp
+        """(validation batch, weight) pairs this DP rank evaluates: batch i of
+        eval_batch_count() goes to rank i % dp; ranks pad with weight-0 repeats so all run
+        the same number of forwards (FSDP and pipelines need every rank in every
+        collective), in whole pipeline steps. Under PP the count is whole pipeline steps
+        already, so there is no padding unless the split is smaller."""
+        n, dp = self.eval_batch_count(), self.layout.dp
         rounds = math.ceil(n / dp)
         if self.parallel.schedule is not None:
             rounds = math.ceil(rounds / self.micro_batches) * self.micro_batches
@@ -565,8 +651,9 @@ class Trainer:
         return [(i, 1.0) if i < n else (0, 0.0) for i in mine]
 
     def evaluate(self) -> float | None:
-        """Mean loss over the same first eval_batches micro-batches of the validation split,
-        whatever the layout."""
+        """Mean loss over the first eval_batch_count() micro-batches of the validation
+        split, each counted once: the same batches, so the same mean (up to reduction
+        order), for every layout that evaluates the same number."""
         if self.val_data is None:
             return None
         pm, mbs = self.parallel, self.layout.micro_batch_size
@@ -591,19 +678,21 @@ class Trainer:
                         per = [_local(cross_entropy(pm.parts[0](x), y))]
             for (_, weight), loss in zip(part, per, strict=True):
                 total += weight * loss.float()
-        return (self._sum_over_dp(total) / self.cfg.train.eval_batches).item()
+        return (self._sum_over_dp(total) / self.eval_batch_count()).item()
 
     def _pipeline_eval(self, x: torch.Tensor, y: torch.Tensor, losses: list) -> None:
+        """One pipeline step of forwards; the per micro batch losses land in ``losses`` on
+        the last stage. Only the losses are needed, so the schedule returns no outputs."""
         pm = self.parallel
         args = [x] if pm.has_first_stage else []
         target = y if pm.has_last_stage else None
         if self.layout.pp_schedule != "zbv":
             with torch.no_grad():
-                pm.schedule.eval(*args, target=target, losses=losses)
+                pm.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
             return
         # torch 2.13's eval() runs ZBV's backward actions and fails; take a full step and
         # discard its gradients (evaluation runs between steps, when there are none).
-        pm.schedule.step(*args, target=target, losses=losses)
+        pm.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         self.optimizer.zero_grad(set_to_none=True)
 
     def sample(self) -> str | None:
@@ -646,26 +735,68 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
         }
 
+    def _reduce_window(self, window: LossWindow) -> tuple[float, float]:
+        """(mean loss over the window's counted steps, the last step's loss), both global:
+        one all-reduce and one host sync, on logging steps (every rank logs at the same
+        steps). Starts a new window."""
+        total, last = self.global_loss(torch.stack([window.total, window.last])).tolist()
+        mean = total / window.steps if window.steps else math.nan
+        window.reset()
+        return mean, last
+
+    def _save_due(self, sync_step: bool) -> bool:
+        """Whether a periodic checkpoint is due after this step. A step interval is decided
+        locally; a minute interval needs rank 0's clock (``CheckpointManager.due``
+        broadcasts it), so it is asked on stop-check steps only: such a save comes at most
+        ``train.stop_check_interval - 1`` steps late."""
+        every = self.cfg.checkpoint.interval_steps
+        if sync_step or (every and self.step % every == 0):
+            return self.ckpt.due(self.step)
+        return False
+
+    def _between_steps(self) -> tuple[str | None, bool]:
+        """After a step other than the last: (why every rank stops now, or None; whether a
+        periodic checkpoint is due). The agreement collectives (the stop request's
+        all-reduce, the async save's poll) run on stop-check steps only: every
+        ``train.stop_check_interval`` steps, on ``train.exit_interval`` steps, and on steps
+        with a checkpoint due (a stop then saves once, blocking). The steps are a function
+        of the step number, so every rank calls them at the same steps and stops at the
+        same step."""
+        train = self.cfg.train
+        exit_now = bool(train.exit_interval) and self.step % train.exit_interval == 0
+        sync_step = exit_now or self.step % train.stop_check_interval == 0
+        save_due = self._save_due(sync_step)
+        if not (sync_step or save_due):
+            return None, False
+        self.ckpt.poll()
+        stopped = self.stop.check(self.device)
+        if stopped is None and exit_now:
+            stopped = f"train.exit_interval={train.exit_interval}"
+        return stopped, save_due
+
     def fit(self) -> dict:
         cfg = self.cfg
         steps = self.budget.steps
         tokens_per_step = self.budget.global_batch_tokens
+        self._describe_eval()
         if self.step == 0:  # a resumed run measured this before it stopped
             self.first_val_loss = self.evaluate()
             if self.first_val_loss is not None:
                 self.metrics.log({"step": 0, "val_loss": self.first_val_loss, "tokens": 0})
         first_val = last_val = self.first_val_loss
         t_last, steps_since = time.perf_counter(), 0
-        loss = float("nan")
+        window, final_loss = LossWindow(self.device), math.nan
         stopped = None
         while self.step < steps:
-            loss, grad_norm = self.train_step()
+            loss, grad_norm = self.train_step_local()
+            window.add(loss, counted=math.isfinite(grad_norm))
             steps_since += 1
             self.metrics.advance()
             is_last = self.step == steps
             if self.step % cfg.logging.log_interval == 0 or is_last or self.step == 1:
                 tps = steps_since * tokens_per_step / (time.perf_counter() - t_last)
-                self.metrics.log(self._step_metrics(loss, grad_norm, tps))
+                mean_loss, final_loss = self._reduce_window(window)
+                self.metrics.log(self._step_metrics(mean_loss, grad_norm, tps))
                 t_last, steps_since = time.perf_counter(), 0
             if self.step % cfg.train.eval_interval == 0 or is_last:
                 t0 = time.perf_counter()
@@ -674,18 +805,14 @@ class Trainer:
                     self.metrics.log({"step": self.step, "val_loss": last_val,
                                       "tokens": self.step * tokens_per_step})
                 t_last += time.perf_counter() - t0  # eval time is not training throughput
-            self.ckpt.poll()
-            stopped = None if is_last else self.stop.check(self.device)
-            every = cfg.train.exit_interval
-            if stopped is None and every and self.step % every == 0 and not is_last:
-                stopped = f"train.exit_interval={every}"
+            stopped, save_due = (None, False) if is_last else self._between_steps()
             if stopped is not None:
                 log.warning("stopping at step %d (%s): saving a checkpoint, then exiting with "
                             "status %d so the launcher requeues the run", self.step, stopped,
                             EXIT_REQUEUE)
                 self.save_checkpoint(block=True)
                 break
-            if self.ckpt.due(self.step) and not is_last:
+            if save_due:
                 self.save_checkpoint()
         if stopped is not None:
             # One process exits 75 itself. Under torchrun a non-zero exit of one rank makes
@@ -700,9 +827,10 @@ class Trainer:
         if self.cfg.checkpoint.enabled:
             self.save_checkpoint(block=True)
         self.ckpt.wait()
-        result = {"steps": self.step, "final_loss": loss, "first_val_loss": first_val,
+        result = {"steps": self.step, "final_loss": final_loss, "first_val_loss": first_val,
                   "final_val_loss": last_val, "tokens": self.step * tokens_per_step,
-                  "skipped_steps": self.skipped_steps}
+                  "skipped_steps": self.skipped_steps,
+                  "val_batches": self.eval_batch_count() if self.val_data is not None else None}
         text = self.sample()
         if text is not None:
             log.info("sample from the trained model:\n%s\n%s\n%s", "-" * 60, text, "-" * 60)

@@ -38,6 +38,7 @@ POSITIVE = (
     "model.pad_vocab_to", "train.global_batch_size", "parallel.micro_batch_size",
     "parallel.tp", "parallel.pp", "parallel.virtual_stages", "train.eval_batches",
     "logging.log_interval", "train.eval_interval", "data.shard_tokens",
+    "train.stop_check_interval",
 )
 
 

@@ -20,9 +20,11 @@ Parts (bytes per GPU, for the pipeline rank that needs the most):
 - activations in flight, logits and loss, the backward transient: ``activations.py``.
 - pipeline buffers: torch 2.13's ``PipelineStage`` allocates a receive buffer per microbatch
   (activations into non-first stages, gradients into non-last stages) and keeps the input
-  gradient on each activation buffer until the next step; and ``schedule.step`` keeps every
-  microbatch's output (the logits) on the last stage unless called with
-  ``return_outputs=False`` (the trainer uses the default: ``KEEPS_PIPELINE_OUTPUTS``).
+  gradient on each activation buffer until the next step. The last stage keeps no
+  microbatch outputs: the trainer calls ``schedule.step(..., return_outputs=False)``, so
+  each microbatch's logits are freed after its backward (with torch's default
+  ``return_outputs=True`` every microbatch's logits would stay until the next step:
+  ``KEEPS_PIPELINE_OUTPUTS``).
 - fp8 scaling state: torchao's dynamic (tensorwise/rowwise) scaling keeps no amax history;
   a 4-byte scale per converted weight is counted (precomputed for fp8 FSDP all-gathers).
 - CUDA context and NCCL: 1 GiB, plus 1 GiB when there is more than one GPU (stated
@@ -51,7 +53,8 @@ from pretrain.planning.gpus import GIB, GpuSpec
 from pretrain.planning.params import StageParams, rank_params
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-KEEPS_PIPELINE_OUTPUTS = True  # trainer.forward_backward calls schedule.step(...) as is
+# trainer.forward_backward calls schedule.step(..., return_outputs=False): no logits kept
+KEEPS_PIPELINE_OUTPUTS = False
 FRAGMENTATION = 0.10
 
 PARTS = (
@@ -225,12 +228,7 @@ def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda")
 def estimate_memory(cfg: Config, layout: Layout, gpu: GpuSpec | None = None,
                     device: str = "cuda") -> MemoryEstimate:
     """Memory of the fullest pipeline rank (rank 0: most microbatches in flight and the
-    embeddings; the last rank: the head, loss and output cache; middle ranks hold less)."""
+    embeddings; the last rank: the head and loss; middle ranks hold less)."""
     ranks = sorted({0, layout.pp - 1})
-    est = MemoryEstimate(layout, [rank_memory(cfg, layout, r, device) for r in ranks],
-                         capacity=gpu.memory_bytes if gpu is not None else None)
-    if layout.pp > 1 and KEEPS_PIPELINE_OUTPUTS:
-        est.notes.append("the trainer calls schedule.step() with return_outputs=True (torch's "
-                         "default), so the last stage keeps every microbatch's logits; "
-                         "passing return_outputs=False frees them")
-    return est
+    return MemoryEstimate(layout, [rank_memory(cfg, layout, r, device) for r in ranks],
+                          capacity=gpu.memory_bytes if gpu is not None else None)

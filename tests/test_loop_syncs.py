@@ -1,0 +1,122 @@
+"""What the training loop costs between optimizer steps, on 2 processes (gloo), and that a
+stop still stops every rank at the same step.
+
+Per step the loop needs one host sync, the global grad norm's (every rank decides from it
+whether to take the step; it is all-reduced inside clip_grad_norm anyway). Everything else
+that must be global waits for a step that needs it: the training loss is accumulated on the
+device and reduced on logging steps (one all-reduce for the mean since the last log and the
+last step's loss, plus the peak-memory all-reduce), and the stop request (signal, time
+limit) is agreed on every ``train.stop_check_interval`` steps (one all-reduce). The counts
+come from tests/loop_worker.py, which wraps torch.distributed's collectives and
+``Tensor.item``/``tolist`` as called from ``pretrain`` code. Before this loop, every step
+made two more all-reduces (loss, stop) and two more host syncs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_parallel_layouts import VOCAB, write_markov_data
+
+HERE = Path(__file__).resolve().parent
+STEPS, LOG_EVERY, CHECK_EVERY = 12, 6, 4
+SIGNAL_AFTER = 5  # rank 1 alone gets SIGUSR1 after this step
+
+COMMON = [
+    "model=nano", "model.n_layer=4", f"model.vocab_size={VOCAB}", "model.seq_len=32",
+    "model.attention=sdpa", "precision=fp32", "data.name=markov", "data.auto_prepare=false",
+    f"data.tokenizer_vocab_size={VOCAB}", "budget=steps", f"budget.steps={STEPS}",
+    "train.global_batch_size=8", "parallel.micro_batch_size=2", "train.eval_batches=2",
+    "train.eval_interval=1000", "train.sample_tokens=0", "logging=quiet",
+    f"logging.log_interval={LOG_EVERY}", f"train.stop_check_interval={CHECK_EVERY}",
+    "logging.wandb=disabled", "schedule.warmup_steps=0",
+]
+PP2 = ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=1f1b"]
+RUNS = {
+    "pp2": {"overrides": PP2},
+    "ddp2": {"overrides": ["parallel.dp=2", "parallel.dp_mode=ddp"]},
+    "pp2_signal": {"overrides": [*PP2, "checkpoint.enabled=true"],
+                   "signal": [SIGNAL_AFTER, 1]},
+    "pp2_signal_check_every_step": {
+        "overrides": [*PP2, "checkpoint.enabled=true", "train.stop_check_interval=1"],
+        "signal": [SIGNAL_AFTER, 1]},
+}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every run's per-rank records, from one torchrun of tests/loop_worker.py."""
+    root = tmp_path_factory.mktemp("loop")
+    write_markov_data(root / "data" / "markov")
+    spec = root / "spec.json"
+    common = [*COMMON, f"data.root={root / 'data'}", f"runs_dir={root / 'runs'}"]
+    spec.write_text(json.dumps({"common": common, "runs": RUNS}))
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node=2", str(HERE / "loop_worker.py"), str(root), str(spec)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    out = {name: [json.loads((root / f"{name}.rank{r}.json").read_text()) for r in (0, 1)]
+           for name in RUNS}
+    for name, ranks in out.items():
+        ranks[0]["run_dir"] = root / name
+    return out
+
+
+def loop_cost(step: int) -> int:
+    """Collectives the loop makes after ``step`` (not the last): 2 on a logging step (loss,
+    peak memory), 1 on a stop-check step, none otherwise."""
+    if step == 1 or step % LOG_EVERY == 0:
+        return 2 + (step % CHECK_EVERY == 0)
+    return int(step % CHECK_EVERY == 0)
+
+
+@pytest.mark.parametrize("name", ["pp2", "ddp2"])
+def test_steps_between_logs_and_checks_sync_once(runs, name):
+    for rank in runs[name]:
+        assert rank["result"]["steps"] == STEPS
+        steps = {int(k): v for k, v in rank["steps"].items()}
+        for k in range(1, STEPS):
+            after = steps[k]
+            assert after.get("step_syncs", 0) == 1, (k, after)  # the grad norm
+            assert after.get("loop_collectives", 0) == loop_cost(k), (k, after)
+            if loop_cost(k) == 0:
+                assert after.get("loop_syncs", 0) == 0, (k, after)
+        quiet = [k for k in range(1, STEPS) if loop_cost(k) == 0]
+        assert len(quiet) == 7  # most steps: no collective and no sync outside the step
+
+
+def test_logged_loss_is_the_mean_since_the_last_log(runs):
+    """Logging steps report the mean loss over the steps since the previous log line, and
+    result.json the last step's loss. pp2, dp 1: the last stage's loss is the global one."""
+    r0, r1 = runs["pp2"]
+    assert r0["result"] == r1["result"]  # every rank reports the same global numbers
+    per_step = r1["local_losses"]  # rank 1 holds the last stage
+    assert len(per_step) == STEPS and r0["local_losses"] == [0.0] * STEPS
+    assert r1["result"]["final_loss"] == pytest.approx(per_step[-1], rel=1e-6)
+    logged = {m["step"]: m["loss"] for m in map(json.loads, (
+        r0["run_dir"] / "metrics.jsonl").read_text().splitlines()) if "loss" in m}
+    assert sorted(logged) == [1, 6, 12]
+    assert logged[1] == pytest.approx(per_step[0], rel=1e-6)
+    assert logged[6] == pytest.approx(sum(per_step[1:6]) / 5, rel=1e-6)
+    assert logged[12] == pytest.approx(sum(per_step[6:12]) / 6, rel=1e-6)
+
+
+@pytest.mark.parametrize("name, stop_at", [("pp2_signal", 8),
+                                           ("pp2_signal_check_every_step", SIGNAL_AFTER)])
+def test_signal_on_one_rank_stops_every_rank_at_the_same_step(runs, name, stop_at):
+    """SIGUSR1 reaches rank 1 alone right after step 5; both ranks stop at the next stop
+    check (after step 8 with checks every 4 steps; after step 5 itself with
+    train.stop_check_interval=1, as before there was an interval), save there, and report
+    why."""
+    r0, r1 = (r["result"] for r in runs[name])
+    assert r0["steps"] == r1["steps"] == stop_at
+    assert r1["stopped"] == "SIGUSR1" and r0["stopped"] == "signal"
