@@ -1,11 +1,14 @@
-"""CheckpointManager on one process: atomic completion, crash safety, retention, round trip."""
+"""CheckpointManager: atomic completion, crash safety, retention, round trip; on two ranks,
+rank 0 decides for both."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from two_ranks import blind_to_checkpoints, run_on_two_ranks
 
 from pretrain.checkpoint import (
     CheckpointError,
@@ -138,3 +141,32 @@ def test_due_by_steps_and_by_minutes(tmp_path):
     assert mgr.due(2)
     off = CheckpointManager(tmp_path, CheckpointConfig(enabled=False, interval_steps=1))
     assert not off.due(1)
+
+
+# -- two ranks: rank 0 looks, both act on its answer -----------------------------------------
+
+def _save_and_find_with_a_blind_rank_1(rank: int, folder: Path) -> dict[str, str]:
+    """Rank 1 cannot see the checkpoint directories rank 0 sees. Alone it would resume from
+    nothing and write step 3 again (entering a save collective that rank 0 skips)."""
+    if rank == 1:
+        blind_to_checkpoints()
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(folder, CheckpointConfig(enabled=True, keep_last=5))
+    found = mgr.latest()
+    for step in (3, 4):  # 3 exists: skipped by both; 4 is new: written by both
+        mgr.save(step, {"model_optim": ModelOptimizer(model, opt), "train": Progress(step)},
+                 {"step": step})
+    mgr.wait()
+    return {"found": str(found), "after": str(mgr.latest())}
+
+
+def test_two_ranks_act_on_what_rank_0_sees(tmp_path):
+    model, opt = trained_pair(0)
+    folder = tmp_path / "checkpoints"
+    save(CheckpointManager(folder, CheckpointConfig(enabled=True)), model, opt, 3)
+    before = {f.name: f.read_bytes() for f in (folder / "step_0000003").iterdir()}
+    got = run_on_two_ranks(_save_and_find_with_a_blind_rank_1, tmp_path / "store", folder)
+    expected = {"found": str(folder / "step_0000003"), "after": str(folder / "step_0000004")}
+    assert got == [("ok", expected), ("ok", expected)]
+    assert [s for s, _ in complete_checkpoints(folder)] == [3, 4]
+    assert before == {f.name: f.read_bytes() for f in (folder / "step_0000003").iterdir()}

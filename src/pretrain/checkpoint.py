@@ -6,6 +6,10 @@ size of every file). It is written as ``step_0001000.tmp`` and renamed by rank 0
 every rank's shards are on disk, so a directory without ``.tmp`` whose files match its
 ``meta.json`` is complete; anything else is skipped with a warning and left in place.
 
+On a cluster every rank must act on the same answer (save or skip, which checkpoint to
+resume from), and a shared filesystem should not see every rank scan the same folder: rank 0
+alone looks at the disk and broadcasts what it found, or the error it hit (``on_rank0``).
+
 DCP stores every tensor globally by name, and the data position is stored as global samples
 consumed, so a checkpoint saved with one TP x PP x DP layout loads into another.
 """
@@ -18,9 +22,10 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from pretrain.config import CheckpointConfig
+from pretrain.parallel.mesh import broadcast_from_rank0
 
 log = logging.getLogger("pretrain.checkpoint")
 # DCP warns on every call without a process group that it assumes one process: it is right.
@@ -43,6 +49,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 META = "meta.json"
+T = TypeVar("T")
 
 
 class CheckpointError(RuntimeError):
@@ -128,6 +135,40 @@ def _barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
+def on_rank0(decide: Callable[[], T]) -> T:
+    """``decide()`` on rank 0 only; every rank returns its answer, or raises its error.
+
+    Every rank calls this together (it is a broadcast). Why: 1024 ranks each listing and
+    stat-ing the same checkpoint folder on a shared filesystem is millions of metadata
+    operations, and two ranks that see the folder differently would take different paths
+    (one enters a save collective the other skips) and hang. The error is sent as text, so
+    the other ranks raise a ``CheckpointError`` with rank 0's message instead of waiting
+    forever; rank 0 raises the original exception. Without a process group: ``decide()``.
+    """
+    if not dist.is_initialized():
+        return decide()
+    answer, error = None, None
+    if _rank() == 0:
+        try:
+            answer = decide()
+        except Exception as e:  # sent to the other ranks, then raised here too
+            error = e
+    message = None if error is None else _message(error)
+    answer, message = broadcast_from_rank0((answer, message))
+    if error is not None:
+        raise error
+    if message is not None:
+        raise CheckpointError(message)
+    return answer
+
+
+def _message(error: Exception) -> str:
+    """The text every rank raises: a CheckpointError's own message, else what rank 0 hit."""
+    if isinstance(error, CheckpointError):
+        return str(error)
+    return f"on rank 0: {type(error).__name__}: {error}"
+
+
 def checkpoint_status(path: Path) -> str | None:
     """None if ``path`` is a complete checkpoint, else why not (for the warning)."""
     meta_path = path / META
@@ -192,8 +233,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
                           f"directories in {p / 'checkpoints'} and {p})")
 
 
+def newest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete checkpoint under ``folder`` (this process's view: call it on
+    rank 0, see ``on_rank0``), or None."""
+    found = complete_checkpoints(folder)
+    return found[-1][1] if found else None
+
+
 class CheckpointManager:
-    """Saves (async where possible), finalises, retains and finds checkpoints of one run."""
+    """Saves (async where possible), finalises, retains and finds checkpoints of one run.
+
+    Every rank calls ``save``, ``wait``, ``poll``, ``due``, ``latest`` and ``load``
+    together: they hold collectives, and rank 0 alone touches the folder.
+    """
 
     def __init__(self, folder: Path, cfg: CheckpointConfig,
                  device: torch.device = torch.device("cpu")):
@@ -228,15 +280,12 @@ class CheckpointManager:
         DCP stages a copy in memory and writes it while training goes on."""
         self.wait()
         final = self.folder / step_dir_name(step)
-        if final.exists():
+        tmp = final.with_name(final.name + ".tmp")
+        # Rank 0's answer for every rank (one rank skipping the save would hang the others);
+        # it arrives after rank 0 made the directory, so it is also the barrier before DCP.
+        if not on_rank0(lambda: self._prepare(final, tmp)):
             log.info("checkpoint %s already exists; not overwriting it", final)
             return
-        tmp = final.with_name(final.name + ".tmp")
-        if _rank() == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)  # our own leftover from a save that never completed
-            tmp.mkdir(parents=True)
-        _barrier()
         t0 = time.perf_counter()
         if self.cfg.async_save and not block:
             fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
@@ -249,6 +298,17 @@ class CheckpointManager:
             log.info("checkpoint step %d saved to %s in %.2f s", step, final,
                      time.perf_counter() - t0)
         self.last_save_time = time.monotonic()
+
+    @staticmethod
+    def _prepare(final: Path, tmp: Path) -> bool:
+        """Rank 0: False if ``final`` exists (never overwritten), else True with an empty
+        ``tmp`` directory to write into."""
+        if final.exists():
+            return False
+        if tmp.exists():
+            shutil.rmtree(tmp)  # our own leftover from a save that never completed
+        tmp.mkdir(parents=True)
+        return True
 
     def wait(self) -> None:
         """Finish a pending async save (every rank calls it)."""
@@ -270,17 +330,22 @@ class CheckpointManager:
                 self.wait()
 
     def _finalise(self, tmp: Path, meta: dict) -> None:
-        """Rank 0, once all ranks wrote: record file sizes, rename into place, retain."""
+        """Once all ranks wrote: rank 0 records file sizes, renames into place and retains;
+        every rank learns that it worked (or raises rank 0's error)."""
         _barrier()
-        if _rank() == 0:
-            files = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
-            meta = {**meta, "files": files, "saved_at": time.time()}
-            (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
-            final = tmp.with_name(tmp.name.removesuffix(".tmp"))
-            tmp.rename(final)
-            log.info("checkpoint complete: %s (%.1f MB)", final, sum(files.values()) / 1e6)
-            self.retain()
-        _barrier()
+        on_rank0(lambda: self._commit(tmp, meta))
+
+    def _commit(self, tmp: Path, meta: dict) -> Path:
+        """Rank 0: write meta.json (with every file's size), rename ``tmp`` into place,
+        retain."""
+        files = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
+        meta = {**meta, "files": files, "saved_at": time.time()}
+        (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
+        final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+        tmp.rename(final)
+        log.info("checkpoint complete: %s (%.1f MB)", final, sum(files.values()) / 1e6)
+        self.retain()
+        return final
 
     def retain(self) -> None:
         """Keep the newest keep_last plus every keep_every-th step; never the newest."""
@@ -296,16 +361,17 @@ class CheckpointManager:
     # -- load ----------------------------------------------------------------------------
 
     def latest(self) -> Path | None:
-        found = complete_checkpoints(self.folder)
-        return found[-1][1] if found else None
+        """The newest complete checkpoint, as rank 0 sees it, on every rank."""
+        return on_rank0(lambda: newest_checkpoint(self.folder))
 
     @staticmethod
     def load(path: Path, state: dict[str, Any]) -> dict:
-        """Load ``state`` (Stateful values are updated in place) from ``path``; its meta."""
+        """Load ``state`` (Stateful values are updated in place) from ``path``; its meta,
+        as rank 0 read it. Every rank calls this (DCP's load is collective too)."""
         t0 = time.perf_counter()
         dcp.load(state, checkpoint_id=str(path))
         log.info("loaded checkpoint %s in %.2f s", path, time.perf_counter() - t0)
-        return read_meta(path)
+        return on_rank0(lambda: read_meta(path))
 
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> dict:
