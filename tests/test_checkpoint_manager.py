@@ -1,9 +1,11 @@
-"""CheckpointManager: atomic completion, crash safety, retention, round trip; on two ranks,
-rank 0 decides for both."""
+"""CheckpointManager: atomic completion, crash safety, retention in the background, round
+trip; on two ranks, rank 0 decides for both."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -100,7 +102,10 @@ def test_retention_keeps_last_k_and_every_m(tmp_path):
     mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, keep_last=2, keep_every=4))
     for step in range(1, 10):
         save(mgr, model, opt, step, block=True)
+    mgr.close()  # deletions run in the background: wait for them
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [4, 8, 9]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_0000004", "step_0000008", "step_0000009"]  # no .deleting leftovers
 
 
 def test_retention_never_deletes_the_newest(tmp_path):
@@ -108,6 +113,7 @@ def test_retention_never_deletes_the_newest(tmp_path):
     mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, keep_last=0))
     save(mgr, model, opt, 1)
     save(mgr, model, opt, 2)
+    mgr.close()
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [2]
 
 
@@ -143,6 +149,56 @@ def test_due_by_steps_and_by_minutes(tmp_path):
     assert not off.due(1)
 
 
+def test_retention_never_deletes_the_only_complete_checkpoint(tmp_path):
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, keep_last=1,
+                                                       async_save=False))
+    save(mgr, model, opt, 1)
+    mgr.finish_deletions()  # the background pass after saving step 1 is over
+    # A newer directory that is not a complete checkpoint: a shard went missing.
+    newer = tmp_path / "step_0000002"
+    shutil.copytree(tmp_path / "step_0000001", newer)
+    next(newer.glob("*.distcp")).unlink()
+    assert mgr.retain() == []
+    assert (tmp_path / "step_0000001").exists() and newer.exists()
+    mgr.close()
+
+
+def test_retention_does_not_hold_up_saving_and_hides_what_it_deletes(tmp_path, monkeypatch):
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, keep_last=1,
+                                                       async_save=False))
+    save(mgr, model, opt, 1)
+    deleting, release, deleted = threading.Event(), threading.Event(), threading.Event()
+    real_rmtree = shutil.rmtree
+
+    def slow_rmtree(path, *args, **kwargs):  # a shared filesystem deleting a big checkpoint
+        deleting.set()
+        release.wait(timeout=10)
+        real_rmtree(path, *args, **kwargs)
+        deleted.set()
+
+    monkeypatch.setattr("pretrain.checkpoint.shutil.rmtree", slow_rmtree)
+    save(mgr, model, opt, 2)  # finalising step 2 condemns step 1
+    assert not deleted.is_set()  # save returned while step 1 was not yet deleted
+    assert deleting.wait(timeout=10)
+    assert not (tmp_path / "step_0000001").exists()  # renamed out of sight first
+    assert (tmp_path / "step_0000001.deleting").is_dir()
+    assert mgr.latest() == tmp_path / "step_0000002"
+    # Even with nothing newer left complete, the condemned checkpoint is never offered.
+    shard = next((tmp_path / "step_0000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert mgr.latest() is None
+    closer = threading.Thread(target=mgr.close)
+    closer.start()
+    closer.join(timeout=0.5)
+    assert closer.is_alive()  # close() waits for the pending deletion
+    release.set()
+    closer.join(timeout=10)
+    assert not closer.is_alive() and deleted.is_set()
+    assert [p.name for p in tmp_path.iterdir()] == ["step_0000002"]
+
+
 # -- two ranks: rank 0 looks, both act on its answer -----------------------------------------
 
 def _save_and_find_with_a_blind_rank_1(rank: int, folder: Path) -> dict[str, str]:
@@ -156,7 +212,7 @@ def _save_and_find_with_a_blind_rank_1(rank: int, folder: Path) -> dict[str, str
     for step in (3, 4):  # 3 exists: skipped by both; 4 is new: written by both
         mgr.save(step, {"model_optim": ModelOptimizer(model, opt), "train": Progress(step)},
                  {"step": step})
-    mgr.wait()
+    mgr.close()
     return {"found": str(found), "after": str(mgr.latest())}
 
 

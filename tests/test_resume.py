@@ -142,6 +142,7 @@ def _fake_checkpoint(run_dir: Path, model: dict) -> Path:
     """A complete checkpoint at step 3 whose meta says it holds ``model``."""
     mgr = CheckpointManager(run_dir / "checkpoints", CheckpointConfig(async_save=False))
     mgr.save(3, {"w": torch.arange(4.0)}, {"step": 3, "config": {"model": model}})
+    mgr.close()
     return run_dir / "checkpoints" / "step_0000003"
 
 

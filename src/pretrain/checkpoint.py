@@ -9,6 +9,8 @@ every rank's shards are on disk, so a directory without ``.tmp`` whose files mat
 On a cluster every rank must act on the same answer (save or skip, which checkpoint to
 resume from), and a shared filesystem should not see every rank scan the same folder: rank 0
 alone looks at the disk and broadcasts what it found, or the error it hit (``on_rank0``).
+Retention deletes old checkpoints on rank 0 in a background thread, after renaming them out
+of the scanner's sight (``step_0000100.deleting``), so training never waits for a delete.
 
 DCP stores every tensor globally by name, and the data position is stored as global samples
 consumed, so a checkpoint saved with one TP x PP x DP layout loads into another.
@@ -20,10 +22,11 @@ import json
 import logging
 import re
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,6 +52,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 META = "meta.json"
+# A checkpoint retention condemned: renamed first (the scanner ignores it), then deleted.
+DELETING = ".deleting"
 T = TypeVar("T")
 
 
@@ -243,8 +248,9 @@ def newest_checkpoint(folder: Path) -> Path | None:
 class CheckpointManager:
     """Saves (async where possible), finalises, retains and finds checkpoints of one run.
 
-    Every rank calls ``save``, ``wait``, ``poll``, ``due``, ``latest`` and ``load``
-    together: they hold collectives, and rank 0 alone touches the folder.
+    Every rank calls ``save``, ``wait``, ``poll``, ``due``, ``latest``, ``load`` and
+    ``close`` together: they hold collectives, and rank 0 alone touches the folder. Call
+    ``close()`` at the end of training.
     """
 
     def __init__(self, folder: Path, cfg: CheckpointConfig,
@@ -258,6 +264,13 @@ class CheckpointManager:
         # gloo group so they never interleave with the training step's collectives.
         self.group = (dist.new_group(backend="gloo")
                       if dist.is_initialized() and cfg.async_save else None)
+        # Rank 0's retention worker (made on first use) and the last pass given to it.
+        self._deleter: ThreadPoolExecutor | None = None
+        self._retention: Future | None = None
+        # Held while the folder is scanned and while retention renames what it condemned,
+        # so a scan never returns a checkpoint that is about to be deleted.
+        self._scan_lock = threading.Lock()
+        self._closed = False
 
     # -- when ----------------------------------------------------------------------------
 
@@ -278,6 +291,8 @@ class CheckpointManager:
     def save(self, step: int, state: dict[str, Any], meta: dict, block: bool = False) -> None:
         """Write ``state`` for ``step``. Async unless ``block`` or disabled in the config:
         DCP stages a copy in memory and writes it while training goes on."""
+        if self._closed:
+            raise CheckpointError(f"the checkpoint manager of {self.folder} is closed")
         self.wait()
         final = self.folder / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
@@ -330,39 +345,109 @@ class CheckpointManager:
                 self.wait()
 
     def _finalise(self, tmp: Path, meta: dict) -> None:
-        """Once all ranks wrote: rank 0 records file sizes, renames into place and retains;
-        every rank learns that it worked (or raises rank 0's error)."""
+        """Once all ranks wrote: rank 0 records file sizes and renames into place, and every
+        rank learns that it worked (or raises rank 0's error). Then rank 0 queues retention;
+        nobody waits for it."""
         _barrier()
         on_rank0(lambda: self._commit(tmp, meta))
+        if _rank() == 0:
+            self._retain_in_background()
 
-    def _commit(self, tmp: Path, meta: dict) -> Path:
-        """Rank 0: write meta.json (with every file's size), rename ``tmp`` into place,
-        retain."""
+    @staticmethod
+    def _commit(tmp: Path, meta: dict) -> Path:
+        """Rank 0: write meta.json (with every file's size) and rename ``tmp`` into place."""
         files = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
         meta = {**meta, "files": files, "saved_at": time.time()}
         (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
         final = tmp.with_name(tmp.name.removesuffix(".tmp"))
         tmp.rename(final)
         log.info("checkpoint complete: %s (%.1f MB)", final, sum(files.values()) / 1e6)
-        self.retain()
         return final
 
-    def retain(self) -> None:
-        """Keep the newest keep_last plus every keep_every-th step; never the newest."""
+    # -- retention -----------------------------------------------------------------------
+
+    def _retain_in_background(self) -> None:
+        """Give rank 0's one worker a retention pass, unless one is still queued: that one
+        scans after this checkpoint's rename too. Deleting can take minutes on a shared
+        filesystem; training does not wait for it (``close`` does)."""
+        queued = self._retention is not None and not (self._retention.running()
+                                                      or self._retention.done())
+        if queued:
+            return
+        if self._deleter is None:
+            self._deleter = ThreadPoolExecutor(max_workers=1,
+                                               thread_name_prefix="checkpoint-retention")
+        self._retention = self._deleter.submit(self._retain_logged)
+
+    def _retain_logged(self) -> None:
+        """``retain`` in the worker: a failed delete is a warning, never a crash of training
+        (what is left is retried by the next pass)."""
+        try:
+            self.retain()
+        except Exception:
+            log.warning("checkpoint retention failed in %s", self.folder, exc_info=True)
+
+    def retain(self) -> list[Path]:
+        """Keep the newest keep_last plus every keep_every-th step; delete the other complete
+        checkpoints. Returns the directories removed.
+
+        Only complete checkpoints count and the newest of them is always kept, so the only
+        complete checkpoint is never deleted (incomplete ones are left alone, as the scanner
+        leaves them). Condemned ones are renamed to ``*.deleting`` under the scan lock, so
+        ``latest`` cannot return one, then deleted; so are ``*.deleting`` leftovers of a
+        process killed mid-delete. Rank 0's worker runs it; call it directly only when no
+        pass is queued (``finish_deletions``)."""
+        with self._scan_lock:
+            doomed = self._leftovers()
+            for path in self._expired():
+                doomed.append(path.rename(path.with_name(path.name + DELETING)))
+        for path in doomed:
+            shutil.rmtree(path)
+            log.info("checkpoint retention: removed %s",
+                     path.with_name(path.name.removesuffix(DELETING)))
+        return doomed
+
+    def _expired(self) -> list[Path]:
+        """Complete checkpoints the retention settings no longer keep."""
         found = complete_checkpoints(self.folder, warn=False)
         keep = {p for _, p in found[-max(1, self.cfg.keep_last):]}
         if self.cfg.keep_every:
             keep |= {p for s, p in found if s % self.cfg.keep_every == 0}
-        for _, p in found:
-            if p not in keep:
-                shutil.rmtree(p)
-                log.info("checkpoint retention: removed %s", p)
+        return [p for _, p in found if p not in keep]
+
+    def _leftovers(self) -> list[Path]:
+        """Directories an earlier retention renamed but did not finish deleting."""
+        if not self.folder.is_dir():
+            return []
+        return [p for p in sorted(self.folder.iterdir())
+                if p.name.endswith(DELETING) and p.is_dir()]
+
+    def finish_deletions(self) -> None:
+        """Wait until rank 0's queued retention passes are done (a no-op elsewhere)."""
+        if self._retention is not None:
+            self._retention.result()
+
+    def close(self) -> None:
+        """End of training (every rank): finish a pending async save and wait for rank 0's
+        deletions (an exit mid-delete would leave half a directory behind). Calling it again
+        does nothing; saving after it is an error."""
+        if self._closed:
+            return
+        self.wait()
+        self._closed = True
+        if self._deleter is not None:
+            self._deleter.shutdown(wait=True)
+            self._deleter = None
 
     # -- load ----------------------------------------------------------------------------
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, as rank 0 sees it, on every rank."""
-        return on_rank0(lambda: newest_checkpoint(self.folder))
+        return on_rank0(self._newest)
+
+    def _newest(self) -> Path | None:
+        with self._scan_lock:  # not while retention is renaming what it condemned
+            return newest_checkpoint(self.folder)
 
     @staticmethod
     def load(path: Path, state: dict[str, Any]) -> dict:

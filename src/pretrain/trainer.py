@@ -705,11 +705,12 @@ class Trainer:
                 (self.run_dir / STOPPED).write_text(json.dumps(
                     {"step": self.step, "reason": stopped, "exit_code": EXIT_REQUEUE}))
             self.exit_code = 0 if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_REQUEUE
+            self.ckpt.close()
             self.metrics.close()
             return {"steps": self.step, "stopped": stopped}
         if self.cfg.checkpoint.enabled:
             self.save_checkpoint(block=True)
-        self.ckpt.wait()
+        self.ckpt.close()
         result = {"steps": self.step, "final_loss": loss, "first_val_loss": first_val,
                   "final_val_loss": last_val, "tokens": self.step * tokens_per_step,
                   "skipped_steps": self.skipped_steps}
