@@ -1,5 +1,5 @@
-"""CheckpointManager: atomic completion, crash safety, retention in the background, round
-trip; on two ranks, rank 0 decides for both."""
+"""CheckpointManager: atomic completion, crash safety, retention in the background, one
+reused stager for async saves, round trip; on two ranks, rank 0 decides for both."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from two_ranks import blind_to_checkpoints, run_on_two_ranks
 
 from pretrain.checkpoint import (
@@ -197,6 +198,54 @@ def test_retention_does_not_hold_up_saving_and_hides_what_it_deletes(tmp_path, m
     closer.join(timeout=10)
     assert not closer.is_alive() and deleted.is_set()
     assert [p.name for p in tmp_path.iterdir()] == ["step_0000002"]
+
+
+def test_async_saves_reuse_one_stager_and_its_memory(tmp_path, monkeypatch):
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, keep_last=5))
+    stagers, staged = [], []
+    real_async_save = dcp.async_save
+
+    def spy_async_save(state, **kwargs):
+        stagers.append(kwargs["async_stager"])
+        return real_async_save(state, **kwargs)
+
+    real_stage, real_close = mgr.stager.stage, mgr.stager.close
+
+    def spy_stage(state, **kwargs):
+        out = real_stage(state, **kwargs)
+        staged.append(out["model_optim"]["model"]["tok_emb.weight"])
+        return out
+
+    closed = []
+    monkeypatch.setattr(dcp, "async_save", spy_async_save)
+    monkeypatch.setattr(mgr.stager, "stage", spy_stage)
+    monkeypatch.setattr(mgr.stager, "close", lambda: closed.append(1) or real_close())
+
+    save(mgr, model, opt, 1)
+    at_step_1 = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randint(0, 64, (2, 16))).float().logsumexp(-1).mean().backward()
+    opt.step()
+    save(mgr, model, opt, 2)
+    assert len(stagers) == 2 and stagers[0] is stagers[1] is not None
+    # The second save copied into the first one's staging memory, not into fresh memory.
+    assert staged[0].data_ptr() == staged[1].data_ptr()
+
+    for step, expected in ((1, at_step_1), (2, model.state_dict())):
+        other, other_opt = trained_pair(1)
+        CheckpointManager.load(tmp_path / f"step_{step:07d}",
+                               {"model_optim": ModelOptimizer(other, other_opt),
+                                "train": Progress()})
+        for name, value in other.state_dict().items():
+            assert torch.equal(value, expected[name]), (step, name)
+    sa, sb = opt.state_dict()["state"], other_opt.state_dict()["state"]
+    assert all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
+
+    mgr.close()
+    mgr.close()
+    assert closed == [1]  # closed once, and a second close() is harmless
+    with pytest.raises(CheckpointError, match="closed"):
+        save(mgr, model, opt, 3)
 
 
 # -- two ranks: rank 0 looks, both act on its answer -----------------------------------------

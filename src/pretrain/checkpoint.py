@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -245,6 +246,29 @@ def newest_checkpoint(folder: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def make_stager(device: torch.device) -> AsyncStager | None:
+    """The one stager a manager reuses for all its async saves: torch's ``DefaultStager``.
+
+    It keeps the CPU copy of every tensor it staged, keyed by the source tensor's storage,
+    so the next save copies into the same memory; without it ``dcp.async_save`` makes a
+    stager per call and allocates the whole state again. The price: that copy of this
+    rank's model and optimizer state stays allocated between saves (``close`` frees it).
+    On CUDA the memory is pinned and the device-to-host copies are non-blocking. Staging stays synchronous
+    (``use_async_staging=False``): ``async_save`` returns once the copy is taken, so the
+    next optimizer step cannot change what is being written. On CPU pinning is ignored by
+    torch (with a warning) and non-blocking copies raise (both need an accelerator): both
+    are off there. Shared memory only serves DCP's process-based saver; ours is a thread.
+    None on a torch without ``DefaultStager``: each save then stages into fresh memory.
+    """
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    cuda = device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
+
+
 class CheckpointManager:
     """Saves (async where possible), finalises, retains and finds checkpoints of one run.
 
@@ -264,6 +288,7 @@ class CheckpointManager:
         # gloo group so they never interleave with the training step's collectives.
         self.group = (dist.new_group(backend="gloo")
                       if dist.is_initialized() and cfg.async_save else None)
+        self.stager = make_stager(device) if cfg.async_save else None
         # Rank 0's retention worker (made on first use) and the last pass given to it.
         self._deleter: ThreadPoolExecutor | None = None
         self._retention: Future | None = None
@@ -290,7 +315,8 @@ class CheckpointManager:
 
     def save(self, step: int, state: dict[str, Any], meta: dict, block: bool = False) -> None:
         """Write ``state`` for ``step``. Async unless ``block`` or disabled in the config:
-        DCP stages a copy in memory and writes it while training goes on."""
+        DCP stages a copy in memory and writes it while training goes on. The previous async
+        save is finished first: its staged copy is the memory this one stages into."""
         if self._closed:
             raise CheckpointError(f"the checkpoint manager of {self.folder} is closed")
         self.wait()
@@ -303,8 +329,7 @@ class CheckpointManager:
             return
         t0 = time.perf_counter()
         if self.cfg.async_save and not block:
-            fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
-            self.pending = (fut, tmp, meta)
+            self.pending = (self._async_save(state, tmp), tmp, meta)
             log.info("checkpoint step %d: async save started, training blocked %.2f s",
                      step, time.perf_counter() - t0)
         else:
@@ -324,6 +349,11 @@ class CheckpointManager:
             shutil.rmtree(tmp)  # our own leftover from a save that never completed
         tmp.mkdir(parents=True)
         return True
+
+    def _async_save(self, state: dict[str, Any], tmp: Path) -> Future:
+        """``dcp.async_save`` through this manager's one stager (when torch has one)."""
+        reuse = {} if self.stager is None else {"async_stager": self.stager}
+        return dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group, **reuse)
 
     def wait(self) -> None:
         """Finish a pending async save (every rank calls it)."""
@@ -428,9 +458,9 @@ class CheckpointManager:
             self._retention.result()
 
     def close(self) -> None:
-        """End of training (every rank): finish a pending async save and wait for rank 0's
-        deletions (an exit mid-delete would leave half a directory behind). Calling it again
-        does nothing; saving after it is an error."""
+        """End of training (every rank): finish a pending async save, wait for rank 0's
+        deletions (an exit mid-delete would leave half a directory behind) and free the
+        staging memory. Calling it again does nothing; saving after it is an error."""
         if self._closed:
             return
         self.wait()
@@ -438,6 +468,9 @@ class CheckpointManager:
         if self._deleter is not None:
             self._deleter.shutdown(wait=True)
             self._deleter = None
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
     # -- load ----------------------------------------------------------------------------
 
