@@ -1,11 +1,17 @@
-"""CheckpointManager on one process: atomic completion, crash safety, retention, round trip."""
+"""CheckpointManager: atomic completion, crash safety, retention in the background, one
+reused stager for async saves, round trip; on two ranks, rank 0 decides for both."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import threading
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from two_ranks import blind_to_checkpoints, run_on_two_ranks
 
 from pretrain.checkpoint import (
     CheckpointError,
@@ -97,7 +103,10 @@ def test_retention_keeps_last_k_and_every_m(tmp_path):
     mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, keep_last=2, keep_every=4))
     for step in range(1, 10):
         save(mgr, model, opt, step, block=True)
+    mgr.close()  # deletions run in the background: wait for them
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [4, 8, 9]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_0000004", "step_0000008", "step_0000009"]  # no .deleting leftovers
 
 
 def test_retention_never_deletes_the_newest(tmp_path):
@@ -105,6 +114,7 @@ def test_retention_never_deletes_the_newest(tmp_path):
     mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, keep_last=0))
     save(mgr, model, opt, 1)
     save(mgr, model, opt, 2)
+    mgr.close()
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [2]
 
 
@@ -138,3 +148,130 @@ def test_due_by_steps_and_by_minutes(tmp_path):
     assert mgr.due(2)
     off = CheckpointManager(tmp_path, CheckpointConfig(enabled=False, interval_steps=1))
     assert not off.due(1)
+
+
+def test_retention_never_deletes_the_only_complete_checkpoint(tmp_path):
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, keep_last=1,
+                                                       async_save=False))
+    save(mgr, model, opt, 1)
+    mgr.finish_deletions()  # the background pass after saving step 1 is over
+    # A newer directory that is not a complete checkpoint: a shard went missing.
+    newer = tmp_path / "step_0000002"
+    shutil.copytree(tmp_path / "step_0000001", newer)
+    next(newer.glob("*.distcp")).unlink()
+    assert mgr.retain() == []
+    assert (tmp_path / "step_0000001").exists() and newer.exists()
+    mgr.close()
+
+
+def test_retention_does_not_hold_up_saving_and_hides_what_it_deletes(tmp_path, monkeypatch):
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, keep_last=1,
+                                                       async_save=False))
+    save(mgr, model, opt, 1)
+    deleting, release, deleted = threading.Event(), threading.Event(), threading.Event()
+    real_rmtree = shutil.rmtree
+
+    def slow_rmtree(path, *args, **kwargs):  # a shared filesystem deleting a big checkpoint
+        deleting.set()
+        release.wait(timeout=10)
+        real_rmtree(path, *args, **kwargs)
+        deleted.set()
+
+    monkeypatch.setattr("pretrain.checkpoint.shutil.rmtree", slow_rmtree)
+    save(mgr, model, opt, 2)  # finalising step 2 condemns step 1
+    assert not deleted.is_set()  # save returned while step 1 was not yet deleted
+    assert deleting.wait(timeout=10)
+    assert not (tmp_path / "step_0000001").exists()  # renamed out of sight first
+    assert (tmp_path / "step_0000001.deleting").is_dir()
+    assert mgr.latest() == tmp_path / "step_0000002"
+    # Even with nothing newer left complete, the condemned checkpoint is never offered.
+    shard = next((tmp_path / "step_0000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert mgr.latest() is None
+    closer = threading.Thread(target=mgr.close)
+    closer.start()
+    closer.join(timeout=0.5)
+    assert closer.is_alive()  # close() waits for the pending deletion
+    release.set()
+    closer.join(timeout=10)
+    assert not closer.is_alive() and deleted.is_set()
+    assert [p.name for p in tmp_path.iterdir()] == ["step_0000002"]
+
+
+def test_async_saves_reuse_one_stager_and_its_memory(tmp_path, monkeypatch):
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, keep_last=5))
+    stagers, staged = [], []
+    real_async_save = dcp.async_save
+
+    def spy_async_save(state, **kwargs):
+        stagers.append(kwargs["async_stager"])
+        return real_async_save(state, **kwargs)
+
+    real_stage, real_close = mgr.stager.stage, mgr.stager.close
+
+    def spy_stage(state, **kwargs):
+        out = real_stage(state, **kwargs)
+        staged.append(out["model_optim"]["model"]["tok_emb.weight"])
+        return out
+
+    closed = []
+    monkeypatch.setattr(dcp, "async_save", spy_async_save)
+    monkeypatch.setattr(mgr.stager, "stage", spy_stage)
+    monkeypatch.setattr(mgr.stager, "close", lambda: closed.append(1) or real_close())
+
+    save(mgr, model, opt, 1)
+    at_step_1 = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randint(0, 64, (2, 16))).float().logsumexp(-1).mean().backward()
+    opt.step()
+    save(mgr, model, opt, 2)
+    assert len(stagers) == 2 and stagers[0] is stagers[1] is not None
+    # The second save copied into the first one's staging memory, not into fresh memory.
+    assert staged[0].data_ptr() == staged[1].data_ptr()
+
+    for step, expected in ((1, at_step_1), (2, model.state_dict())):
+        other, other_opt = trained_pair(1)
+        CheckpointManager.load(tmp_path / f"step_{step:07d}",
+                               {"model_optim": ModelOptimizer(other, other_opt),
+                                "train": Progress()})
+        for name, value in other.state_dict().items():
+            assert torch.equal(value, expected[name]), (step, name)
+    sa, sb = opt.state_dict()["state"], other_opt.state_dict()["state"]
+    assert all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
+
+    mgr.close()
+    mgr.close()
+    assert closed == [1]  # closed once, and a second close() is harmless
+    with pytest.raises(CheckpointError, match="closed"):
+        save(mgr, model, opt, 3)
+
+
+# -- two ranks: rank 0 looks, both act on its answer -----------------------------------------
+
+def _save_and_find_with_a_blind_rank_1(rank: int, folder: Path) -> dict[str, str]:
+    """Rank 1 cannot see the checkpoint directories rank 0 sees. Alone it would resume from
+    nothing and write step 3 again (entering a save collective that rank 0 skips)."""
+    if rank == 1:
+        blind_to_checkpoints()
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(folder, CheckpointConfig(enabled=True, keep_last=5))
+    found = mgr.latest()
+    for step in (3, 4):  # 3 exists: skipped by both; 4 is new: written by both
+        mgr.save(step, {"model_optim": ModelOptimizer(model, opt), "train": Progress(step)},
+                 {"step": step})
+    mgr.close()
+    return {"found": str(found), "after": str(mgr.latest())}
+
+
+def test_two_ranks_act_on_what_rank_0_sees(tmp_path):
+    model, opt = trained_pair(0)
+    folder = tmp_path / "checkpoints"
+    save(CheckpointManager(folder, CheckpointConfig(enabled=True)), model, opt, 3)
+    before = {f.name: f.read_bytes() for f in (folder / "step_0000003").iterdir()}
+    got = run_on_two_ranks(_save_and_find_with_a_blind_rank_1, tmp_path / "store", folder)
+    expected = {"found": str(folder / "step_0000003"), "after": str(folder / "step_0000004")}
+    assert got == [("ok", expected), ("ok", expected)]
+    assert [s for s, _ in complete_checkpoints(folder)] == [3, 4]
+    assert before == {f.name: f.read_bytes() for f in (folder / "step_0000003").iterdir()}

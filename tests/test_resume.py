@@ -1,5 +1,6 @@
 """Exact resume on one process: stopped by a signal, by exit_interval, or killed after a
-completed save, the continued run computes the same losses as one uninterrupted run."""
+completed save, the continued run computes the same losses as one uninterrupted run. On two
+ranks, rank 0 alone chooses the checkpoint (or finds the error) and every rank follows."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CORPUS_FILES, REPO, write_corpus
+import torch
+from conftest import CORPUS_FILES, REPO, compose_config, write_corpus
+from omegaconf import OmegaConf
+from two_ranks import blind_to_checkpoints, run_on_two_ranks
+
+from pretrain.checkpoint import CheckpointManager
+from pretrain.config import CheckpointConfig
+from pretrain.trainer import Trainer
 
 STEPS = 24
 EXIT_REQUEUE = 75
@@ -112,3 +120,74 @@ def test_kill_after_completed_save_then_resume_is_exact(work, straight):
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     assert "resumed from" in proc2.stdout
     assert losses(run_dir) == straight
+
+
+# -- two ranks: rank 0 chooses the checkpoint, every rank gets its choice or its error -------
+
+def _resume_paths_with_a_blind_rank_1(rank: int, cases: dict) -> dict[str, tuple[str, str]]:
+    """``Trainer.resume_path()`` per case. Rank 1 sees no checkpoint directory: alone it
+    would start afresh, or report another problem than the one rank 0 sees."""
+    if rank == 1:
+        blind_to_checkpoints()
+    out = {}
+    for name, (cfg, run_dir) in cases.items():
+        try:
+            out[name] = ("ok", str(Trainer(cfg, run_dir).resume_path()))
+        except Exception as e:  # after the broadcast: the ranks stay in step
+            out[name] = ("error", f"{type(e).__name__}: {e}")
+    return out
+
+
+def _fake_checkpoint(run_dir: Path, model: dict) -> Path:
+    """A complete checkpoint at step 3 whose meta says it holds ``model``."""
+    mgr = CheckpointManager(run_dir / "checkpoints", CheckpointConfig(async_save=False))
+    mgr.save(3, {"w": torch.arange(4.0)}, {"step": 3, "config": {"model": model}})
+    mgr.close()
+    return run_dir / "checkpoints" / "step_0000003"
+
+
+@pytest.fixture(scope="module")
+def two_rank_resume(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    base = ["model=nano", "model.vocab_size=300", "data.tokenizer_vocab_size=300",
+            "precision=fp32", "model.attention=eager",
+            "data.auto_prepare=false", "budget=steps", "budget.steps=3",
+            "train.global_batch_size=8", "parallel.micro_batch_size=8", "logging=quiet",
+            "checkpoint.enabled=true"]
+    cfg = compose_config(base)
+    model = OmegaConf.to_container(OmegaConf.structured(cfg.model))
+    good = _fake_checkpoint(tmp / "good", model)
+    _fake_checkpoint(tmp / "other", {**model, "n_layer": model["n_layer"] + 1})
+    broken = _fake_checkpoint(tmp / "broken", model)
+    next(broken.glob("*.distcp")).unlink()
+    cases = {
+        "good": (cfg, tmp / "good"),
+        "other_model": (cfg, tmp / "other"),
+        "resume_from_incomplete": (compose_config([*base, f"checkpoint.resume_from={broken}"]),
+                                   tmp / "fresh"),
+    }
+    got = run_on_two_ranks(_resume_paths_with_a_blind_rank_1, tmp / "store", cases)
+    assert [status for status, _ in got] == ["ok", "ok"], got
+    return {"ranks": [answers for _, answers in got], "good": good, "model": model}
+
+
+def test_every_rank_resumes_from_rank_0s_choice(two_rank_resume):
+    rank0, rank1 = two_rank_resume["ranks"]
+    assert rank0["good"] == rank1["good"] == ("ok", str(two_rank_resume["good"]))
+
+
+def test_incompatible_checkpoint_raises_the_same_error_on_every_rank(two_rank_resume):
+    rank0, rank1 = two_rank_resume["ranks"]
+    n_layer = two_rank_resume["model"]["n_layer"]
+    assert rank0["other_model"] == rank1["other_model"]
+    status, message = rank0["other_model"]
+    assert status == "error" and message.startswith("CheckpointError")
+    assert f"model.n_layer={n_layer} (checkpoint: {n_layer + 1})" in message
+
+
+def test_resume_from_an_incomplete_checkpoint_fails_on_every_rank(two_rank_resume):
+    rank0, rank1 = two_rank_resume["ranks"]
+    assert rank0["resume_from_incomplete"] == rank1["resume_from_incomplete"]
+    status, message = rank0["resume_from_incomplete"]
+    assert status == "error" and "is not a complete checkpoint" in message
+    assert ".distcp is missing" in message  # what rank 0 saw (rank 1 sees no directory)

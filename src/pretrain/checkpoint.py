@@ -6,6 +6,12 @@ size of every file). It is written as ``step_0001000.tmp`` and renamed by rank 0
 every rank's shards are on disk, so a directory without ``.tmp`` whose files match its
 ``meta.json`` is complete; anything else is skipped with a warning and left in place.
 
+On a cluster every rank must act on the same answer (save or skip, which checkpoint to
+resume from), and a shared filesystem should not see every rank scan the same folder: rank 0
+alone looks at the disk and broadcasts what it found, or the error it hit (``on_rank0``).
+Retention deletes old checkpoints on rank 0 in a background thread, after renaming them out
+of the scanner's sight (``step_0000100.deleting``), so training never waits for a delete.
+
 DCP stores every tensor globally by name, and the data position is stored as global samples
 consumed, so a checkpoint saved with one TP x PP x DP layout loads into another.
 """
@@ -16,15 +22,18 @@ import json
 import logging
 import re
 import shutil
+import threading
 import time
 import warnings
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from pretrain.config import CheckpointConfig
+from pretrain.parallel.mesh import broadcast_from_rank0
 
 log = logging.getLogger("pretrain.checkpoint")
 # DCP warns on every call without a process group that it assumes one process: it is right.
@@ -43,6 +53,9 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 META = "meta.json"
+# A checkpoint retention condemned: renamed first (the scanner ignores it), then deleted.
+DELETING = ".deleting"
+T = TypeVar("T")
 
 
 class CheckpointError(RuntimeError):
@@ -128,6 +141,40 @@ def _barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
+def on_rank0(decide: Callable[[], T]) -> T:
+    """``decide()`` on rank 0 only; every rank returns its answer, or raises its error.
+
+    Every rank calls this together (it is a broadcast). Why: 1024 ranks each listing and
+    stat-ing the same checkpoint folder on a shared filesystem is millions of metadata
+    operations, and two ranks that see the folder differently would take different paths
+    (one enters a save collective the other skips) and hang. The error is sent as text, so
+    the other ranks raise a ``CheckpointError`` with rank 0's message instead of waiting
+    forever; rank 0 raises the original exception. Without a process group: ``decide()``.
+    """
+    if not dist.is_initialized():
+        return decide()
+    answer, error = None, None
+    if _rank() == 0:
+        try:
+            answer = decide()
+        except Exception as e:  # sent to the other ranks, then raised here too
+            error = e
+    message = None if error is None else _message(error)
+    answer, message = broadcast_from_rank0((answer, message))
+    if error is not None:
+        raise error
+    if message is not None:
+        raise CheckpointError(message)
+    return answer
+
+
+def _message(error: Exception) -> str:
+    """The text every rank raises: a CheckpointError's own message, else what rank 0 hit."""
+    if isinstance(error, CheckpointError):
+        return str(error)
+    return f"on rank 0: {type(error).__name__}: {error}"
+
+
 def checkpoint_status(path: Path) -> str | None:
     """None if ``path`` is a complete checkpoint, else why not (for the warning)."""
     meta_path = path / META
@@ -192,8 +239,43 @@ def resolve_checkpoint(path: str | Path) -> Path:
                           f"directories in {p / 'checkpoints'} and {p})")
 
 
+def newest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete checkpoint under ``folder`` (this process's view: call it on
+    rank 0, see ``on_rank0``), or None."""
+    found = complete_checkpoints(folder)
+    return found[-1][1] if found else None
+
+
+def make_stager(device: torch.device) -> AsyncStager | None:
+    """The one stager a manager reuses for all its async saves: torch's ``DefaultStager``.
+
+    It keeps the CPU copy of every tensor it staged, keyed by the source tensor's storage,
+    so the next save copies into the same memory; without it ``dcp.async_save`` makes a
+    stager per call and allocates the whole state again. The price: that copy of this
+    rank's model and optimizer state stays allocated between saves (``close`` frees it).
+    On CUDA the memory is pinned and the device-to-host copies are non-blocking. Staging stays synchronous
+    (``use_async_staging=False``): ``async_save`` returns once the copy is taken, so the
+    next optimizer step cannot change what is being written. On CPU pinning is ignored by
+    torch (with a warning) and non-blocking copies raise (both need an accelerator): both
+    are off there. Shared memory only serves DCP's process-based saver; ours is a thread.
+    None on a torch without ``DefaultStager``: each save then stages into fresh memory.
+    """
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    cuda = device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
+
+
 class CheckpointManager:
-    """Saves (async where possible), finalises, retains and finds checkpoints of one run."""
+    """Saves (async where possible), finalises, retains and finds checkpoints of one run.
+
+    Every rank calls ``save``, ``wait``, ``poll``, ``due``, ``latest``, ``load`` and
+    ``close`` together: they hold collectives, and rank 0 alone touches the folder. Call
+    ``close()`` at the end of training.
+    """
 
     def __init__(self, folder: Path, cfg: CheckpointConfig,
                  device: torch.device = torch.device("cpu")):
@@ -206,6 +288,14 @@ class CheckpointManager:
         # gloo group so they never interleave with the training step's collectives.
         self.group = (dist.new_group(backend="gloo")
                       if dist.is_initialized() and cfg.async_save else None)
+        self.stager = make_stager(device) if cfg.async_save else None
+        # Rank 0's retention worker (made on first use) and the last pass given to it.
+        self._deleter: ThreadPoolExecutor | None = None
+        self._retention: Future | None = None
+        # Held while the folder is scanned and while retention renames what it condemned,
+        # so a scan never returns a checkpoint that is about to be deleted.
+        self._scan_lock = threading.Lock()
+        self._closed = False
 
     # -- when ----------------------------------------------------------------------------
 
@@ -225,22 +315,21 @@ class CheckpointManager:
 
     def save(self, step: int, state: dict[str, Any], meta: dict, block: bool = False) -> None:
         """Write ``state`` for ``step``. Async unless ``block`` or disabled in the config:
-        DCP stages a copy in memory and writes it while training goes on."""
+        DCP stages a copy in memory and writes it while training goes on. The previous async
+        save is finished first: its staged copy is the memory this one stages into."""
+        if self._closed:
+            raise CheckpointError(f"the checkpoint manager of {self.folder} is closed")
         self.wait()
         final = self.folder / step_dir_name(step)
-        if final.exists():
+        tmp = final.with_name(final.name + ".tmp")
+        # Rank 0's answer for every rank (one rank skipping the save would hang the others);
+        # it arrives after rank 0 made the directory, so it is also the barrier before DCP.
+        if not on_rank0(lambda: self._prepare(final, tmp)):
             log.info("checkpoint %s already exists; not overwriting it", final)
             return
-        tmp = final.with_name(final.name + ".tmp")
-        if _rank() == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)  # our own leftover from a save that never completed
-            tmp.mkdir(parents=True)
-        _barrier()
         t0 = time.perf_counter()
         if self.cfg.async_save and not block:
-            fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
-            self.pending = (fut, tmp, meta)
+            self.pending = (self._async_save(state, tmp), tmp, meta)
             log.info("checkpoint step %d: async save started, training blocked %.2f s",
                      step, time.perf_counter() - t0)
         else:
@@ -249,6 +338,22 @@ class CheckpointManager:
             log.info("checkpoint step %d saved to %s in %.2f s", step, final,
                      time.perf_counter() - t0)
         self.last_save_time = time.monotonic()
+
+    @staticmethod
+    def _prepare(final: Path, tmp: Path) -> bool:
+        """Rank 0: False if ``final`` exists (never overwritten), else True with an empty
+        ``tmp`` directory to write into."""
+        if final.exists():
+            return False
+        if tmp.exists():
+            shutil.rmtree(tmp)  # our own leftover from a save that never completed
+        tmp.mkdir(parents=True)
+        return True
+
+    def _async_save(self, state: dict[str, Any], tmp: Path) -> Future:
+        """``dcp.async_save`` through this manager's one stager (when torch has one)."""
+        reuse = {} if self.stager is None else {"async_stager": self.stager}
+        return dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group, **reuse)
 
     def wait(self) -> None:
         """Finish a pending async save (every rank calls it)."""
@@ -270,42 +375,121 @@ class CheckpointManager:
                 self.wait()
 
     def _finalise(self, tmp: Path, meta: dict) -> None:
-        """Rank 0, once all ranks wrote: record file sizes, rename into place, retain."""
+        """Once all ranks wrote: rank 0 records file sizes and renames into place, and every
+        rank learns that it worked (or raises rank 0's error). Then rank 0 queues retention;
+        nobody waits for it."""
         _barrier()
+        on_rank0(lambda: self._commit(tmp, meta))
         if _rank() == 0:
-            files = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
-            meta = {**meta, "files": files, "saved_at": time.time()}
-            (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
-            final = tmp.with_name(tmp.name.removesuffix(".tmp"))
-            tmp.rename(final)
-            log.info("checkpoint complete: %s (%.1f MB)", final, sum(files.values()) / 1e6)
-            self.retain()
-        _barrier()
+            self._retain_in_background()
 
-    def retain(self) -> None:
-        """Keep the newest keep_last plus every keep_every-th step; never the newest."""
+    @staticmethod
+    def _commit(tmp: Path, meta: dict) -> Path:
+        """Rank 0: write meta.json (with every file's size) and rename ``tmp`` into place."""
+        files = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
+        meta = {**meta, "files": files, "saved_at": time.time()}
+        (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
+        final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+        tmp.rename(final)
+        log.info("checkpoint complete: %s (%.1f MB)", final, sum(files.values()) / 1e6)
+        return final
+
+    # -- retention -----------------------------------------------------------------------
+
+    def _retain_in_background(self) -> None:
+        """Give rank 0's one worker a retention pass, unless one is still queued: that one
+        scans after this checkpoint's rename too. Deleting can take minutes on a shared
+        filesystem; training does not wait for it (``close`` does)."""
+        queued = self._retention is not None and not (self._retention.running()
+                                                      or self._retention.done())
+        if queued:
+            return
+        if self._deleter is None:
+            self._deleter = ThreadPoolExecutor(max_workers=1,
+                                               thread_name_prefix="checkpoint-retention")
+        self._retention = self._deleter.submit(self._retain_logged)
+
+    def _retain_logged(self) -> None:
+        """``retain`` in the worker: a failed delete is a warning, never a crash of training
+        (what is left is retried by the next pass)."""
+        try:
+            self.retain()
+        except Exception:
+            log.warning("checkpoint retention failed in %s", self.folder, exc_info=True)
+
+    def retain(self) -> list[Path]:
+        """Keep the newest keep_last plus every keep_every-th step; delete the other complete
+        checkpoints. Returns the directories removed.
+
+        Only complete checkpoints count and the newest of them is always kept, so the only
+        complete checkpoint is never deleted (incomplete ones are left alone, as the scanner
+        leaves them). Condemned ones are renamed to ``*.deleting`` under the scan lock, so
+        ``latest`` cannot return one, then deleted; so are ``*.deleting`` leftovers of a
+        process killed mid-delete. Rank 0's worker runs it; call it directly only when no
+        pass is queued (``finish_deletions``)."""
+        with self._scan_lock:
+            doomed = self._leftovers()
+            for path in self._expired():
+                doomed.append(path.rename(path.with_name(path.name + DELETING)))
+        for path in doomed:
+            shutil.rmtree(path)
+            log.info("checkpoint retention: removed %s",
+                     path.with_name(path.name.removesuffix(DELETING)))
+        return doomed
+
+    def _expired(self) -> list[Path]:
+        """Complete checkpoints the retention settings no longer keep."""
         found = complete_checkpoints(self.folder, warn=False)
         keep = {p for _, p in found[-max(1, self.cfg.keep_last):]}
         if self.cfg.keep_every:
             keep |= {p for s, p in found if s % self.cfg.keep_every == 0}
-        for _, p in found:
-            if p not in keep:
-                shutil.rmtree(p)
-                log.info("checkpoint retention: removed %s", p)
+        return [p for _, p in found if p not in keep]
+
+    def _leftovers(self) -> list[Path]:
+        """Directories an earlier retention renamed but did not finish deleting."""
+        if not self.folder.is_dir():
+            return []
+        return [p for p in sorted(self.folder.iterdir())
+                if p.name.endswith(DELETING) and p.is_dir()]
+
+    def finish_deletions(self) -> None:
+        """Wait until rank 0's queued retention passes are done (a no-op elsewhere)."""
+        if self._retention is not None:
+            self._retention.result()
+
+    def close(self) -> None:
+        """End of training (every rank): finish a pending async save, wait for rank 0's
+        deletions (an exit mid-delete would leave half a directory behind) and free the
+        staging memory. Calling it again does nothing; saving after it is an error."""
+        if self._closed:
+            return
+        self.wait()
+        self._closed = True
+        if self._deleter is not None:
+            self._deleter.shutdown(wait=True)
+            self._deleter = None
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
     # -- load ----------------------------------------------------------------------------
 
     def latest(self) -> Path | None:
-        found = complete_checkpoints(self.folder)
-        return found[-1][1] if found else None
+        """The newest complete checkpoint, as rank 0 sees it, on every rank."""
+        return on_rank0(self._newest)
+
+    def _newest(self) -> Path | None:
+        with self._scan_lock:  # not while retention is renaming what it condemned
+            return newest_checkpoint(self.folder)
 
     @staticmethod
     def load(path: Path, state: dict[str, Any]) -> dict:
-        """Load ``state`` (Stateful values are updated in place) from ``path``; its meta."""
+        """Load ``state`` (Stateful values are updated in place) from ``path``; its meta,
+        as rank 0 read it. Every rank calls this (DCP's load is collective too)."""
         t0 = time.perf_counter()
         dcp.load(state, checkpoint_id=str(path))
         log.info("loaded checkpoint %s in %.2f s", path, time.perf_counter() - t0)
-        return read_meta(path)
+        return on_rank0(lambda: read_meta(path))
 
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> dict:

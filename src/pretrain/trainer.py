@@ -27,6 +27,8 @@ from pretrain.checkpoint import (
     CheckpointError,
     CheckpointManager,
     ModelOptimizer,
+    newest_checkpoint,
+    on_rank0,
     read_meta,
     resolve_checkpoint,
 )
@@ -225,8 +227,7 @@ class Trainer:
             keep_freed_memory()
         # Checkpoints are found before the model exists: a resumed run skips initialising.
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint, self.device)
-        resume = self._resume_path()
-        self.parallel = self._build_model(initialise=resume is None)
+        self.parallel = self._build_model(initialise=self.resume_path() is None)
         self.optimizer = build_optimizer(
             torch.nn.ModuleList(self.parallel.parts), cfg.optim, self.plan["lr"], self.device,
             also_embeddings=self.parallel.tied.params if self.parallel.tied is not None else (),
@@ -244,7 +245,7 @@ class Trainer:
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / STOPPED).unlink(missing_ok=True)  # this attempt is not stopped
-        self._resume(resume)
+        self._resume()
         self.stop = StopRequest(cfg.train.time_limit_minutes)
         if self.rank0:
             tok = self.train_data.path / "tokenizer.json"
@@ -400,7 +401,9 @@ class Trainer:
         return {"model_optim": ModelOptimizer(self.model_parts, self.optimizer), "train": self}
 
     def _check_compatible(self, path: Path) -> None:
-        """Refuse a checkpoint of another model before DCP reports a shape mismatch."""
+        """Refuse a checkpoint of another model before DCP reports a shape mismatch. Reads
+        meta.json: call it on rank 0 only, inside ``on_rank0``, which gives every rank the
+        same error."""
         saved = read_meta(path).get("config", {}).get("model", {})
         ignore = {"attention", "name", "dropout"}
         now = OmegaConf.to_container(OmegaConf.structured(self.cfg.model))
@@ -411,22 +414,33 @@ class Trainer:
                 f"{path} holds a different model: {'; '.join(diff)}. Use the same model "
                 "settings, another run_name, or checkpoint.resume=false to start afresh.")
 
-    def _resume_path(self) -> Path | None:
-        """The checkpoint this run continues from: ``resume_from``, else the newest complete
-        one of this run (when ``resume``), else None (a new run)."""
+    def resume_path(self) -> Path | None:
+        """The checkpoint this run continues from: resume_from, else (checkpoint.resume) the
+        newest complete one of this run; None for a new run. Rank 0 alone looks at the disk
+        and checks the model; every rank gets its answer or raises its error, so every rank
+        calls this, once the process group exists. It needs the config only, so it runs
+        before the model is built (a resumed run skips initialising); decided once."""
+        if not hasattr(self, "_resume_decision"):
+            self._resume_decision = on_rank0(self._choose_resume)
+        return self._resume_decision
+
+    def _choose_resume(self) -> Path | None:
+        """``resume_path`` in this process alone (rank 0's side of it)."""
         ck = self.cfg.checkpoint
-        path = None
         if ck.resume_from:
             path = resolve_checkpoint(ck.resume_from)
         elif ck.resume:
-            path = self.ckpt.latest()
+            path = newest_checkpoint(self.run_dir / "checkpoints")
+        else:
+            return None
         if path is not None:
             self._check_compatible(path)
         return path
 
-    def _resume(self, path: Path | None) -> None:
-        """Continue from ``path`` (see _resume_path); else start a new run, from
-        load_weights_only's weights when given."""
+    def _resume(self) -> None:
+        """Continue from ``resume_path()``; else start a new run, from load_weights_only's
+        weights when given."""
+        path = self.resume_path()
         if path is not None:
             meta = CheckpointManager.load(path, self._checkpoint_state())
             log.info("resumed from %s: step %d, %s tokens seen (saved with layout %s)",
@@ -440,7 +454,8 @@ class Trainer:
         """Weights only (new optimizer, new schedule): a checkpoint of ours, or a
         transformers model directory."""
         src = Path(source)
-        if (src / "config.json").exists() and not (src / ".metadata").exists():
+        path = on_rank0(lambda: self._weights_checkpoint(src))
+        if path is None:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 set_model_state_dict,
@@ -456,10 +471,17 @@ class Trainer:
                                      options=StateDictOptions(full_state_dict=True, strict=False))
             log.info("initialised from the transformers model in %s", src)
             return
-        path = resolve_checkpoint(src)
-        self._check_compatible(path)
         CheckpointManager.load(path, {"model_optim": ModelOptimizer(self.model_parts, None)})
         log.info("initialised from the weights of %s (new optimizer and schedule)", path)
+
+    def _weights_checkpoint(self, src: Path) -> Path | None:
+        """Rank 0: None for a transformers model directory, else the complete checkpoint of
+        ours that ``src`` names, checked against the model config."""
+        if (src / "config.json").exists() and not (src / ".metadata").exists():
+            return None
+        path = resolve_checkpoint(src)
+        self._check_compatible(path)
+        return path
 
     def save_checkpoint(self, block: bool = False) -> None:
         meta = {"step": self.step, "tokens": self.step * self.budget.global_batch_tokens,
@@ -822,11 +844,12 @@ class Trainer:
                 (self.run_dir / STOPPED).write_text(json.dumps(
                     {"step": self.step, "reason": stopped, "exit_code": EXIT_REQUEUE}))
             self.exit_code = 0 if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_REQUEUE
+            self.ckpt.close()
             self.metrics.close()
             return {"steps": self.step, "stopped": stopped}
         if self.cfg.checkpoint.enabled:
             self.save_checkpoint(block=True)
-        self.ckpt.wait()
+        self.ckpt.close()
         result = {"steps": self.step, "final_loss": final_loss, "first_val_loss": first_val,
                   "final_val_loss": last_val, "tokens": self.step * tokens_per_step,
                   "skipped_steps": self.skipped_steps,
