@@ -52,3 +52,16 @@ def test_a_rank_outside_the_world_is_refused_before_any_work():
     assert code == 2
     assert "--rank=1024 is not a rank of this 1024-GPU run: use 0..1023" in err
     assert out == ""
+
+
+def test_fp8_ranks_simulate_with_their_float8_shards():
+    """An fp8 recipe (torchao Float8Linear weights, all-gathered in fp8 by FSDP2) is
+    simulated with emulated fp8: the same modules and shards as on an H100."""
+    code, out, err = simulate("+recipe=gpt3-1.3b", "model.n_layer=2", "precision=fp8",
+                              "parallel=zero3", "parallel.dp=8", "--simulate", "--rank", "5",
+                              "--no-step")
+    assert code == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["precision"] == "fp8" and result["coordinate"]["dp_shard"] == 5
+    assert result["local_param_bytes"] == result["predicted"]["local_param_bytes"] > 0
+    assert "step_peak_bytes" not in result  # --no-step

@@ -24,6 +24,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from pretrain.config import Config
 from pretrain.device import peak_rss_bytes
@@ -42,14 +43,23 @@ from pretrain.precision import Policy, resolve_policy
 log = logging.getLogger("pretrain.simulate")
 
 
+def _storages(t: torch.Tensor):
+    """The real storages behind ``t``: a tensor subclass that wraps others (torchao's fp8
+    weight for FSDP all-gathers) has none of its own."""
+    if is_traceable_wrapper_subclass(t):
+        for attr in t.__tensor_flatten__()[0]:
+            yield from _storages(getattr(t, attr))
+    else:
+        yield t.untyped_storage()
+
+
 def _storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a DTensor's local shard; FSDP2's
     padded shard storage; a tied weight once): what is really allocated."""
     seen: dict[int, int] = {}
     for t in tensors:
-        local = local_region(t)[0]
-        st = local.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
+        for st in _storages(local_region(t)[0]):
+            seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
 
 
@@ -170,6 +180,8 @@ def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict
     attention_asked = cfg.model.attention
     if attention_asked == "flash":  # a GPU kernel: memory as SDPA's (also O(sequence))
         cfg = replace(cfg, model=replace(cfg.model, attention="sdpa"))
+    if cfg.precision.fp8:  # the same Float8Linear modules and shards, emulated on the CPU
+        cfg = replace(cfg, precision=replace(cfg.precision, fp8_allow_emulation=True))
     policy = resolve_policy(cfg.precision, device)
     attention = resolve_backend(cfg.model.attention, device, policy.compute_dtype)
     layout = resolve_layout(cfg, world_size)
