@@ -3,6 +3,7 @@ group), its shards initialised for real and measured against the planner."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -47,8 +48,13 @@ def test_any_rank_of_a_1024_gpu_run_starts_and_matches_the_planner(rank):
     assert f"rank {rank} " in out
 
 
-def test_a_rank_outside_the_world_is_refused_before_any_work():
-    code, out, err = simulate(*NARROW_175B, "--simulate", "--rank", "1024")
+def test_a_rank_outside_the_world_is_refused_before_any_work(capsys):
+    """In process: the rank is checked before any process group exists."""
+    spec = importlib.util.spec_from_file_location("plan_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    code = module.main([*NARROW_175B, "--simulate", "--rank", "1024"])
+    out, err = capsys.readouterr()
     assert code == 2
     assert "--rank=1024 is not a rank of this 1024-GPU run: use 0..1023" in err
     assert out == ""
