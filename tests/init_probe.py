@@ -21,8 +21,7 @@ def _check(spec: dict) -> dict:
     from pretrain.cli import compose_config
     from pretrain.initialization import canonical_name, local_region
     from pretrain.loss import cross_entropy
-    from pretrain.model import GPT
-    from pretrain.parallel.apply import materialize, parallelize
+    from pretrain.parallel.apply import materialize, parallelize_gpt
     from pretrain.parallel.layout import resolve_layout
     from pretrain.parallel.mesh import build_mesh
     from pretrain.precision import resolve_policy
@@ -34,10 +33,8 @@ def _check(spec: dict) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=spec["rank"],
                             world_size=spec["world"])
     layout = resolve_layout(cfg, spec["world"])
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-    pm = parallelize(model, cfg, layout, build_mesh(layout, device), device,
-                     resolve_policy(cfg.precision, device), cross_entropy)
+    pm = parallelize_gpt(cfg, layout, build_mesh(layout, device), device,
+                         resolve_policy(cfg.precision, device), "sdpa", cross_entropy)
     materialize(pm, device, cfg.train.seed)
     tied = cfg.model.tie_embeddings
     compared, elements, wrong = 0, 0, []

@@ -113,9 +113,8 @@ def _world(spec: dict) -> dict:
 
     from pretrain.config import Config, ModelConfig, ParallelConfig, PrecisionConfig
     from pretrain.loss import cross_entropy
-    from pretrain.model import GPT, set_attention_backend
     from pretrain.optim import build_optimizer
-    from pretrain.parallel.apply import materialize, parallelize
+    from pretrain.parallel.apply import materialize, parallelize_gpt
     from pretrain.parallel.layout import resolve_layout
     from pretrain.parallel.mesh import build_mesh
     from pretrain.precision import resolve_policy
@@ -132,10 +131,7 @@ def _world(spec: dict) -> dict:
     layout = resolve_layout(cfg, world)
     mesh = build_mesh(layout, device)
     policy = resolve_policy(cfg.precision, device)
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-    set_attention_backend(model, "sdpa")
-    pm = parallelize(model, cfg, layout, mesh, device, policy, cross_entropy)
+    pm = parallelize_gpt(cfg, layout, mesh, device, policy, "sdpa", cross_entropy)
     materialize(pm, device, 0)
     b, s = par.micro_batch_size, cfg.model.seq_len
     for part in pm.parts:

@@ -79,8 +79,7 @@ def test_gpt_starts_the_same_from_the_same_seed_and_ties_its_head():
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["layers.0.attn.wq.weight"], c["layers.0.attn.wq.weight"])
     assert torch.equal(a["lm_head.weight"], a["tok_emb.weight"])
-    n = compose_config(NANO).model.n_layer
-    std = compose_config(NANO).model.init_std
+    n, std = cfg.model.n_layer, cfg.model.init_std
     wo = a["layers.0.attn.wo.weight"]
     assert wo.std().item() == pytest.approx(std / (2 * n) ** 0.5, rel=0.05)
     assert torch.equal(a["layers.1.mlp_norm.weight"], torch.ones_like(a["layers.1.mlp_norm.weight"]))

@@ -51,7 +51,7 @@ from pretrain.metrics import MetricsLogger
 from pretrain.model import GPT, set_attention_backend
 from pretrain.optim import build_optimizer, build_scheduler, scaled_lr
 from pretrain.parallel import mesh as dist_env
-from pretrain.parallel.apply import ParallelModel, materialize, parallelize
+from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
 from pretrain.parallel.grad_clip import clip_grad_norm
 from pretrain.parallel.layout import (
     Layout,
@@ -293,11 +293,8 @@ class Trainer:
         a checkpoint is about to overwrite them) initialised, each rank drawing only its own
         shards' values."""
         cfg = self.cfg
-        with torch.device("meta"):
-            model = GPT(cfg.model)
-        set_attention_backend(model, self.plan["attention"])
-        pm = parallelize(model, cfg, self.layout, self.mesh, self.device, self.policy,
-                         loss_fn=self._pipeline_loss)
+        pm = parallelize_gpt(cfg, self.layout, self.mesh, self.device, self.policy,
+                             self.plan["attention"], loss_fn=self._pipeline_loss)
         t0 = time.perf_counter()
         materialize(pm, self.device, cfg.train.seed if initialise else None)
         if initialise:

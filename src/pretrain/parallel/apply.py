@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from pretrain.config import Config
-from pretrain.model import GPT
+from pretrain.model import GPT, set_attention_backend
 from pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from pretrain.parallel.data_parallel import apply_data_parallel
 from pretrain.parallel.layout import Layout
@@ -101,6 +101,18 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
     if mesh is not None and layout.pp > 1:
         pm.schedule = build_schedule(parts, stage_ids, layout, mesh.pp, device, loss_fn)
     return pm
+
+
+def parallelize_gpt(cfg: Config, layout: Layout, mesh: Meshes | None, device: torch.device,
+                    policy: Policy, attention: str,
+                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                    ) -> ParallelModel:
+    """This rank's share of ``cfg.model`` (attention kernel ``attention``), built on the
+    meta device and parallelised: nothing allocated yet (see ``materialize``)."""
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    set_attention_backend(model, attention)
+    return parallelize(model, cfg, layout, mesh, device, policy, loss_fn)
 
 
 @torch.no_grad()

@@ -30,9 +30,9 @@ from pretrain.config import Config
 from pretrain.device import peak_rss_bytes
 from pretrain.initialization import local_region
 from pretrain.loss import cross_entropy
-from pretrain.model import GPT, set_attention_backend
+from pretrain.model import GPT
 from pretrain.optim import build_optimizer
-from pretrain.parallel.apply import ParallelModel, materialize, parallelize
+from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
 from pretrain.parallel.layout import Layout, resolve_layout
 from pretrain.parallel.mesh import build_mesh
 from pretrain.parallel.tensor_parallel import loss_context
@@ -64,8 +64,7 @@ def _storage_bytes(tensors) -> int:
 
 
 def _local_bytes(t: torch.Tensor) -> int:
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size()
+    return local_region(t)[0].nbytes
 
 
 @torch.no_grad()
@@ -94,10 +93,8 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def _build(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str
            ) -> ParallelModel:
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-    set_attention_backend(model, attention)
-    return parallelize(model, cfg, layout, mesh, torch.device("cpu"), policy, cross_entropy)
+    return parallelize_gpt(cfg, layout, mesh, torch.device("cpu"), policy, attention,
+                           cross_entropy)
 
 
 def _stage_input(part: GPT, cfg: Config, layout: Layout, policy: Policy) -> torch.Tensor:
