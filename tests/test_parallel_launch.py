@@ -1,7 +1,8 @@
 """Launching: tools/run_local.py -> torchrun -> train.py on 2 processes, end to end.
 
-Rank 0 prepares the data (the other rank waits for it), both ranks compose the same run
-directory, and only rank 0 writes there: one plan, one metrics line per step, one result.
+The data is prepared first, by its own process (torchrun alone refuses unprepared data),
+both ranks compose the same run directory, and only rank 0 writes there: one plan, one
+metrics line per step, one result.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import CORPUS_FILES, REPO
@@ -41,16 +43,29 @@ def test_run_local_needs_nproc_when_dp_is_left_to_the_world():
 @pytest.mark.slow
 def test_two_process_run_writes_once_from_rank_0(work_dir, tmp_path):
     files = ",".join(CORPUS_FILES)
-    proc = run_local(
+    args = (
         "+recipe=tiny-zero3", "model=nano", "model.vocab_size=300", "data.source=text",
         "data.name=launch", f"data.data_files=[{files}]", "data.tokenizer_vocab_size=300",
         "data.num_proc=1", f"data.root={tmp_path / 'data'}", f"runs_dir={tmp_path / 'runs'}",
         "budget=steps", "budget.steps=3", "train.global_batch_size=8",
         "parallel.micro_batch_size=2", "train.eval_batches=2", "train.eval_interval=2",
         "train.sample_tokens=5", "logging=quiet", "logging.log_interval=1",
-        cwd=work_dir, check=False,
     )
+    # torchrun straight onto unprepared data: every rank stops before its process group,
+    # naming the preparation command, and nothing is tokenised.
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    t0 = time.monotonic()
+    bare = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(REPO / "train.py"), *args], cwd=work_dir, capture_output=True, text=True,
+        env=env, timeout=120)
+    assert bare.returncode != 0 and time.monotonic() - t0 < 60
+    assert "tools/prepare_data.py" in bare.stdout + bare.stderr
+    assert not (tmp_path / "data" / "launch").exists()
+    # run_local prepares first (its own process), then trains
+    proc = run_local(*args, cwd=work_dir, check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "run_local: preparing data.name=launch first" in proc.stderr
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1  # both ranks composed the same run directory
     run = runs[0]
@@ -66,5 +81,5 @@ def test_two_process_run_writes_once_from_rank_0(work_dir, tmp_path):
     log = (run / "train.log").read_text()
     assert log.count("plan: ") == 1 and log.count("step 3/3 | loss") == 1
     assert (proc.stdout + proc.stderr).count("step 3/3 | loss") == 1  # one voice on screen
-    assert (tmp_path / "data" / "launch" / "index.json").exists()  # prepared once, by rank 0
+    assert (tmp_path / "data" / "launch" / "index.json").exists()  # prepared once, first
     assert [p.name for p in (tmp_path / "data").iterdir()] == ["launch"]  # no leftovers

@@ -9,6 +9,8 @@ The layout is composed exactly as train.py composes it; the world size is tp * p
 (``--nproc`` when the recipe leaves dp to the world size). It then runs
 ``torchrun --standalone --nproc_per_node=N train.py <overrides>``: one node, a local
 rendezvous, gloo on CPU or NCCL on GPUs. Multi-node runs go through slurm/ instead.
+Data not yet prepared is prepared first (``tools/prepare_data.py`` with the same
+overrides): the training processes never tokenise.
 """
 
 from __future__ import annotations
@@ -48,6 +50,16 @@ def command(overrides: list[str], nproc: int) -> list[str]:
             f"--nproc_per_node={nproc}", str(REPO / "train.py"), *overrides]
 
 
+def prepared(cfg) -> bool:
+    from pretrain.data.epochs import prepared_index
+
+    return prepared_index(cfg.data) is not None
+
+
+def prepare_command(overrides: list[str]) -> list[str]:
+    return [sys.executable, str(REPO / "tools" / "prepare_data.py"), *overrides]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=None,
@@ -62,6 +74,14 @@ def main(argv: list[str] | None = None) -> None:
     # on one process; torchrun cannot pass that through, so the trainer leaves stopped.json
     # in the run directory and this launcher returns 75 for it.
     cfg = compose_config(overrides)
+    if not prepared(cfg):
+        # A multi-process run never tokenises (train.py refuses): prepare first, as its own
+        # job, with the same overrides and data.num_proc worker processes.
+        print(f"run_local: preparing data.name={cfg.data.name} first: "
+              f"{shlex.join(prepare_command(overrides))}", file=sys.stderr, flush=True)
+        code = subprocess.run(prepare_command(overrides)).returncode
+        if code:
+            sys.exit(code)
     stopped = Path(cfg.runs_dir) / cfg.run_name / "stopped.json"
     code = subprocess.run(cmd).returncode
     if code == 0 and stopped.exists():

@@ -50,6 +50,9 @@ class DataConfig:
     # ("text", "json", "parquet") together with data_files.
     source: str = "stdlib"
     subset: str | None = None
+    # A hub dataset's git revision (branch, tag or commit), e.g. "refs/convert/parquet" for
+    # the Hub's Parquet copy of a dataset whose main branch holds a loading script.
+    revision: str | None = None
     split: str = "train"
     data_files: list[str] = field(default_factory=list)
     text_field: str = "text"
@@ -66,6 +69,14 @@ class DataConfig:
     # Prepared shards live in ${root}/${name}; prepared on first use when auto_prepare.
     root: str = "data"
     auto_prepare: bool = True
+    # The corpus's size in tokens of this tokenizer, as its card declares it (None: unknown
+    # until prepared). Used for the epoch count before the data is prepared; once prepared,
+    # the index's exact count is used instead.
+    tokens: int | None = None
+    # A budget that goes through the training split more often than this is a
+    # configuration error (more than one epoch is a warning): repeated data stops paying
+    # after about 4 epochs (Muennighoff et al. 2023).
+    max_epochs: float = 4.0
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 A linear story: check the config, resolve the plan (budget, layout, device, precision,
 attention), join the process group and build the device mesh (when launched by torchrun),
-prepare data (rank 0; the others wait), build the model on the meta device, parallelise and
+check the data is prepared (one process prepares it on first use; several processes never
+tokenise), build the model on the meta device, parallelise and
 materialise it, build optimizer and schedule, then loop: batch -> forward/backward
 (accumulation, or a pipeline schedule) -> clip -> step -> log -> eval. Rank 0 alone logs and
 writes files. Nothing here is specific to one recipe or one layout.
@@ -33,6 +34,7 @@ from pretrain.checkpoint import (
     resolve_checkpoint,
 )
 from pretrain.config import Config
+from pretrain.data.epochs import check_epochs, prepared_index
 from pretrain.data.loader import TokenWindows
 from pretrain.data.prepare import DataError, data_dir, load_index, prepare
 from pretrain.device import (
@@ -71,6 +73,21 @@ _CPU_PEAKS: dict[tuple[torch.dtype, int], float] = {}
 STOPPED = "stopped.json"
 
 
+def require_prepared(cfg: Config) -> None:
+    """A multi-process run reads prepared data and never tokenises: DataError, naming the
+    command that prepares it, when there is none for this data config."""
+    if prepared_index(cfg.data) is not None:
+        return
+    overrides = " ".join(f"data.{k}={v}" for k, v in (("name", cfg.data.name),
+                                                       ("root", cfg.data.root)))
+    raise DataError(
+        f"no prepared data for data.name={cfg.data.name} at {data_dir(cfg.data)} (or it was "
+        f"prepared with other settings), and a multi-process run does not prepare data: "
+        f"prepare it first with `python tools/prepare_data.py <the same overrides>` (e.g. "
+        f"{overrides}), or use `python tools/run_local.py` / `tools/launch.py`, which "
+        f"prepare first")
+
+
 def resolve_plan(cfg: Config, world_size: int | None = None
                  ) -> tuple[dict, Budget, torch.device, Policy]:
     """Everything a run decides before it starts, without touching data, weights or a
@@ -91,6 +108,7 @@ def resolve_plan(cfg: Config, world_size: int | None = None
         "layout": resolve_layout(cfg, world_size).as_dict(),
         "model": cfg.model.name,
         "data": cfg.data.name,
+        **check_epochs(cfg.data, budget.tokens),
         "device": str(device),
         "lr": scaled_lr(cfg.optim, budget.global_batch_tokens),
     }
@@ -194,6 +212,7 @@ class Trainer:
         cfg, lay = self.cfg, self.layout
         self.mesh = None
         if self.world_size > 1:
+            require_prepared(cfg)  # before the process group: every rank fails at once
             self.device = dist_env.init_distributed(self.device)
             self.mesh = dist_env.build_mesh(lay, self.device)
         self.rank0 = dist_env.is_rank0()
@@ -266,20 +285,18 @@ class Trainer:
                  mine / 1e9, most / 1e9)
 
     def _data(self) -> Path:
-        """Rank 0 prepares the shards; every rank waits for its verdict, then reads them."""
+        """The prepared shards: one process prepares them on first use (auto_prepare); a
+        multi-process run has checked before it started that they exist (preparing a real
+        corpus is a job of its own, tools/prepare_data.py, not work for rank 0 while the
+        other ranks wait on a collective's timeout)."""
         cfg = self.cfg
-        path, error = data_dir(cfg.data), None
-        if self.rank0 and cfg.data.auto_prepare:
-            try:
-                path = prepare(cfg.data)
-            except Exception as e:  # tell the other ranks, so they do not wait forever
-                error = e
-        verdict = dist_env.broadcast_from_rank0(None if error is None else str(error))
-        if error is not None:
-            raise error
-        if verdict is not None:
-            raise DataError(f"rank 0 could not prepare the data: {verdict}")
+        path = data_dir(cfg.data)
+        if self.world_size == 1 and cfg.data.auto_prepare:
+            path = prepare(cfg.data)
         index = load_index(path)
+        self.plan.update(check_epochs(cfg.data, self.budget.tokens, index))
+        log.info("data %s: %s training tokens, the budget is %.3g epochs of it", path,
+                 f"{self.plan['data_tokens']:,}", self.plan["epochs"])
         if index["max_token_id"] >= cfg.model.vocab_size:
             raise DataError(
                 f"the data in {path} has token ids up to {index['max_token_id']} (tokenizer "

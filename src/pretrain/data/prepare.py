@@ -40,6 +40,10 @@ STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "encodings", "site-package
                "dist-packages"}
 
 
+# DataConfig keys that do not change the prepared tokens.
+NOT_CONTENT = ("num_proc", "root", "auto_prepare", "tokens", "max_epochs")
+
+
 class DataError(ValueError):
     pass
 
@@ -70,8 +74,9 @@ def expand_files(patterns: list[str]) -> list[str]:
 
 
 def fingerprint(cfg: DataConfig) -> str:
-    """What determines the shards' content; num_proc, root and auto_prepare do not."""
-    keys = {k: v for k, v in asdict(cfg).items() if k not in ("num_proc", "root", "auto_prepare")}
+    """What determines the shards' content; where they go, how many processes make them,
+    the declared size and the epoch limit do not."""
+    keys = {k: v for k, v in asdict(cfg).items() if k not in NOT_CONTENT}
     if cfg.source == "stdlib":
         keys["stdlib"] = sysconfig.get_paths()["stdlib"]
     for f in expand_files(cfg.data_files):
@@ -102,7 +107,8 @@ def load_source(cfg: DataConfig):
                                    split="train", **kwargs)
     else:
         try:
-            ds = datasets.load_dataset(cfg.source, cfg.subset, split=cfg.split)
+            ds = datasets.load_dataset(cfg.source, cfg.subset, split=cfg.split,
+                                       revision=cfg.revision)
         except Exception as e:  # hub unreachable, unknown name, gated dataset ...
             raise DataError(
                 f"could not load data.source={cfg.source!r} (subset={cfg.subset}) from the "

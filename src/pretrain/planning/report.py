@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from pretrain.budget import Budget, resolve_budget
 from pretrain.config import Config
+from pretrain.data.epochs import check_epochs
 from pretrain.model import padded_vocab_size
 from pretrain.parallel.layout import Layout, resolve_layout
 from pretrain.planning.autolayout import Candidate, evaluate, tp_options, why_first
@@ -94,6 +95,7 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, mfu: float | None = None,
         "gpu": gpu.name, "gpus": n_gpus, "gpu_memory_gib": gpu.memory_gib,
         "layout": layout.describe(), "layout_fields": layout.as_dict(),
         "params": budget.n_params, "tokens": budget.tokens, "steps": budget.steps,
+        "data": cfg.data.name, **check_epochs(cfg.data, budget.tokens),
         "flops_per_token": budget.flops_per_token, "total_flops": budget.total_flops,
         "memory_gib": {k: _gib(worst.parts.get(k, 0.0)) for k in PARTS},
         "memory_total_gib": _gib(worst.total), "fullest_pp_rank": worst.pp_rank,
@@ -144,6 +146,10 @@ def format_plan(p: dict) -> str:
     lines += [
         f"compute: {p['flops_per_token']:,} FLOPs/token x {p['tokens']:,} tokens = "
         f"{p['total_flops']:.3g} FLOPs ({p['steps']:,} steps)",
+        f"data: {p['data']}, " + (
+            f"{p['data_tokens']:,} tokens ({p['data_tokens_from']}): the budget is "
+            f"{p['epochs']:.3g} epochs" if p["epochs"] is not None
+            else "size unknown until prepared (or declare data.tokens)"),
         f"time at {p['mfu']:.0%} MFU of {p['peak_tflops']:g} TFLOP/s: {p['time_days']:.2f} days,"
         f" {p['gpu_hours']:,.0f} GPU-hours",
         f"cost model (kernels at peak, stated link and overlap assumptions): "
