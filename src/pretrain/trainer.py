@@ -294,15 +294,15 @@ class Trainer:
         if self.world_size == 1 and cfg.data.auto_prepare:
             path = prepare(cfg.data)
         index = load_index(path)
-        self.plan.update(check_epochs(cfg.data, self.budget.tokens, index))
-        log.info("data %s: %s training tokens, the budget is %.3g epochs of it", path,
-                 f"{self.plan['data_tokens']:,}", self.plan["epochs"])
         if index["max_token_id"] >= cfg.model.vocab_size:
             raise DataError(
                 f"the data in {path} has token ids up to {index['max_token_id']} (tokenizer "
                 f"vocabulary {index['vocab_size']}) but model.vocab_size={cfg.model.vocab_size}; "
                 f"set model.vocab_size={index['vocab_size']} (or a larger padded size)"
             )
+        self.plan.update(check_epochs(cfg.data, self.budget.tokens, index))
+        log.info("data %s: %s training tokens, the budget is %.3g epochs of it", path,
+                 f"{self.plan['data_tokens']:,}", self.plan["epochs"])
         return path
 
     def _build_model(self, initialise: bool = True) -> ParallelModel:
