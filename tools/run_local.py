@@ -53,7 +53,8 @@ def command(overrides: list[str], nproc: int) -> list[str]:
 def prepared(cfg) -> bool:
     from pretrain.data.epochs import prepared_index
 
-    return prepared_index(cfg.data) is not None
+    # data.auto_prepare=false: the data is the user's to provide, as train.py reads it
+    return not cfg.data.auto_prepare or prepared_index(cfg.data) is not None
 
 
 def prepare_command(overrides: list[str]) -> list[str]:

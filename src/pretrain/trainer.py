@@ -75,17 +75,20 @@ STOPPED = "stopped.json"
 
 def require_prepared(cfg: Config) -> None:
     """A multi-process run reads prepared data and never tokenises: DataError, naming the
-    command that prepares it, when there is none for this data config."""
-    if prepared_index(cfg.data) is not None:
+    command that prepares it, when there is none for this data config (with
+    ``data.auto_prepare=false`` any prepared index at the path will do)."""
+    path = data_dir(cfg.data)
+    if cfg.data.auto_prepare and prepared_index(cfg.data) is not None:
         return
-    overrides = " ".join(f"data.{k}={v}" for k, v in (("name", cfg.data.name),
-                                                       ("root", cfg.data.root)))
+    if not cfg.data.auto_prepare and (path / "index.json").exists():
+        return
+    what = ("was prepared with other settings" if (path / "index.json").exists()
+            else "holds no prepared data")
     raise DataError(
-        f"no prepared data for data.name={cfg.data.name} at {data_dir(cfg.data)} (or it was "
-        f"prepared with other settings), and a multi-process run does not prepare data: "
-        f"prepare it first with `python tools/prepare_data.py <the same overrides>` (e.g. "
-        f"{overrides}), or use `python tools/run_local.py` / `tools/launch.py`, which "
-        f"prepare first")
+        f"{path} {what} (data.name={cfg.data.name}), and a multi-process run does not "
+        f"prepare data: prepare it first with `python tools/prepare_data.py <the same "
+        f"overrides>`, or start the run with `python tools/run_local.py` / "
+        f"`tools/launch.py`, which prepare first")
 
 
 def resolve_plan(cfg: Config, world_size: int | None = None
