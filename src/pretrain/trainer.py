@@ -27,6 +27,7 @@ from pretrain.checkpoint import (
     CheckpointError,
     CheckpointManager,
     ModelOptimizer,
+    describe_policy,
     newest_checkpoint,
     on_rank0,
     read_meta,
@@ -93,6 +94,7 @@ def resolve_plan(cfg: Config, world_size: int | None = None
         "data": cfg.data.name,
         "device": str(device),
         "lr": scaled_lr(cfg.optim, budget.global_batch_tokens),
+        "checkpoint": describe_policy(cfg.checkpoint),
     }
     if auto_precision:
         plan["precision_auto"] = auto_precision
