@@ -88,9 +88,10 @@ def test_cpu_cluster_script_uses_processes_and_cluster_env():
     proc = dry_run("+recipe=tiny-zero3", "cluster=local")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert "#SBATCH --cpus-per-task=2" in lines and "#SBATCH --partition=local" in lines
-    assert not any(line.startswith("#SBATCH --gpus") for line in lines)
+    assert "#SBATCH --exclusive" in lines and "#SBATCH --partition=local" in lines
+    assert not any(line.startswith(("#SBATCH --gpus", "#SBATCH --cpus")) for line in lines)
     assert "NPROC_PER_NODE=2" in lines and "export GLOO_SOCKET_IFNAME=lo" in lines
+    assert "CPUS_PER_TASK=${SLURM_CPUS_ON_NODE:-1}" in lines  # the whole node for torchrun
     assert "#SBATCH --signal=B:USR1@60" in lines
 
 
@@ -146,13 +147,16 @@ def test_cluster_overrides_do_not_change_the_run_directory():
 FAKE_SRUN = """#!/bin/bash
 # stand-in for srun: record the command, then act as told by $FAKE_MODE
 echo "$@" > "$FAKE_LOG/srun.args"
+env > "$FAKE_LOG/srun.env"
 case "$FAKE_MODE" in
   exit*) exit "${FAKE_MODE#exit}" ;;
   wait-signal)  # like torchrun whose workers save on USR1: checkpoint, then exit 1
     trap 'mkdir -p "$RUN_DIR/checkpoints/step_0000005"; echo usr1 > "$FAKE_LOG/srun.signal"; exit 1' USR1
     touch "$FAKE_LOG/srun.started"
     for i in $(seq 200); do sleep 0.05; done; exit 0 ;;
-  checkpoint-then-fail) mkdir -p "$RUN_DIR/checkpoints/step_0000009"; exit 1 ;;
+  checkpoint-then-fail) mkdir -p "$RUN_DIR/checkpoints/step_0000009"
+                        echo '{}' > "$RUN_DIR/checkpoints/step_0000009/meta.json"; exit 1 ;;
+  unfinished-save-then-fail) mkdir -p "$RUN_DIR/checkpoints/step_0000009.tmp"; exit 1 ;;
   finish) echo '{}' > "$RUN_DIR/result.json"; exit 0 ;;
   stopped-json) echo '{"exit_code": 75}' > "$RUN_DIR/stopped.json"; exit 0 ;;
 esac
@@ -178,7 +182,8 @@ def run_batch(tmp_path: Path, mode: str, restarts: int = 0, signal_after: bool =
            "FAKE_MODE": mode, "RUN_DIR": str(run_dir), "SLURM_JOB_ID": "42",
            "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
            "SLURM_RESTART_COUNT": str(restarts), "NPROC_PER_NODE": "4", "MAX_REQUEUES": "3"}
-    for var in (*CONTAINER_VARS, "TRAIN_PY", "PYTHON"):
+    for var in (*CONTAINER_VARS, "TRAIN_PY", "PYTHON", "CPUS_PER_TASK", "SLURM_CPUS_PER_TASK",
+                "SLURM_CPUS_ON_NODE", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         env.pop(var, None)
     env.update(env_extra or {})
     proc = subprocess.Popen(["bash", str(REPO / "slurm" / "train.sbatch"), "+recipe=tiny"],
@@ -197,13 +202,13 @@ def test_batch_script_starts_torchrun_on_every_node(tmp_path):
     rc, log, out = run_batch(tmp_path, "exit0")
     assert rc == 0 and not (log / "requeued").exists()
     args = (log / "srun.args").read_text()
-    assert "--ntasks=2 --ntasks-per-node=1" in args
+    assert "--ntasks=2 --ntasks-per-node=1 --cpus-per-task=1" in args  # by hand: 1 CPU
     assert "-m torch.distributed.run --nnodes=2 --nproc-per-node=4" in args
     assert "--rdzv-backend=c10d --rdzv-endpoint=node1:20042 --rdzv-id=42" in args
     assert "SIGUSR1" in args and args.strip().endswith("train.py +recipe=tiny")
     # no container: torchrun is srun's command itself, as it always was
     assert args.startswith("--kill-on-bad-exit=1 --ntasks=2 --ntasks-per-node=1 "
-                           "python -m torch.distributed.run ")
+                           "--cpus-per-task=1 python -m torch.distributed.run ")
     assert "container" not in out
 
 
@@ -227,7 +232,7 @@ def test_batch_script_runs_torchrun_in_a_container(tmp_path, runtime):
     args = (log / "srun.args").read_text()
     # the work dir, the code and the run dir each mounted at its own path, then torchrun
     # with the image's python and the checkout's package first on its path
-    expected = ("--kill-on-bad-exit=1 --ntasks=2 --ntasks-per-node=1 "
+    expected = ("--kill-on-bad-exit=1 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=1 "
                 + prefix.format(work=tmp_path / "work", repo=REPO, run=tmp_path / "run")
                 + "python -m torch.distributed.run --nnodes=2 --nproc-per-node=4 ")
     assert args.startswith(expected), args
@@ -268,6 +273,7 @@ def test_batch_script_forwards_usr1_and_requeues(tmp_path, container):
     ("stopped-json", 0, True, 0),            # torchrun ranks stopped (time limit): exit 0
     ("checkpoint-then-fail", 0, True, 0),    # failed after saving new progress
     ("exit1", 0, False, 1),                  # a crash without progress: no requeue loop
+    ("unfinished-save-then-fail", 0, False, 1),  # a save cut short is no progress either
     ("finish", 0, False, 0),                 # finished: never requeued
     ("exit75", 3, False, 75),                # MAX_REQUEUES reached
 ])
@@ -275,3 +281,177 @@ def test_batch_script_requeue_rules(tmp_path, mode, restarts, requeued, rc):
     got_rc, log, out = run_batch(tmp_path, mode, restarts=restarts)
     assert (log / "requeued").exists() == requeued, out
     assert got_rc == rc, out
+
+
+def test_requeue_check_counts_complete_checkpoints_only(tmp_path):
+    """The script's newest checkpoint is the newest complete step_NNNNNNN (meta.json
+    written, renamed from .tmp), by number; unfinished saves and condemned ones are not."""
+    ckpts = tmp_path / "run" / "checkpoints"
+    for name, complete in (("step_9999999", True), ("step_10000000", True),
+                           ("step_10000005", False),  # no meta.json: not renamed by us
+                           ("step_10000009.tmp", True), ("step_0000001.deleting", True),
+                           ("step_10000010.deleting", True)):
+        (ckpts / name).mkdir(parents=True)
+        if complete:
+            (ckpts / name / "meta.json").write_text("{}")
+    rc, log, out = run_batch(tmp_path, "unfinished-save-then-fail")
+    assert (ckpts / "step_0000009.tmp").is_dir()  # the fake's own unfinished save
+    assert f"checkpoint: {ckpts / 'step_10000000'})" in out, out
+    assert rc == 1 and not (log / "requeued").exists()  # no new complete checkpoint
+
+
+@pytest.mark.parametrize("env, gloo", [
+    ({}, None),                                            # neither: gloo's default
+    ({"NCCL_SOCKET_IFNAME": "lo"}, "lo"),                  # the same interface
+    ({"NCCL_SOCKET_IFNAME": "=lo"}, "lo"),                 # NCCL's exact match
+    ({"NCCL_SOCKET_IFNAME": "l"}, "lo"),                   # a prefix: this node's match
+    ({"NCCL_SOCKET_IFNAME": "^docker,lo"}, None),          # an exclusion: gloo's default
+    ({"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "eth7"}, "eth7"),  # its own wins
+])
+def test_gloo_gets_nccls_interface(tmp_path, env, gloo):
+    rc, log, out = run_batch(tmp_path, "exit0", env_extra=env)
+    assert rc == 0, out
+    seen = dict(line.split("=", 1) for line in (log / "srun.env").read_text().splitlines()
+                if "=" in line)
+    assert seen.get("GLOO_SOCKET_IFNAME") == gloo
+    if gloo:
+        assert f"gloo on {gloo}" in out
+
+
+@pytest.mark.parametrize("overrides, cpus_line, srun_cpus", [
+    (["+recipe=gpt3-1.3b", "parallel.dp=8"], "#SBATCH --exclusive",  # a whole node
+     "${SLURM_CPUS_ON_NODE:-1}"),
+    (["+recipe=gpt3-1.3b", "parallel.dp=8", "cluster.cpus_per_task=32"],
+     "#SBATCH --cpus-per-task=32", "32"),
+    (["+recipe=gpt3-125m"], None, "${SLURM_CPUS_ON_NODE:-1}"),  # 1 GPU: a share of a node
+])
+def test_cpus_for_torchrun_from_the_cluster_config(overrides, cpus_line, srun_cpus):
+    cfg = compose_config(overrides)
+    lines = launch.render(cfg, launch.allocation(cfg), Path("/runs/x"), [],
+                          Path("/work")).splitlines()
+    cpu_lines = [line for line in lines if line.startswith(("#SBATCH --cpus", "#SBATCH --excl"))]
+    assert cpu_lines == ([cpus_line] if cpus_line else [])
+    assert f"CPUS_PER_TASK={srun_cpus}" in lines
+
+
+# -- preparation jobs before training, with a stand-in for sbatch ---------------------------
+
+FAKE_SBATCH = """#!/bin/bash
+# stand-in for sbatch --parsable: record the arguments, print the next job id
+n=$(( $(cat "$FAKE_LOG/n" 2>/dev/null || echo 100) + 1 )); echo "$n" > "$FAKE_LOG/n"
+echo "$@" >> "$FAKE_LOG/sbatch.calls"
+if [[ $n == "${FAKE_FAIL_AT:-}" ]]; then echo "sbatch: error: refused" >&2; exit 1; fi
+echo "$n"
+"""
+FAKE_SCANCEL = """#!/bin/bash
+echo "$@" >> "$FAKE_LOG/scancel.calls"
+"""
+
+
+def launch_with_fake_sbatch(tmp_path, monkeypatch, capsys, *args: str, fail_at: int = 0,
+                            cwd: Path | None = None) -> tuple[int, list[list[str]], str]:
+    """tools/launch.py's main in this process (in ``cwd``, default tmp_path) against
+    stand-ins for sbatch and scancel: (exit code, each sbatch call's arguments, stdout)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir(parents=True)
+    log.mkdir()
+    for name, text in (("sbatch", FAKE_SBATCH), ("scancel", FAKE_SCANCEL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    monkeypatch.setenv("FAKE_FAIL_AT", str(fail_at or ""))
+    for var in CONTAINER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(cwd or tmp_path)
+    try:
+        rc = launch.main([*args, f"runs_dir={tmp_path / 'runs'}", "run_name=r"])
+    finally:
+        HydraConfig.instance().cfg = None
+    calls = (log / "sbatch.calls").read_text().splitlines() if (log / "sbatch.calls").exists() \
+        else []
+    return rc, [c.split() for c in calls], capsys.readouterr().out
+
+
+def test_unprepared_data_is_prepared_by_jobs_the_training_job_waits_for(tmp_path, monkeypatch,
+                                                                        capsys):
+    rc, calls, out = launch_with_fake_sbatch(
+        tmp_path, monkeypatch, capsys, "+recipe=tiny-zero3", "cluster=local",
+        f"data.root={tmp_path / 'data'}", "cluster.prepare_tasks=3")
+    assert rc == 0, out
+    run = tmp_path / "runs" / "r"
+    prep, train = str(run / "prepare.sbatch"), str(run / "train.sbatch")
+    plan, encode, merge, training = calls
+    assert plan[0] == "--parsable" and not any(a.startswith("--dependency") for a in plan)
+    assert plan[-2:] == [prep, "plan"]
+    assert encode[1:3] == ["--dependency=afterok:101", "--kill-on-invalid-dep=yes"]
+    assert "--array=0-2" in encode and encode[-2:] == [prep, "encode"]
+    assert merge[1:3] == ["--dependency=afterok:102", "--kill-on-invalid-dep=yes"]
+    assert merge[-2:] == [prep, "merge"]
+    assert training == ["--parsable", "--dependency=afterok:103", "--kill-on-invalid-dep=yes",
+                        train]
+    assert "preparation jobs plan 101, encode 102 (array of 3), merge 103" in out
+    assert "submitted job 104: r: 1 node(s) x 2 CPU processes" in out
+    script = (run / "prepare.sbatch").read_text()
+    lines = script.splitlines()
+    assert "PREPARE_ARGS=(+recipe=tiny-zero3 cluster=local " \
+           f"data.root={tmp_path / 'data'} cluster.prepare_tasks=3 runs_dir={tmp_path / 'runs'} " \
+           "run_name=r)" in lines
+    assert {"#SBATCH --cpus-per-task=1", "#SBATCH --partition=local",
+            f"#SBATCH --chdir={tmp_path}", "#SBATCH --time=00:30:00"} <= set(lines)
+    assert f"PREPARE_PY={REPO / 'tools' / 'prepare_data.py'}" in lines
+    subprocess.run(["bash", "-n", str(run / "prepare.sbatch")], check=True)
+
+
+def test_prepared_data_submits_training_alone(tmp_path, monkeypatch, capsys, prepared,
+                                              work_dir):
+    from conftest import CORPUS_FILES, DATA_NAME, TOKENIZER_VOCAB
+
+    data = ["model.vocab_size=300", "data.source=text", f"data.name={DATA_NAME}",
+            f"data.data_files=[{','.join(CORPUS_FILES)}]",
+            f"data.tokenizer_vocab_size={TOKENIZER_VOCAB}", "data.validation_fraction=0.1",
+            "data.num_proc=1", f"data.root={prepared.parent}"]
+    monkeypatch.chdir(work_dir)  # the corpus files are relative to it
+    assert launch.data_prepared(compose_config(["+recipe=tiny-zero3", *data]))
+    assert not launch.data_prepared(compose_config(["+recipe=tiny-zero3", *data,
+                                                    "data.tokenizer_vocab_size=301"]))
+    rc, calls, out = launch_with_fake_sbatch(tmp_path, monkeypatch, capsys, "+recipe=tiny-zero3",
+                                             "cluster=local", *data, cwd=work_dir)
+    assert rc == 0 and calls == [["--parsable", str(tmp_path / "runs" / "r" / "train.sbatch")]]
+    assert "preparation" not in out and not (tmp_path / "runs" / "r" / "prepare.sbatch").exists()
+
+
+def test_no_prepare_and_a_refused_submission(tmp_path, monkeypatch, capsys):
+    unprepared = ("+recipe=tiny-zero3", "cluster=local", f"data.root={tmp_path / 'data'}")
+    rc, calls, out = launch_with_fake_sbatch(tmp_path / "a", monkeypatch, capsys, *unprepared,
+                                             "--no-prepare")
+    assert rc == 0 and len(calls) == 1 and calls[0][-1].endswith("train.sbatch")
+    # the merge job refused: the jobs already queued are cancelled, training is not submitted
+    rc, calls, out = launch_with_fake_sbatch(tmp_path / "b", monkeypatch, capsys, *unprepared,
+                                             fail_at=103)
+    assert rc == 1 and len(calls) == 3 and "submitted job" not in out
+    assert (tmp_path / "b" / "log" / "scancel.calls").read_text().split() == ["101", "102"]
+
+
+def test_dry_run_prints_the_preparation_chain(tmp_path, monkeypatch, capsys):
+    from hydra.core.hydra_config import HydraConfig
+
+    monkeypatch.chdir(tmp_path)
+    for var in CONTAINER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    try:
+        assert launch.main(["+recipe=tiny-zero3", "cluster=local", "--dry-run"]) == 0
+    finally:
+        HydraConfig.instance().cfg = None
+    out, err = capsys.readouterr()
+    assert out.startswith("#!/bin/bash") and "prepare_data.py" not in out  # the job script
+    run = tmp_path / "runs" / "tiny-zero3"
+    assert "data/stdlib is not prepared: preparation jobs first, then training" in err
+    assert "encode=$(sbatch --parsable --dependency=afterok:$plan --kill-on-invalid-dep=yes " \
+           "--job-name=prep-encode-tiny-zero3 --array=0-1 " in err
+    assert f"sbatch --parsable --dependency=afterok:$merge --kill-on-invalid-dep=yes " \
+           f"{run / 'train.sbatch'}" in err
+    assert f"# ---- {run / 'prepare.sbatch'} ----\n#!/bin/bash" in err
+    assert not (tmp_path / "runs").exists()  # a dry run writes nothing

@@ -14,8 +14,14 @@ from pretrain.budget import count_params, flops_per_token
 from pretrain.trainer import resolve_plan
 from pretrain.validate import check
 
+# The recipes sized for a CPU; every other recipe is meant for GPUs (a new recipe counts as
+# one until it is listed here).
+CPU_RECIPES = {"tiny", "tiny-zero3", "llama-tiny", "nano-3d", "nano-zbv", "ladder-tiny",
+               "isoflop-tiny", "gpt2-124m-cpu"}
+GPU_RECIPES = sorted(set(RECIPES) - CPU_RECIPES)
 PLAN_KEYS = {"n_params", "n_params_non_embedding", "tokens", "steps", "global_batch_tokens",
-             "flops_per_token", "total_flops", "attention", "precision", "layout"}
+             "flops_per_token", "total_flops", "attention", "precision", "layout",
+             "checkpoint"}
 
 
 def test_recipes_found():
@@ -49,6 +55,22 @@ def test_recipe_composes_validates_and_plans(compose, recipe):
     mbs = cfg.parallel.micro_batch_size
     assert lay["grad_accum"] * mbs * dp == cfg.train.global_batch_size
     json.dumps(plan)  # the plan is printed as JSON: it must serialise
+    # A GPU recipe saves by wall time: a crash of a weeks-long run loses at most half an
+    # hour. The CPU recipes stay without periodic saves (a stop saves in any case).
+    ck = cfg.checkpoint
+    if recipe in CPU_RECIPES:
+        assert not ck.enabled and ck.interval_minutes is None
+        assert plan["checkpoint"] == "on a stop only (checkpoint.enabled=false)"
+    else:
+        assert ck.enabled and ck.interval_minutes == 30 and ck.resume
+        assert "every 30 min, on a stop, at the end" in plan["checkpoint"]
+
+
+def test_gpu_recipes_are_the_cluster_sized_ones(compose):
+    assert {"gpt3-6.7b", "gpt3-175b", "ladder-chinchilla", "isoflop", "llama-1b-fineweb",
+            "gpt2-124m", "gpt3-1.3b-chinchilla"} <= set(GPU_RECIPES)
+    assert set(CPU_RECIPES) <= set(RECIPES)
+    assert not compose([]).checkpoint.enabled  # the default run writes no checkpoints
 
 
 def test_recipe_values(compose):
@@ -98,5 +120,7 @@ def test_train_py_dry_run_prints_one_json_line(tmp_path):
     assert plan["n_params"] == 125_226_240
     assert plan["steps"] == math.ceil(300e9 / 524_288)
     assert plan["precision"] == "bf16" and plan["attention"] == "sdpa"
+    assert plan["checkpoint"] == "every 30 min, on a stop, at the end; keep last 3; async"
     assert not data_root.exists()  # a dry run touches no data
     assert not (runs / "gpt3-125m" / "metrics.jsonl").exists()
+

@@ -16,11 +16,22 @@ slurm/train.sbatch is rendered into ``<run dir>/train.sbatch`` with the settings
 and submitted with sbatch (``--dry-run`` prints it and writes nothing). With a container
 image (pyxis or Apptainer, docs/docker.md) every node runs torchrun inside it, with the
 image's ``python``.
+
+Data first: when the recipe's data is not prepared yet (no index.json with its fingerprint
+under ``<data.root>/<data.name>/``), slurm/prepare.sbatch is rendered beside it and
+submitted as a chain the training job waits for (``--dependency=afterok``): a plan job, an
+array of ``cluster.prepare_tasks`` encode tasks, a merge job (``cluster.prepare_*`` set the
+partition, CPUs, time and memory). So one command still does everything, and the GPUs wait
+in the queue, not idle in a job, while the CPUs tokenize. ``--no-prepare`` skips this (the
+first rank then prepares on first use, as train.py does); prepared data submits nothing
+extra. The preparation runs outside any container, with the interpreter running this tool
+(or ``cluster.python``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import subprocess
@@ -36,6 +47,8 @@ from pretrain.config import Config  # noqa: E402
 from pretrain.validate import ConfigError, check  # noqa: E402
 
 TEMPLATE = REPO / "slurm" / "train.sbatch"
+PREPARE_TEMPLATE = REPO / "slurm" / "prepare.sbatch"
+PREPARE_PY = REPO / "tools" / "prepare_data.py"
 
 
 class LaunchError(ValueError):
@@ -115,6 +128,20 @@ def allocation(cfg: Config, nodes: int | None = None, gpus_per_node: int | None 
     return Allocation(nodes, per_node, 0)
 
 
+def whole_nodes(cfg: Config, alloc: Allocation) -> bool:
+    """Whether the job takes its nodes whole: every GPU of each (cluster.gpus_per_node), or
+    CPU nodes. A job smaller than a GPU node shares it, with the CPUs Slurm gives it there
+    (the site's DefCpuPerGPU, or cluster.cpus_per_task)."""
+    return not alloc.gpus_per_node or alloc.gpus_per_node >= cfg.cluster.gpus_per_node
+
+
+def cpus_per_task(cfg: Config) -> str:
+    """torchrun's CPUs on each node, for srun (train.sbatch's CPUS_PER_TASK): the number
+    asked for, else all the job has on the node (every core, with --exclusive)."""
+    cpus = cfg.cluster.cpus_per_task
+    return str(cpus) if cpus else "${SLURM_CPUS_ON_NODE:-1}"
+
+
 def sbatch_lines(cfg: Config, alloc: Allocation, run_dir: Path, workdir: Path) -> list[str]:
     cl = cfg.cluster
     opts = [f"--job-name={cfg.run_name[:60]}", f"--nodes={alloc.nodes}",
@@ -122,9 +149,10 @@ def sbatch_lines(cfg: Config, alloc: Allocation, run_dir: Path, workdir: Path) -
             f"--output={run_dir}/slurm-%j.out", f"--chdir={workdir}"]
     if alloc.gpus_per_node:
         opts.append(f"--gpus-per-node={alloc.gpus_per_node}")
-    cpus = cl.cpus_per_task or (alloc.procs_per_node if not alloc.gpus_per_node else None)
-    if cpus:
-        opts.append(f"--cpus-per-task={cpus}")
+    if cl.cpus_per_task:
+        opts.append(f"--cpus-per-task={cl.cpus_per_task}")
+    elif whole_nodes(cfg, alloc):
+        opts.append("--exclusive")  # every core of each node (srun: SLURM_CPUS_ON_NODE)
     for key in ("partition", "account", "qos", "mem"):
         value = getattr(cl, key)
         if value is not None:
@@ -167,6 +195,7 @@ def settings_lines(cfg: Config, alloc: Allocation, run_dir: Path, overrides: lis
     lines = [
         f"RUN_DIR={q(str(run_dir))}",
         f"NPROC_PER_NODE={alloc.procs_per_node}",
+        f"CPUS_PER_TASK={cpus_per_task(cfg)}",
         f"PYTHON={q(python)}",
         f"TRAIN_PY={q(str(REPO / 'train.py'))}",
         f"SHUTDOWN_TIMEOUT={cl.shutdown_timeout_s}",
@@ -181,17 +210,120 @@ def settings_lines(cfg: Config, alloc: Allocation, run_dir: Path, overrides: lis
     return lines
 
 
+def fill(template: Path, sbatch: list[str], settings: list[str]) -> str:
+    """``template`` with its #SBATCH lines and settings filled in."""
+    text = template.read_text()
+    for marker, lines in (("#@SBATCH_LINES@", sbatch), ("#@SETTINGS@", settings)):
+        if marker not in text:
+            raise RuntimeError(f"{template} lost its {marker} line")
+        text = text.replace(marker, "\n".join(lines))
+    return text
+
+
 def render(cfg: Config, alloc: Allocation, run_dir: Path, overrides: list[str],
            workdir: Path, container: Container = Container()) -> str:
     """slurm/train.sbatch with its #SBATCH lines and settings filled in."""
-    text = TEMPLATE.read_text()
-    settings = settings_lines(cfg, alloc, run_dir, overrides, container)
-    for marker, lines in (("#@SBATCH_LINES@", sbatch_lines(cfg, alloc, run_dir, workdir)),
-                          ("#@SETTINGS@", settings)):
-        if marker not in text:
-            raise RuntimeError(f"{TEMPLATE} lost its {marker} line")
-        text = text.replace(marker, "\n".join(lines))
-    return text
+    return fill(TEMPLATE, sbatch_lines(cfg, alloc, run_dir, workdir),
+                settings_lines(cfg, alloc, run_dir, overrides, container))
+
+
+# -- data preparation as jobs the training job depends on ----------------------------------
+
+def data_prepared(cfg: Config) -> bool:
+    """Whether ``<data.root>/<data.name>/`` holds this config's data (index.json with the
+    same fingerprint), seen from here: the jobs run in this directory, on shared storage."""
+    from pretrain.data import prepare as prep
+
+    if hasattr(prep, "is_prepared"):
+        return bool(prep.is_prepared(cfg.data))
+    # Until pretrain.data.prepare.is_prepared exists: the same test, spelled out here.
+    index = prep.data_dir(cfg.data) / "index.json"
+    if not index.is_file():
+        return False
+    try:
+        return json.loads(index.read_text()).get("fingerprint") == prep.fingerprint(cfg.data)
+    except (OSError, ValueError):  # unreadable, or data files that are not there (DataError)
+        return False
+
+
+def prepare_script(cfg: Config, overrides: list[str], workdir: Path) -> str:
+    """slurm/prepare.sbatch filled in: one script, submitted once per stage."""
+    cl = cfg.cluster
+    q = shlex.quote
+    opts = [f"--chdir={workdir}", f"--time={cl.prepare_time or cl.time}",
+            f"--cpus-per-task={cl.prepare_cpus_per_task}"]
+    for key, value in (("partition", cl.prepare_partition or cl.partition),
+                       ("account", cl.account), ("qos", cl.qos), ("mem", cl.prepare_mem)):
+        if value is not None:
+            opts.append(f"--{key}={value}")
+    settings = [f"PYTHON={q(cl.python or sys.executable)}", f"PREPARE_PY={q(str(PREPARE_PY))}",
+                "PREPARE_ARGS=(" + " ".join(q(o) for o in overrides) + ")"]
+    settings += [f"export {k}={q(str(v))}" for k, v in cl.env.items()]
+    settings += list(cl.setup)
+    return fill(PREPARE_TEMPLATE, [f"#SBATCH {o}" for o in opts], settings)
+
+
+def prepare_jobs(cfg: Config, run_dir: Path, script: Path) -> list[tuple[str, list[str]]]:
+    """(stage, its sbatch arguments) in order: plan, an encode array, merge."""
+    if cfg.cluster.prepare_tasks < 1:
+        raise LaunchError(f"cluster.prepare_tasks={cfg.cluster.prepare_tasks}: need at least 1")
+    name = cfg.run_name[:50]
+    tasks = cfg.cluster.prepare_tasks
+    return [
+        ("plan", [f"--job-name=prep-plan-{name}",
+                  f"--output={run_dir}/prepare-plan-%j.out", str(script), "plan"]),
+        ("encode", [f"--job-name=prep-encode-{name}", f"--array=0-{tasks - 1}",
+                    f"--output={run_dir}/prepare-encode-%A_%a.out", str(script), "encode"]),
+        ("merge", [f"--job-name=prep-merge-{name}",
+                   f"--output={run_dir}/prepare-merge-%j.out", str(script), "merge"]),
+    ]
+
+
+def after(job: str | None) -> list[str]:
+    """sbatch options to start after ``job`` succeeded, and to be cancelled if it fails
+    (without --kill-on-invalid-dep the job would wait forever: DependencyNeverSatisfied)."""
+    return [f"--dependency=afterok:{job}", "--kill-on-invalid-dep=yes"] if job else []
+
+
+class SubmitError(RuntimeError):
+    pass
+
+
+def sbatch(args: list[str]) -> str:
+    """Submit; the job id (sbatch --parsable prints ``id`` or ``id;cluster``)."""
+    proc = subprocess.run(["sbatch", "--parsable", *args], stdout=subprocess.PIPE, text=True,
+                          env=os.environ)
+    job = proc.stdout.strip().split(";")[0]
+    if proc.returncode or not job:
+        raise SubmitError(f"sbatch {' '.join(args)} failed (exit {proc.returncode})")
+    return job
+
+
+def submit_preparation(jobs: list[tuple[str, list[str]]]) -> list[str]:
+    """Submit the chain; on a failed submission cancel what was submitted, and raise."""
+    ids: list[str] = []
+    try:
+        for _, args in jobs:
+            ids.append(sbatch([*after(ids[-1] if ids else None), *args]))
+    except SubmitError:
+        if ids:
+            subprocess.run(["scancel", *ids], env=os.environ)
+        raise
+    return ids
+
+
+def describe_preparation(jobs: list[tuple[str, list[str]]], train_script: Path) -> str:
+    """What the chain would submit, as shell lines (for --dry-run)."""
+    def line(args: list[str]) -> str:  # the dependency names a shell variable: unquoted
+        return " ".join(a if a.startswith("--dependency=") else shlex.quote(a)
+                        for a in ["sbatch", "--parsable", *args])
+
+    lines, prev = [], None
+    for stage, args in jobs:
+        lines.append(f"{stage}=$({line([*after(prev), *args])})")
+        prev = f"${stage}"
+    lines.append(line([*after(prev), str(train_script)]))
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,7 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--container-mounts", default=os.environ.get("CONTAINER_MOUNTS") or None,
                     help="more SRC:DST[:FLAGS],... mounts (data, caches); the work, code and "
                          "run directories are mounted at their own paths already")
-    ap.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the script (stdout) and any preparation jobs (stderr); submit "
+                         "nothing")
+    ap.add_argument("--no-prepare", action="store_true",
+                    help="submit no preparation jobs even when the data is not prepared")
     ap.add_argument("--wait", action="store_true", help="sbatch --wait: return the job's exit code")
     args = ap.parse_intermixed_args(argv)  # overrides before, between or after the flags
 
@@ -235,18 +371,42 @@ def main(argv: list[str] | None = None) -> int:
                f"{alloc.world_size} (tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, "
                f"dp={alloc.world_size // (cfg.parallel.tp * cfg.parallel.pp)})"
                + (f", in {container.image or container.apptainer_image}" if container else ""))
+    path, prep_path = run_dir / "train.sbatch", run_dir / "prepare.sbatch"
+    prep_jobs = [] if args.no_prepare or data_prepared(cfg) else \
+        prepare_jobs(cfg, run_dir, prep_path)
+    where = Path(cfg.data.root) / cfg.data.name
     if args.dry_run:
         print(script)
         print(f"# {summary}", file=sys.stderr)
+        if prep_jobs:
+            print(f"# {where} is not prepared: preparation jobs first, then training\n"
+                  + describe_preparation(prep_jobs, path)
+                  + f"\n# ---- {prep_path} ----\n" + prepare_script(cfg, overrides, workdir),
+                  file=sys.stderr)
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "train.sbatch"
     path.write_text(script)
-    cmd = ["sbatch", "--parsable", *(["--wait"] if args.wait else []), str(path)]
+    depend: list[str] = []
+    if prep_jobs:
+        prep_path.write_text(prepare_script(cfg, overrides, workdir))
+        try:
+            plan, encode, merge = submit_preparation(prep_jobs)
+        except SubmitError as e:
+            print(f"launch: {e}; nothing is queued", file=sys.stderr)
+            return 1
+        print(f"{where} is not prepared: preparation jobs plan {plan}, encode {encode} "
+              f"(array of {cfg.cluster.prepare_tasks}), merge {merge}\n"
+              f"  logs   {run_dir}/prepare-*.out")
+        depend = after(merge)
+    cmd = ["sbatch", "--parsable", *depend, *(["--wait"] if args.wait else []), str(path)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ)
     job = proc.stdout.strip().split(";")[0]
     if job:
-        print(f"submitted job {job}: {summary}\n  script {path}\n  log    {run_dir}/slurm-{job}.out")
+        print(f"submitted job {job}: {summary}"
+              + (f", after preparation job {merge}" if prep_jobs else "")
+              + f"\n  script {path}\n  log    {run_dir}/slurm-{job}.out")
+    elif prep_jobs:  # the training job was refused: its preparation is of no use queued
+        subprocess.run(["scancel", plan, encode, merge], env=os.environ)
     return proc.returncode
 
 

@@ -246,6 +246,20 @@ def newest_checkpoint(folder: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def describe_policy(cfg: CheckpointConfig) -> str:
+    """When a run saves, in words, for the plan (``dry_run=true`` prints it): periodic saves
+    only when enabled; a stop (signal, time limit, exit_interval) saves in any case."""
+    if not cfg.enabled:
+        return "on a stop only (checkpoint.enabled=false)"
+    every = [f"every {cfg.interval_steps} steps"] if cfg.interval_steps else []
+    if cfg.interval_minutes:
+        every.append(f"every {cfg.interval_minutes:g} min")
+    when = ", ".join(every + ["on a stop", "at the end"])
+    keep = f"keep last {cfg.keep_last}" + (f" + every {cfg.keep_every}th step"
+                                           if cfg.keep_every else "")
+    return f"{when}; {keep}; {'async' if cfg.async_save else 'blocking'}"
+
+
 def make_stager(device: torch.device) -> AsyncStager | None:
     """The one stager a manager reuses for all its async saves: torch's ``DefaultStager``.
 

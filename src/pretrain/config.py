@@ -245,7 +245,10 @@ class ClusterConfig:
     # (or the layout, on one node) gives the process count.
     gpus_per_node: int = 8
     procs_per_node: int | None = None
-    cpus_per_task: int | None = None  # CPUs for the one task (torchrun) per node
+    # CPUs for the one task (torchrun and its workers) per node. None: all of them, with
+    # --exclusive for a job that fills its nodes; a job smaller than one GPU node gets what
+    # Slurm gives it there (the site's DefCpuPerGPU). srun is told either way.
+    cpus_per_task: int | None = None
     mem: str | None = None  # sbatch --mem, e.g. "0" for all of a node's memory
     # SLURM sends SIGUSR1 this long before the time limit (--signal=B:USR1@N): the run
     # saves and the job requeues itself. Slurm may send it up to 60 s early.
@@ -258,6 +261,15 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)  # shell lines run first (modules, env)
     env: dict[str, str] = field(default_factory=dict)  # NCCL / network knobs, exported
     sbatch_extra: list[str] = field(default_factory=list)  # more '#SBATCH' options
+    # Data preparation as Slurm jobs before training (tools/launch.py, when the recipe's
+    # data is not prepared yet): a plan job, an array of prepare_tasks encode tasks, a merge
+    # job; the training job starts after the merge (--dependency=afterok). CPU work only:
+    # prepare_partition can send it to a CPU partition (None: the training partition).
+    prepare_tasks: int = 8
+    prepare_partition: str | None = None
+    prepare_cpus_per_task: int = 4  # each task's CPUs (the tokenizer uses several threads)
+    prepare_time: str | None = None  # each job's time limit; None: cluster.time
+    prepare_mem: str | None = None  # each job's sbatch --mem; None: the site's default
 
 
 @dataclass

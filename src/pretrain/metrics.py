@@ -4,11 +4,35 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
+import string
 import sys
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("pretrain")
+
+# The run directory's wandb run id, kept beside metrics.jsonl.
+WANDB_ID = "wandb_id"
+
+
+def wandb_run_id(run_dir: Path, fresh: bool) -> str:
+    """The wandb run id of ``run_dir``: made on a fresh start (step 0) and kept in
+    ``<run_dir>/wandb_id``, read back by every later attempt (a resumed or requeued run), so
+    one training run is one wandb run however often its job restarts. A fresh start in an
+    existing run directory is a new training run and gets a new id, as its metrics.jsonl
+    starts afresh: its steps would restart below the old run's, which wandb drops."""
+    path = run_dir / WANDB_ID
+    if not fresh and path.exists():
+        run_id = path.read_text().strip()
+        if run_id:
+            return run_id
+    # wandb's own form: 8 characters of [a-z0-9]
+    run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+    tmp = path.with_name(WANDB_ID + ".tmp")
+    tmp.write_text(run_id + "\n")
+    tmp.replace(path)
+    return run_id
 
 
 def format_metrics(m: dict[str, Any]) -> str:
@@ -50,9 +74,11 @@ class MetricsLogger:
         if wandb_mode != "disabled":
             import wandb
 
+            # resume="allow": the first attempt creates the run, the later ones continue it
             self.wandb = wandb.init(project=project, entity=entity, dir=str(run_dir),
                                     mode=wandb_mode, name=run_dir.name, config=config,
-                                    resume="allow", id=None)
+                                    id=wandb_run_id(run_dir, fresh=start_step == 0),
+                                    resume="allow")
         if progress_bar is None:
             progress_bar = sys.stderr.isatty()
         if progress_bar:

@@ -28,6 +28,7 @@ from pretrain.checkpoint import (
     CheckpointError,
     CheckpointManager,
     ModelOptimizer,
+    describe_policy,
     newest_checkpoint,
     on_rank0,
     read_meta,
@@ -114,6 +115,7 @@ def resolve_plan(cfg: Config, world_size: int | None = None
         **check_epochs(cfg.data, budget.tokens),
         "device": str(device),
         "lr": scaled_lr(cfg.optim, budget.global_batch_tokens),
+        "checkpoint": describe_policy(cfg.checkpoint),
     }
     if auto_precision:
         plan["precision_auto"] = auto_precision
