@@ -28,9 +28,11 @@ circular (refused).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -188,6 +190,28 @@ class BudgetOptimum:
     loss: float
     how: str  # "quadratic" (smoothed) or "grid" (the best run)
     runs: int
+    # "lr" / "batch" when the optimum is the grid's smallest or largest value of that axis:
+    # the true optimum may lie outside the grid
+    edges: tuple[str, ...] = ()
+
+
+def collect_sweep(root: Path | str) -> list[SweepPoint]:
+    """Every finished run under ``root`` (``result.json`` with a finite final validation
+    loss, ``plan.json`` beside it): its C (the plan's ``hparam_compute``), peak LR, global
+    batch in tokens and loss."""
+    root, points = Path(root), []
+    for result_path in sorted(root.rglob("result.json")):
+        plan_path = result_path.with_name("plan.json")
+        if not plan_path.exists():
+            continue
+        result, plan = json.loads(result_path.read_text()), json.loads(plan_path.read_text())
+        loss = result.get("final_val_loss")
+        if loss is None or not math.isfinite(loss) or "hparam_compute" not in plan:
+            continue  # diverged, or written before plans recorded C
+        points.append(SweepPoint(compute=float(plan["hparam_compute"]), lr=float(plan["lr"]),
+                                 batch_tokens=float(plan["global_batch_tokens"]),
+                                 loss=float(loss), name=str(result_path.parent.name)))
+    return points
 
 
 def group_by_compute(points: Iterable[SweepPoint], rel: float = 1e-3) -> list[list[SweepPoint]]:
@@ -204,13 +228,18 @@ def best_of_budget(points: Sequence[SweepPoint]) -> BudgetOptimum:
     """The optimum of one budget's grid: the minimum of a quadratic in (log lr, log batch)
     fitted by least squares to the runs (a smoothed best-of-grid: grid noise moves it less
     than it moves the argmin), kept when the quadratic is convex and its minimum lies inside
-    the grid's range (half a grid step beyond the edges allowed); else the best run. An axis
-    with one value is left out of the quadratic."""
+    the grid's range; else the best run. An axis with fewer than 3 values is left out of the
+    quadratic."""
     pts = [p for p in points if math.isfinite(p.loss)]
     if not pts:
         raise ValueError("no finite loss in this budget")
     best = min(pts, key=lambda p: p.loss)
-    grid = BudgetOptimum(best.compute, best.lr, best.batch_tokens, best.loss, "grid", len(pts))
+    edges = tuple(name for name, v, vals in (
+        ("lr", best.lr, [p.lr for p in pts]),
+        ("batch", best.batch_tokens, [p.batch_tokens for p in pts]))
+        if len(set(vals)) > 1 and v in (min(vals), max(vals)))
+    grid = BudgetOptimum(best.compute, best.lr, best.batch_tokens, best.loss, "grid", len(pts),
+                         edges)
     x = np.log([p.lr for p in pts])
     y = np.log([p.batch_tokens for p in pts])
     z = np.array([p.loss for p in pts])
@@ -233,16 +262,14 @@ def best_of_budget(points: Sequence[SweepPoint]) -> BudgetOptimum:
         return grid
     opt = np.linalg.solve(h, -g)
     for a, o in zip(axes, opt, strict=True):
-        vals = np.unique(a)
-        step = np.min(np.diff(vals)) / 2
-        if not vals[0] - step <= o <= vals[-1] + step:
+        if not a.min() <= o <= a.max():  # no extrapolation beyond the grid
             return grid
     values = {id(x): best.lr, id(y): best.batch_tokens}
     for a, o in zip(axes, opt, strict=True):
         values[id(a)] = float(math.exp(o))
     loss = float(coef[0] + g @ opt + 0.5 * opt @ h @ opt)
     return BudgetOptimum(best.compute, values[id(x)], values[id(y)], loss, "quadratic",
-                         len(pts))
+                         len(pts))  # an interior minimum: no edge
 
 
 def fit_power_law(compute: Sequence[float], values: Sequence[float]) -> PowerLaw:
