@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from noise_problem import B_SIMPLE, D, P, SIGMA, Regressions, draw, w_star
+from noise_problem import B_SIMPLE, SIGMA, D, Regressions, draw, w_star
 from two_ranks import run_on_two_ranks
 
 from pretrain.noise_scale import NoiseScale, compare_batch, estimates

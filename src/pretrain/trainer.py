@@ -206,6 +206,7 @@ class Trainer:
         # logging step reads them.
         self.noise_small_seqs, self.noise_why_not = self.noise_scale_support()
         self._noise_sq: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.measuring = False  # the step now running measures the noise scale
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -538,14 +539,14 @@ class Trainer:
         it, at the same point."""
         return self._sum_over_dp(loss) / self.layout.dp
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor,
-                         measure: bool = False) -> torch.Tensor:
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Gradients of the mean loss over this rank's batch; returns that loss (zero on
-        pipeline ranks without the last stage). ``measure``: also keep the squared norm of
-        the first micro batch's gradient for the noise scale (see noise_scale_support):
-        a batch that is one micro batch is then run as two halves, and DDP/ZeRO-2 reduce
-        the first micro batch's gradients at once instead of with the last's."""
-        pm, n = self.parallel, self.micro_batches
+        pipeline ranks without the last stage). On a step that measures the noise scale
+        (``self.measuring``, set by train_step_local) it also keeps the squared norm of the
+        first micro batch's gradient (see noise_scale_support): a batch that is one micro
+        batch then runs as two halves, and DDP/ZeRO-2 reduce the first micro batch's
+        gradients at once instead of with the last's."""
+        pm, n, measure = self.parallel, self.micro_batches, self.measuring
         with loss_context(self.layout.tp), self.policy.autocast(self.device):
             if pm.schedule is not None:
                 losses: list[torch.Tensor] = []
@@ -604,7 +605,11 @@ class Trainer:
         self.parallel.train()
         x, y = self._local_batch()
         measure = self.noise_small_seqs is not None and self.logging_step(self.step + 1)
-        loss = self.forward_backward(x, y, measure).detach()
+        self.measuring = measure
+        try:
+            loss = self.forward_backward(x, y).detach()
+        finally:
+            self.measuring = False
         if self.parallel.tied is not None:
             self.parallel.tied.sync_grads()
         if self.scaler:
