@@ -52,6 +52,8 @@ def test_noise_scale_ema_and_messages():
     assert not ns.update(math.nan, 1.0, 1, 2)  # an overflowed step changes nothing
     ns.update(small_sq=3.0, big_sq=2.0, b_small=1, b_big=2)  # |G|^2 1, tr 2
     assert ns.value == pytest.approx(2.0)
+    assert not ns.update(small_sq=300.0, big_sq=200.0, b_small=1, b_big=2)  # a spike
+    assert ns.spikes == 1 and ns.value == pytest.approx(2.0)
     assert "larger batch" in compare_batch(100, 1e4)
     assert "smaller batch" in compare_batch(10**5, 1e3)
 

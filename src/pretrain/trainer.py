@@ -51,7 +51,7 @@ from pretrain.initialization import local_region
 from pretrain.loss import cross_entropy
 from pretrain.metrics import MetricsLogger
 from pretrain.model import GPT, set_attention_backend
-from pretrain.noise_scale import NoiseScale, compare_batch
+from pretrain.noise_scale import SPIKE, NoiseScale, compare_batch
 from pretrain.optim import build_optimizer, build_scheduler, scaled_lr
 from pretrain.parallel import mesh as dist_env
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
@@ -821,11 +821,11 @@ class Trainer:
             return
         seq = self.cfg.model.seq_len
         small = self.noise_small_seqs * self.layout.dp
-        how = "its first micro batch" if self.layout.microbatches >= 2 else \
-            "its first half (the step runs as two micro batches on logging steps)"
+        how = "first micro batch" if self.layout.microbatches >= 2 else \
+            "first half of the batch (one micro batch, run as two halves on logging steps)"
         log.info("gradient noise scale (McCandlish et al. 2018): on logging steps, B_small = "
-                 "%s over dp=%d ranks = %d sequences = %s tokens, B_big = the global batch, "
-                 "%s tokens; EMA %.2f", how, self.layout.dp, small, f"{small * seq:,}",
+                 "each rank's %s x dp=%d = %d sequences = %s tokens, B_big = the global "
+                 "batch, %s tokens; EMA %.2f", how, self.layout.dp, small, f"{small * seq:,}",
                  f"{self.budget.global_batch_tokens:,}", self.noise.beta)
 
     def _grad_sq_norm(self) -> torch.Tensor:
@@ -846,8 +846,12 @@ class Trainer:
         small_sq, big_sq = torch.stack(self._noise_sq).double().tolist()
         self._noise_sq = None
         seq = self.cfg.model.seq_len
+        spikes = self.noise.spikes
         self.noise.update(small_sq, big_sq, self.noise_small_seqs * self.layout.dp * seq,
                           self.budget.global_batch_tokens)
+        if self.noise.spikes > spikes:
+            log.info("noise scale: step %d's squared gradient norm %.4g is over %gx its "
+                     "average, a spike: left out of the averages", self.step, big_sq, SPIKE)
         return self.noise.value
 
     # -- loop ----------------------------------------------------------------------------
