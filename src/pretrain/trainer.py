@@ -933,8 +933,9 @@ class Trainer:
             if self.logging_step(self.step):
                 tps = steps_since * tokens_per_step / (time.perf_counter() - t_last)
                 mean_loss, final_loss = self._reduce_window(window)
+                noise = self._update_noise_scale()  # None: not measured, or not yet defined
                 self.metrics.log({**self._step_metrics(mean_loss, grad_norm, tps),
-                                  "noise_scale": self._update_noise_scale()})
+                                  **({"noise_scale": noise} if noise is not None else {})})
                 t_last, steps_since = time.perf_counter(), 0
             if self.step % cfg.train.eval_interval == 0 or is_last:
                 t0 = time.perf_counter()
