@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from pretrain.budget import BudgetError  # noqa: E402
 from pretrain.cli import compose_config  # noqa: E402
+from pretrain.hparams import apply_rules  # noqa: E402
 from pretrain.planning.autolayout import LayoutError, resolve_auto  # noqa: E402
 from pretrain.planning.gpus import GpuError, get_gpu  # noqa: E402
 from pretrain.planning.report import build_plan, format_plan  # noqa: E402
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     candidates = None
     cfg, auto_precision = resolve_auto_precision(cfg, gpu)
     try:
+        cfg, rules = apply_rules(cfg, n)  # LR and batch from their rules, for this layout
         if par.name == "auto":
             cfg, candidates = resolve_auto(cfg, n, gpu)
             candidates = candidates[: args.top]
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     if auto_precision:
         plan["precision_auto"] = auto_precision
+    if rules:
+        plan["hparam_rules"] = rules
     if args.simulate:
         return run_simulation(cfg, n, args.rank, args.step, plan)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))

@@ -4,8 +4,15 @@
     python tools/scaling_law.py runs/sweeps/isoflop-tiny runs/sweeps/ladder-tiny \\
         --target-flops 1e15 --out runs/scaling
     python tools/scaling_law.py --chinchilla 5.76e23 1e24               # no runs needed
+    python tools/scaling_law.py --hparams runs/sweeps/hparam-tiny       # lr(C), batch(C)
 
-Reads every run directory under the given folders that holds ``result.json`` (written only
+``--hparams``: the best learning rate and batch of each compute budget of an LR x batch sweep
+(recipes/hparam-tiny.yaml), smoothed by a quadratic in (log lr, log batch) per budget, then
+lr = a C^b and batch = c C^d by least squares in log-log, with C = M x D in DeepSeek's
+convention (the plan's ``hparam_compute``); printed next to DeepSeek's published constants,
+with the override line that makes a recipe use the fitted laws. Writes ``hparams.json``.
+
+Otherwise it reads every run directory under the given folders that holds ``result.json`` (written only
 when a run finished its budget) and ``plan.json``; N is the plan's ``n_params``, D the
 tokens trained, C = 6 N D (``--flops plan`` uses the plan's exact FLOPs instead). Fits
 L(C) = a C^b + c (needs 3+ runs) and L(N, D) = E + A/N^alpha + B/D^beta (needs 6+ runs at
@@ -78,6 +85,63 @@ def print_report(title: str, rep: FitReport) -> None:
         print(f"  warning: {w}")
 
 
+def hparam_report(dirs: list[Path], out: Path | None) -> int:
+    """``--hparams``: fit lr(C) and batch(C) to a sweep, print them beside DeepSeek's."""
+    from pretrain.hparams import (
+        DEEPSEEK,
+        collect_sweep,
+        fit_hparam_laws,
+        group_by_compute,
+        override_line,
+    )
+
+    points = [p for d in dirs for p in collect_sweep(d)]
+    if not points:
+        print(f"no finished runs with hparam_compute in plan.json under "
+              f"{', '.join(map(str, dirs))}", file=sys.stderr)
+        return 1
+    groups = group_by_compute(points)
+    print(f"{len(points)} finished runs at {len(groups)} compute budgets "
+          "(C = M x D, DeepSeek non-embedding FLOPs)")
+    for g in groups:
+        print(f"  C = {g[0].compute:.4g}: {len(g)} runs")
+        for p in sorted(g, key=lambda p: (p.batch_tokens, p.lr)):
+            print(f"    batch {p.batch_tokens:>9,.0f} tokens  lr {p.lr:<9.3g} loss {p.loss:.4f}")
+    try:
+        laws, optima = fit_hparam_laws(points)
+    except ValueError as e:
+        print(f"\nnot fitted: {e}")
+        return 1
+    print("\nbest of each budget (quadratic in log lr, log batch where convex and inside the "
+          "grid, else the best run):")
+    for o in optima:
+        print(f"  C = {o.compute:.4g}: lr {o.lr:.4g}, batch {o.batch_tokens:,.0f} tokens, "
+              f"loss {o.loss:.4f} ({o.how}, {o.runs} runs; DeepSeek: lr "
+              f"{DEEPSEEK.lr(o.compute):.4g}, batch {DEEPSEEK.batch_tokens(o.compute):,.0f})")
+        for axis in o.edges:
+            print(f"    warning: the best {axis} is at the edge of the grid: the optimum may "
+                  f"lie beyond it; extend the sweep's {axis} values that way")
+    print(f"\n{'':>8} {'fitted':>22}   {'DeepSeek (Bi et al. 2024)':>26}")
+    print(f"{'lr':>8} {str(laws.lr):>22}   {str(DEEPSEEK.lr):>26}")
+    print(f"{'batch':>8} {str(laws.batch_tokens):>22}   {str(DEEPSEEK.batch_tokens):>26}  "
+          "(tokens)")
+    if len(optima) < 3:
+        print(f"warning: {len(optima)} budgets: the line goes through them exactly; "
+              "3 or more give a fit that can be checked")
+    line = override_line(laws)
+    print(f"\noverrides for a recipe:\n  {line}")
+    out = out or dirs[0] / "scaling_law"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hparams.json").write_text(json.dumps({
+        "lr": vars(laws.lr), "batch_tokens": vars(laws.batch_tokens),
+        "published": {"lr": vars(DEEPSEEK.lr), "batch_tokens": vars(DEEPSEEK.batch_tokens),
+                      "source": DEEPSEEK.source},
+        "optima": [vars(o) for o in optima], "runs": [vars(p) for p in points],
+        "override": line}, indent=2))
+    print(f"fit: {out / 'hparams.json'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", type=Path, help="folders holding finished runs")
@@ -90,9 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flops", choices=("6nd", "plan"), default="6nd",
                     help="C = 6ND (default) or the plan's exact FLOPs")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hparams", action="store_true",
+                    help="fit lr(C) and batch(C) to an LR x batch sweep instead")
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
 
+    if args.hparams:
+        if not args.dirs:
+            ap.error("--hparams needs one or more folders of runs")
+        return hparam_report(args.dirs, args.out)
     if args.chinchilla:
         print_chinchilla(args.chinchilla)
         if not args.dirs:

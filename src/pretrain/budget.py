@@ -70,34 +70,41 @@ class BudgetError(ValueError):
     pass
 
 
-def resolve_budget(model: ModelConfig, budget: BudgetConfig, global_batch_size: int) -> Budget:
-    """Tokens D from the rule, then steps = ceil(D / tokens per global batch)."""
-    counts = count_params(model)
+def rule_tokens(model: ModelConfig, budget: BudgetConfig, global_batch_size: int,
+                counts: ParamCounts | None = None) -> tuple[int, str]:
+    """Tokens D the budget rule asks for (before rounding up to whole steps), and the rule
+    in words."""
+    counts = counts or count_params(model)
     n = counts.non_embedding if budget.param_count == "non_embedding" else counts.total
     batch_tokens = global_batch_size * model.seq_len
     kind = budget.kind
     if kind == "tokens":
         if not budget.tokens or budget.tokens <= 0:
             raise BudgetError("budget.kind=tokens needs budget.tokens > 0 (e.g. budget.tokens=1e9)")
-        tokens, rule = int(budget.tokens), f"fixed {int(budget.tokens):,} tokens"
-    elif kind == "tokens_per_param":
+        return int(budget.tokens), f"fixed {int(budget.tokens):,} tokens"
+    if kind == "tokens_per_param":
         if budget.tokens_per_param <= 0:
             raise BudgetError("budget.tokens_per_param must be > 0 (Chinchilla: 20)")
-        tokens = math.ceil(budget.tokens_per_param * n)
-        rule = f"{budget.tokens_per_param:g} tokens/param x N={n:,}"
-    elif kind == "flops":
+        return (math.ceil(budget.tokens_per_param * n),
+                f"{budget.tokens_per_param:g} tokens/param x N={n:,}")
+    if kind == "flops":
         if not budget.flops or budget.flops <= 0:
             raise BudgetError("budget.kind=flops needs budget.flops > 0 (e.g. budget.flops=1e20)")
-        tokens = math.ceil(budget.flops / (6 * n))
-        rule = f"C={budget.flops:.3g} FLOPs / (6 N={n:,})"
-    elif kind == "steps":
+        return math.ceil(budget.flops / (6 * n)), f"C={budget.flops:.3g} FLOPs / (6 N={n:,})"
+    if kind == "steps":
         if not budget.steps or budget.steps <= 0:
             raise BudgetError("budget.kind=steps needs budget.steps > 0")
-        tokens, rule = budget.steps * batch_tokens, f"fixed {budget.steps} steps"
-    else:
-        raise BudgetError(
-            f"budget.kind={kind!r} is unknown; use tokens, tokens_per_param, flops or steps"
-        )
+        return budget.steps * batch_tokens, f"fixed {budget.steps} steps"
+    raise BudgetError(
+        f"budget.kind={kind!r} is unknown; use tokens, tokens_per_param, flops or steps"
+    )
+
+
+def resolve_budget(model: ModelConfig, budget: BudgetConfig, global_batch_size: int) -> Budget:
+    """Tokens D from the rule, then steps = ceil(D / tokens per global batch)."""
+    counts = count_params(model)
+    batch_tokens = global_batch_size * model.seq_len
+    tokens, rule = rule_tokens(model, budget, global_batch_size, counts)
     if budget.param_count not in ("total", "non_embedding"):
         raise BudgetError("budget.param_count must be 'total' or 'non_embedding'")
     steps = max(1, math.ceil(tokens / batch_tokens))

@@ -138,6 +138,14 @@ class OptimConfig:
     # actual global batch: none, sqrt (Adam, Malladi et al. 2022) or linear (Goyal et al.).
     ref_batch_tokens: int | None = None
     lr_scaling: str = "none"  # none | sqrt | linear
+    # Where the peak LR comes from (src/pretrain/hparams.py): fixed (optim.lr, today's
+    # behaviour), deepseek (0.3118 C^-0.1250, Bi et al. 2024 sec. 3.1) or power (lr_law).
+    # C is the run's compute in DeepSeek's convention, M x D (M: non-embedding FLOPs per
+    # token). A rule's LR is already the LR for the batch the run uses: lr_scaling is not
+    # applied on top of it.
+    lr_rule: str = "fixed"  # fixed | deepseek | power
+    # [a, b] for lr_rule=power: lr = a * C^b (tools/scaling_law.py --hparams fits them).
+    lr_law: list[float] | None = None
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
@@ -196,6 +204,18 @@ class LoggingConfig:
 @dataclass
 class TrainConfig:
     global_batch_size: int = 32  # sequences per optimizer step
+    # Where global_batch_size comes from (src/pretrain/hparams.py): fixed (the number
+    # above), deepseek (0.2920 C^0.3271 tokens, Bi et al. 2024 sec. 3.1) or power
+    # (batch_law), rounded to a multiple of micro_batch_size x dp (x pp) sequences.
+    batch_rule: str = "fixed"  # fixed | deepseek | power
+    # [c, d] for batch_rule=power: batch = c * C^d tokens.
+    batch_law: list[float] | None = None
+    # Gradient noise scale B_simple (McCandlish et al. 2018, app. A), in tokens, measured on
+    # logging steps from the first micro batch's gradient and the whole step's
+    # (src/pretrain/noise_scale.py); logged as noise_scale.
+    noise_scale: bool = True
+    # EMA factor over the logging steps' estimates of |G|^2 and tr(Sigma).
+    noise_scale_ema: float = 0.9
     eval_interval: int = 100
     # Validation batches (of parallel.micro_batch_size sequences) per evaluation, the first
     # ones of the split, each counted once. With pp > 1 rounded up to whole pipeline steps

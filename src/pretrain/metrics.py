@@ -41,6 +41,7 @@ def format_metrics(m: dict[str, Any]) -> str:
         "loss": "loss {:.4f}", "val_loss": "val_loss {:.4f}", "lr": "lr {:.2e}",
         "grad_norm": "gnorm {:.3f}", "tokens_per_s": "{:,.0f} tok/s", "mfu": "MFU {:.1%}",
         "memory_gb": "mem {:.2f} GB", "loss_scale": "scale {:g}",
+        "noise_scale": "noise scale {:,.0f} tok",
     }
     for key, f in fmt.items():
         if m.get(key) is not None:

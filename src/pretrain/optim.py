@@ -12,8 +12,11 @@ from pretrain.config import OptimConfig, ScheduleConfig
 
 
 def scaled_lr(cfg: OptimConfig, global_batch_tokens: int) -> float:
-    """``optim.lr`` was tuned at ``ref_batch_tokens``; adapt it to the actual global batch."""
-    if cfg.lr_scaling == "none" or not cfg.ref_batch_tokens:
+    """``optim.lr`` was tuned at ``ref_batch_tokens``; adapt it to the actual global batch.
+    An LR from a rule (``optim.lr_rule`` other than fixed, resolved into ``cfg.lr`` by
+    pretrain.hparams.apply_rules) is the LR for the run's own compute and batch already: it
+    is used as it is, never rescaled a second time."""
+    if cfg.lr_rule != "fixed" or cfg.lr_scaling == "none" or not cfg.ref_batch_tokens:
         return cfg.lr
     ratio = global_batch_tokens / cfg.ref_batch_tokens
     if cfg.lr_scaling == "sqrt":

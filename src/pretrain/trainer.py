@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -48,14 +49,16 @@ from pretrain.device import (
     pick_device,
 )
 from pretrain.fp8 import after_optimizer_step, fp8_all_gather
+from pretrain.hparams import apply_rules, describe, hparam_compute
 from pretrain.initialization import local_region
 from pretrain.loss import cross_entropy
 from pretrain.metrics import MetricsLogger
 from pretrain.model import GPT, set_attention_backend
+from pretrain.noise_scale import SPIKE, NoiseScale, compare_batch
 from pretrain.optim import build_optimizer, build_scheduler, scaled_lr
 from pretrain.parallel import mesh as dist_env
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
-from pretrain.parallel.grad_clip import clip_grad_norm
+from pretrain.parallel.grad_clip import clip_grad_norm, global_grad_norm
 from pretrain.parallel.layout import (
     Layout,
     declared_world_size,
@@ -116,6 +119,11 @@ def resolve_plan(cfg: Config, world_size: int | None = None
         "device": str(device),
         "lr": scaled_lr(cfg.optim, budget.global_batch_tokens),
         "checkpoint": describe_policy(cfg.checkpoint),
+        "global_batch_size": cfg.train.global_batch_size,
+        # C in DeepSeek's convention (non-embedding FLOPs/token x tokens), the x of the
+        # hyperparameter rules (src/pretrain/hparams.py); tools/scaling_law.py --hparams
+        # groups a sweep's runs by it
+        "hparam_compute": hparam_compute(cfg)[0],
     }
     if auto_precision:
         plan["precision_auto"] = auto_precision
@@ -134,6 +142,11 @@ def resolve_auto(cfg: Config, world_size: int) -> tuple[Config, dict]:
     cfg, why = resolve_auto_precision(cfg, pick_device(cfg.train.device))
     if why:
         notes["precision_auto"] = why
+    # LR and batch from their rules before the layout: parallel=auto then lays out the
+    # batch the rule gave (rounded to the declared micro batch x dp)
+    cfg, rules = apply_rules(cfg, world_size)
+    if rules:
+        notes["hparam_rules"] = rules
     cfg, candidates = resolve_auto_layout(cfg, world_size)
     if candidates:
         notes["parallel_auto"] = [c.summary() for c in candidates[:5]]
@@ -210,6 +223,13 @@ class Trainer:
         self.pipeline_loss_scale: float | None = None
         self.first_val_loss: float | None = None
         self.exit_code = 0
+        self.noise = NoiseScale(cfg.train.noise_scale_ema)
+        # Sequences per DP rank in the small batch of the noise scale (None: not measured),
+        # and why not; the squared norms of a measuring step, kept on the device until the
+        # logging step reads them.
+        self.noise_small_seqs, self.noise_why_not = self.noise_scale_support()
+        self._noise_sq: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.measuring = False  # the step now running measures the noise scale
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -232,6 +252,9 @@ class Trainer:
         log.info("plan: %s", json.dumps(self.plan))
         if "precision_auto" in self.plan:
             log.info("precision=auto -> %s", self.plan["precision_auto"])
+        if "hparam_rules" in self.plan:
+            log.info(describe(self.plan["hparam_rules"]))
+        self._describe_noise_scale()
         log.info(
             "model %s: %s params (%s non-embedding), %s FLOPs/token | budget %s -> %s tokens "
             "in %d steps of %s tokens | precision %s | attention %s%s | layout %s | device %s",
@@ -540,8 +563,12 @@ class Trainer:
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Gradients of the mean loss over this rank's batch; returns that loss (zero on
-        pipeline ranks without the last stage)."""
-        pm, n = self.parallel, self.micro_batches
+        pipeline ranks without the last stage). On a step that measures the noise scale
+        (``self.measuring``, set by train_step_local) it also keeps the squared norm of the
+        first micro batch's gradient (see noise_scale_support): a batch that is one micro
+        batch then runs as two halves, and DDP/ZeRO-2 reduce the first micro batch's
+        gradients at once instead of with the last's."""
+        pm, n, measure = self.parallel, self.micro_batches, self.measuring
         with loss_context(self.layout.tp), self.policy.autocast(self.device):
             if pm.schedule is not None:
                 losses: list[torch.Tensor] = []
@@ -561,12 +588,22 @@ class Trainer:
             total = torch.zeros((), device=self.device)
             skip_sync = self.mesh is not None and self.layout.dp > 1 and \
                 self.layout.dp_mode in ("ddp", "zero2")
-            for i, (xs, ys) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True)):
+            chunks = list(zip(x.chunk(n), y.chunk(n), strict=True))
+            split = measure and n == 1  # two halves, weighted by their sizes
+            if split:
+                k = self.noise_small_seqs
+                chunks = [(x[:k], y[:k]), (x[k:], y[k:])]
+            for i, (xs, ys) in enumerate(chunks):
                 if skip_sync:  # reduce the gradients once, in the last microbatch's backward
-                    model.set_requires_gradient_sync(i == n - 1)
-                loss = cross_entropy(model(xs), ys) / n
+                    model.set_requires_gradient_sync(i == len(chunks) - 1 or (measure and i == 0))
+                weight = len(xs) / len(x) if split else 1 / n
+                loss = cross_entropy(model(xs), ys)
+                loss = loss * weight if split else loss / n
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
                 total += _local(loss.detach())
+                if measure and i == 0:
+                    # the mean gradient of this micro batch: the loss was weighted
+                    self._noise_sq = (self._grad_sq_norm() / weight ** 2, None)
             return total
 
     def train_step(self) -> tuple[float, float]:
@@ -589,7 +626,12 @@ class Trainer:
         cfg = self.cfg
         self.parallel.train()
         x, y = self._local_batch()
-        loss = self.forward_backward(x, y).detach()
+        measure = self.noise_small_seqs is not None and self.logging_step(self.step + 1)
+        self.measuring = measure
+        try:
+            loss = self.forward_backward(x, y).detach()
+        finally:
+            self.measuring = False
         if self.parallel.tied is not None:
             self.parallel.tied.sync_grads()
         if self.scaler:
@@ -598,6 +640,8 @@ class Trainer:
                                    cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf,
                                    self.pp_group, self.parallel.duplicate_params)
         norm_value = grad_norm.item()  # global: every rank takes the same decision
+        if measure and self._noise_sq is not None:  # the whole step's raw (unclipped) norm
+            self._noise_sq = (self._noise_sq[0], grad_norm.detach().float() ** 2)
         if self.scaler:  # fp16: the scaler skips steps with inf/nan gradients itself
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
@@ -758,6 +802,80 @@ class Trainer:
             )
         return tok.decode(out[0].tolist())
 
+    # -- gradient noise scale ------------------------------------------------------------
+
+    def noise_scale_support(self) -> tuple[int | None, str | None]:
+        """(sequences per DP rank in the small batch, None), or (None, why not measured).
+
+        B_big is the global batch; B_small is the first micro batch over every DP rank,
+        dp x micro_batch_size sequences, whose gradient the layout holds after that micro
+        batch's backward: one process and ZeRO-3 (reduce-scattered every micro batch)
+        as they run; DDP and ZeRO-2 (which defer the reduction to the last micro batch)
+        reduce the first micro batch's gradients at once on measuring steps, one more
+        gradient reduction then. A step of one micro batch per rank runs it as two halves
+        on measuring steps (same samples, same update), B_small = dp x half of it. A rank's
+        own unreduced gradient would be a smaller batch, but FSDP2 and replicate reduce
+        inside backward, where it cannot be read without a hook into their internals.
+        Pipelines run every micro batch's backward inside the schedule: not measured."""
+        lay = self.layout
+        if not self.cfg.train.noise_scale:
+            return None, "train.noise_scale=false"
+        if lay.pp > 1:
+            return None, ("not measured under pipeline parallelism: the schedule runs every "
+                          "micro batch's backward in one call, so no smaller batch's gradient "
+                          "is ever whole without an extra backward")
+        if lay.microbatches >= 2:
+            return lay.micro_batch_size, None
+        if lay.micro_batch_size >= 2:
+            return lay.micro_batch_size // 2, None
+        return None, ("not measured: one sequence per rank and step leaves no smaller batch "
+                      "(raise parallel.micro_batch_size or train.global_batch_size)")
+
+    def logging_step(self, step: int) -> bool:
+        """Whether fit() logs after optimizer step ``step`` (1-based): the noise scale is
+        measured on those steps only, whose host syncs and collectives are there anyway."""
+        return step % self.cfg.logging.log_interval == 0 or step == self.budget.steps or \
+            step == 1
+
+    def _describe_noise_scale(self) -> None:
+        if self.noise_small_seqs is None:
+            log.info("gradient noise scale: %s", self.noise_why_not)
+            return
+        seq = self.cfg.model.seq_len
+        small = self.noise_small_seqs * self.layout.dp
+        how = "first micro batch" if self.layout.microbatches >= 2 else \
+            "first half of the batch (one micro batch, run as two halves on logging steps)"
+        log.info("gradient noise scale (McCandlish et al. 2018): on logging steps, B_small = "
+                 "each rank's %s x dp=%d = %d sequences = %s tokens, B_big = the global "
+                 "batch, %s tokens; EMA %.2f", how, self.layout.dp, small, f"{small * seq:,}",
+                 f"{self.budget.global_batch_tokens:,}", self.noise.beta)
+
+    def _grad_sq_norm(self) -> torch.Tensor:
+        """Squared norm of the gradients held now, global (every DP and TP shard), unscaled
+        from fp16 loss scaling; a device tensor (no host sync)."""
+        pm = self.parallel
+        sq = global_grad_norm([p for p in pm.parameters() if id(p) not in pm.duplicate_params],
+                              self.pp_group).float() ** 2
+        if self.scaler is not None:
+            sq = sq / self.scaler._get_scale_async().float() ** 2
+        return sq
+
+    def _update_noise_scale(self) -> float | None:
+        """On a logging step: fold the step's two squared norms into the EMAs (one host
+        sync) and return B_simple in tokens (None until it is defined)."""
+        if self._noise_sq is None or self._noise_sq[1] is None:
+            return self.noise.value
+        small_sq, big_sq = torch.stack(self._noise_sq).double().tolist()
+        self._noise_sq = None
+        seq = self.cfg.model.seq_len
+        spikes = self.noise.spikes
+        self.noise.update(small_sq, big_sq, self.noise_small_seqs * self.layout.dp * seq,
+                          self.budget.global_batch_tokens)
+        if self.noise.spikes > spikes:
+            log.info("noise scale: step %d's squared gradient norm %.4g is over %gx its "
+                     "average, a spike: left out of the averages", self.step, big_sq, SPIKE)
+        return self.noise.value
+
     # -- loop ----------------------------------------------------------------------------
 
     def _step_metrics(self, loss: float, grad_norm: float, tokens_per_s: float) -> dict:
@@ -834,10 +952,12 @@ class Trainer:
             steps_since += 1
             self.metrics.advance()
             is_last = self.step == steps
-            if self.step % cfg.logging.log_interval == 0 or is_last or self.step == 1:
+            if self.logging_step(self.step):
                 tps = steps_since * tokens_per_step / (time.perf_counter() - t_last)
                 mean_loss, final_loss = self._reduce_window(window)
-                self.metrics.log(self._step_metrics(mean_loss, grad_norm, tps))
+                noise = self._update_noise_scale()  # None: not measured, or not yet defined
+                self.metrics.log({**self._step_metrics(mean_loss, grad_norm, tps),
+                                  **({"noise_scale": noise} if noise is not None else {})})
                 t_last, steps_since = time.perf_counter(), 0
             if self.step % cfg.train.eval_interval == 0 or is_last:
                 t0 = time.perf_counter()
@@ -872,7 +992,10 @@ class Trainer:
         result = {"steps": self.step, "final_loss": final_loss, "first_val_loss": first_val,
                   "final_val_loss": last_val, "tokens": self.step * tokens_per_step,
                   "skipped_steps": self.skipped_steps,
-                  "val_batches": self.eval_batch_count() if self.val_data is not None else None}
+                  "val_batches": self.eval_batch_count() if self.val_data is not None else None,
+                  "noise_scale": self.noise.value}
+        if self.noise.value is not None:
+            log.info(compare_batch(tokens_per_step, self.noise.value))
         text = self.sample()
         if text is not None:
             log.info("sample from the trained model:\n%s\n%s\n%s", "-" * 60, text, "-" * 60)
@@ -891,6 +1014,8 @@ def run(cfg: Config, run_dir: Path) -> dict | None:
         plan, *_ = resolve_plan(cfg)
         plan.update(notes)
         if dist_env.env_rank() == 0:
+            if "hparam_rules" in plan:  # the JSON line alone goes to stdout
+                print(describe(plan["hparam_rules"]), file=sys.stderr, flush=True)
             print(json.dumps(plan), flush=True)
         return plan
     trainer = Trainer(cfg, run_dir)

@@ -21,6 +21,8 @@ CHOICES = {
     "budget.kind": ("tokens", "tokens_per_param", "flops", "steps"),
     "budget.param_count": ("total", "non_embedding"),
     "optim.lr_scaling": ("none", "sqrt", "linear"),
+    "optim.lr_rule": ("fixed", "deepseek", "power"),
+    "train.batch_rule": ("fixed", "deepseek", "power"),
     "schedule.decay": ("cosine", "linear", "wsd", "constant"),
     "parallel.dp_mode": ("ddp", "zero2", "zero3"),
     "parallel.pp_schedule": SCHEDULES,
@@ -107,6 +109,16 @@ def check(cfg: Config, world_size: int | None = None) -> None:
         p.append("set schedule.warmup_steps or schedule.warmup_tokens, not both")
     if cfg.optim.lr <= 0:
         p.append(f"optim.lr={cfg.optim.lr} must be positive")
+    for key, law in (("optim.lr", cfg.optim.lr_law), ("train.batch", cfg.train.batch_law)):
+        rule = cfg.optim.lr_rule if key == "optim.lr" else cfg.train.batch_rule
+        if rule == "power" and (law is None or len(law) != 2):
+            p.append(f"{key}_rule=power needs {key}_law=[coef,exponent] ({key.split('.')[1]} "
+                     "= coef x C^exponent; tools/scaling_law.py --hparams fits them)")
+    if cfg.train.batch_rule != "fixed" and cfg.budget.kind == "steps":
+        p.append("train.batch_rule needs a token budget (budget=tokens, chinchilla or flops): "
+                 "with budget.kind=steps the tokens, and so the compute, depend on the batch")
+    if not 0 <= cfg.train.noise_scale_ema < 1:
+        p.append(f"train.noise_scale_ema={cfg.train.noise_scale_ema} must be in [0, 1)")
     if cfg.optim.lr_scaling != "none" and not cfg.optim.ref_batch_tokens:
         p.append(f"optim.lr_scaling={cfg.optim.lr_scaling} needs optim.ref_batch_tokens, the "
                  "global batch (in tokens) that optim.lr was tuned for")

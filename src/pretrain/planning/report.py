@@ -9,6 +9,7 @@ from pretrain.budget import Budget, resolve_budget
 from pretrain.config import Config
 from pretrain.data.epochs import check_epochs
 from pretrain.model import padded_vocab_size
+from pretrain.optim import scaled_lr
 from pretrain.parallel.layout import Layout, resolve_layout
 from pretrain.planning.autolayout import Candidate, evaluate, tp_options, why_first
 from pretrain.planning.cost import step_cost
@@ -96,6 +97,8 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, mfu: float | None = None,
         "layout": layout.describe(), "layout_fields": layout.as_dict(),
         "params": budget.n_params, "tokens": budget.tokens, "steps": budget.steps,
         "data": cfg.data.name, **check_epochs(cfg.data, budget.tokens),
+        "global_batch_size": cfg.train.global_batch_size, "lr": scaled_lr(
+            cfg.optim, budget.global_batch_tokens),
         "flops_per_token": budget.flops_per_token, "total_flops": budget.total_flops,
         "memory_gib": {k: _gib(worst.parts.get(k, 0.0)) for k in PARTS},
         "memory_total_gib": _gib(worst.total), "fullest_pp_rank": worst.pp_rank,
@@ -127,6 +130,10 @@ def format_plan(p: dict) -> str:
                          f"bubble {cst['pp_bubble']:.3g}, p2p {cst['pp_p2p']:.3g}, DP exposed "
                          f"{cst['dp_exposed']:.3g}); {c['memory_gib']:.1f} GiB")
         lines.append(f"  why #1: {p['auto_why']}")
+    if p.get("hparam_rules"):
+        from pretrain.hparams import describe
+
+        lines.append(describe(p["hparam_rules"]))
     lines.append(f"memory per GPU (pipeline rank {p['fullest_pp_rank']}, the fullest):")
     for k, v in p["memory_gib"].items():
         if v:
