@@ -177,7 +177,8 @@ def parquet_pieces(path: str, piece_bytes: int, field: str) -> list[dict]:
     pieces: list[dict] = []
     group, size = [], 0
     for g in range(meta.num_row_groups):
-        n = meta.row_group(g).total_compressed_size
+        rg = meta.row_group(g)
+        n = sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))  # on disk
         if group and size + n > piece_bytes:
             pieces.append({"kind": "parquet", "file": path, "row_groups": group, "bytes": size})
             group, size = [], 0
