@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import DATA_NAME, REPO, make_data_config
+from conftest import DATA_NAME, REPO, TOKENIZER_VOCAB, make_data_config
 
 from pretrain.data import encode as enc
 from pretrain.data.prepare import (
@@ -197,7 +197,7 @@ def test_validation_rule_is_evenly_spaced_and_never_empty():
 def test_cli_stages_exit_codes_and_slurm_array_env(tmp_path, work_dir):
     """The stage CLI as the Slurm chain calls it: merge before encode is exit 2 naming the
     pieces; the array task comes from SLURM_ARRAY_TASK_ID/COUNT; done is a no-op."""
-    from conftest import CORPUS_FILES, TOKENIZER_VOCAB
+    from conftest import CORPUS_FILES
 
     args = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "data=local-text",
             f"data.name={DATA_NAME}", f"data.data_files=[{','.join(CORPUS_FILES)}]",
@@ -224,3 +224,19 @@ def test_cli_stages_exit_codes_and_slurm_array_env(tmp_path, work_dir):
     assert json.loads(p.stdout.splitlines()[-1])["tokens"]["validation"] > 0
     p = run("--stage", "encode", "--task", "0", "--of", "2")
     assert p.returncode == 0 and "already prepared" in p.stderr
+
+
+def test_named_tokenizer_encodes_like_the_trained_one(one_worker, tmp_path, in_work_dir):
+    """data.tokenizer=<a Hugging Face tokenizer> (here a local directory: no hub) goes through
+    transformers and gives the very tokens of the same tokenizer trained as bpe."""
+    from transformers import PreTrainedTokenizerFast
+
+    trained = tmp_path / "trained.json"
+    trained.write_bytes(one_worker["tokenizer.json"])
+    PreTrainedTokenizerFast(tokenizer_file=str(trained), eos_token="<|endoftext|>") \
+        .save_pretrained(tmp_path / "named")
+    out = prepare(small_config(tmp_path / "data", tokenizer=str(tmp_path / "named")))
+    bins = {k: v for k, v in contents(out).items() if k.endswith(".bin")}
+    assert bins == {k: v for k, v in one_worker.items() if k.endswith(".bin")}
+    index = json.loads(contents(out)["index.json"])
+    assert index["vocab_size"] == TOKENIZER_VOCAB and index["dtype"] == "uint16"

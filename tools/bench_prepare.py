@@ -12,7 +12,7 @@ never in the repository.
 It then prepares the corpus (tools/prepare_data.py, data.source=json, BPE 8192 trained on a
 sample) in a fresh output root and prints the wall time, tokens, tokens/s end to end, the
 tokenizer-training time, the peak memory (sum over the process tree, and the largest single
-process, sampled from /proc), the disk left behind besides the output, and the raw
+process, sampled from /proc), the disk left behind besides the output (in the output root and the HF datasets cache), and the raw
 ``encode_batch`` speed on a sample for reference. The last line is JSON.
 """
 
@@ -23,6 +23,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -138,8 +139,10 @@ def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
 
-def raw_encode_speed(tokenizer_json: Path, corpus: Path, sample_bytes: int = 64_000_000) -> float:
-    """Tokens/s of plain ``Tokenizer.encode_batch`` (all cores) on the first MBs of text."""
+def raw_encode_speed(tokenizer_json: Path, corpus: Path,
+                     sample_bytes: int = 64_000_000) -> tuple[float, float]:
+    """Tokens per second and per CPU-second of plain ``Tokenizer.encode_batch`` (all cores)
+    on the first MBs of text, read beforehand."""
     code = f"""
 import json, time
 from tokenizers import Tokenizer
@@ -149,16 +152,17 @@ with open({str(corpus)!r}, encoding="utf-8") as f:
     for line in f:
         texts.append(json.loads(line)["text"]); n += len(line)
         if n >= {sample_bytes}: break
-t0 = time.time(); tokens = 0
+t0, c0 = time.time(), time.process_time(); tokens = 0
 for i in range(0, len(texts), 256):
     tokens += sum(len(e.ids) for e in tok.encode_batch(texts[i:i + 256], add_special_tokens=False))
-print(tokens / (time.time() - t0))
+print(tokens / (time.time() - t0), tokens / (time.process_time() - c0))
 """
     env = {k: v for k, v in os.environ.items() if k not in ("RAYON_NUM_THREADS",
                                                            "TOKENIZERS_PARALLELISM")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True)
-    return float(out.stdout.strip())
+    wall, cpu = out.stdout.split()
+    return float(wall), float(cpu)
 
 
 def main(argv: list[str]) -> int:
@@ -184,26 +188,31 @@ def main(argv: list[str]) -> int:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     hf_cache = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
-    cache_before = du(hf_cache)
-    tmp_before = du(Path("/tmp")) - du(args.corpus.parent)
+    cache_before = du(hf_cache / "datasets")
 
     cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "data=local-text",
            "data.name=bench", "data.source=json", f"data.data_files=[{args.corpus.resolve()}]",
            f"data.root={root}", f"data.tokenizer_vocab_size={args.vocab}",
            "data.validation_fraction=0.005", *args.overrides, "--workers", str(args.workers)]
     print("running: " + " ".join(cmd), file=sys.stderr)
+    load_at_start = os.getloadavg()
     t0 = time.time()
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=REPO)
     sampler = PeakSampler(proc.pid)
     sampler.start()
-    train_s = None
+    train_s = plan_s = None
     for line in proc.stderr:
         sys.stderr.write(line)
         m = re.search(r"tokenizer trained in ([\d.]+) s", line)
         if m:
             train_s = float(m.group(1))
+        m = re.search(r"planned .* in ([\d.]+) s", line)
+        if m:
+            plan_s = float(m.group(1))
     rc = proc.wait()
     wall = time.time() - t0
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the whole (waited-for) tree
+    cpu_s = usage.ru_utime + usage.ru_stime
     sampler.stop.set()
     sampler.join()
     if rc != 0:
@@ -212,19 +221,24 @@ def main(argv: list[str]) -> int:
     out_dir = root / "bench"
     index = json.loads((out_dir / "index.json").read_text())
     tokens = sum(s["tokens"] for s in index["splits"].values())
-    left = {"hf_cache_growth": du(hf_cache) - cache_before,
-            "tmp_growth_besides_corpus_dir": du(Path("/tmp")) - du(args.corpus.parent) - tmp_before,
+    left = {"hf_datasets_cache_growth": du(hf_cache / "datasets") - cache_before,
             "output_root_besides_output": du(root) - du(out_dir)}
-    raw = raw_encode_speed(out_dir / "tokenizer.json", args.corpus)
+    raw, raw_cpu = raw_encode_speed(out_dir / "tokenizer.json", args.corpus)
     load = os.getloadavg()
+    load_before = load_at_start
     result = {
         "corpus_bytes": args.corpus.stat().st_size, "workers": args.workers,
         "wall_s": round(wall, 1), "tokens": tokens, "tokens_per_s": round(tokens / wall),
-        "tokenizer_train_s": train_s,
+        # CPU seconds of the whole job: on a shared machine, tokens per CPU-second times the
+        # cores gives what an idle machine would do (when the job keeps every core busy).
+        "cpu_s": round(cpu_s, 1), "tokens_per_cpu_s": round(tokens / cpu_s),
+        "tokenizer_train_s": train_s, "plan_s": plan_s,
         "peak_rss_tree_gb": round(sampler.peak_sum / 1e9, 3),
         "peak_rss_max_process_gb": round(sampler.peak_max / 1e9, 3),
         "output_gb": round(du(out_dir) / 1e9, 3),
         "left_behind_bytes": left, "raw_encode_batch_tokens_per_s": round(raw),
+        "raw_encode_batch_tokens_per_cpu_s": round(raw_cpu),
+        "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in load],
     }
     print(f"wall {wall:.1f} s, {tokens:,} tokens, {tokens / wall / 1e6:.2f}M tokens/s end to end, "
