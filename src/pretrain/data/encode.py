@@ -99,21 +99,20 @@ class Progress:
                  log_lines: bool = True):
         self.total, self.label, self.file, self.log_lines = total_bytes, label, file, log_lines
         self.bytes = self.tokens = self.skipped_bytes = 0
-        self.t0 = self.last = time.time()
+        self.t0 = self.last_file = self.last_log = time.time()
 
     def update(self, nbytes: int = 0, tokens: int = 0, force: bool = False) -> None:
         self.bytes += nbytes
         self.tokens += tokens
         now = time.time()
-        if not force and now - self.last < min(1.0, PROGRESS_EVERY_S):
-            return
-        if self.file is not None:
+        if self.file is not None and (force or now - self.last_file >= 1.0):
             write_json_atomic(self.file, {"bytes": self.bytes, "tokens": self.tokens,
                                           "skipped_bytes": self.skipped_bytes})
-        if self.log_lines and (force or now - self.last >= PROGRESS_EVERY_S):
+            self.last_file = now
+        if self.log_lines and (force or now - self.last_log >= PROGRESS_EVERY_S):
             log.info("%s", progress_line(self.label, self.bytes, self.skipped_bytes, self.tokens,
                                          self.total, now - self.t0))
-        self.last = now
+            self.last_log = now
 
 
 def progress_line(label: str, done: int, skipped: int, tokens: int, total: int | None,
