@@ -194,36 +194,39 @@ def test_validation_rule_is_evenly_spaced_and_never_empty():
     assert not any(ValidationRule(0.0, 1, 0).next() for _ in range(10))
 
 
-def test_cli_stages_exit_codes_and_slurm_array_env(tmp_path, work_dir):
-    """The stage CLI as the Slurm chain calls it: merge before encode is exit 2 naming the
-    pieces; the array task comes from SLURM_ARRAY_TASK_ID/COUNT; done is a no-op."""
+def test_cli_stages_exit_codes_and_slurm_array_env(tmp_path, work_dir, monkeypatch):
+    """The stage CLI as the Slurm chain calls it: merge before every piece is encoded is exit
+    code 2 naming the pieces; the array task comes from SLURM_ARRAY_TASK_ID/MIN/COUNT."""
     from conftest import CORPUS_FILES
 
+    monkeypatch.chdir(work_dir)
+    cfg = small_config(tmp_path)
     args = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "data=local-text",
             f"data.name={DATA_NAME}", f"data.data_files=[{','.join(CORPUS_FILES)}]",
             f"data.tokenizer_vocab_size={TOKENIZER_VOCAB}", "data.validation_fraction=0.1",
             f"data.piece_bytes={PIECE}", f"data.root={tmp_path}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = str(REPO / "src")
 
     def run(*extra, **more_env):
-        return subprocess.run([*args, *extra], cwd=work_dir, capture_output=True, text=True,
+        return subprocess.run([*args, *extra], capture_output=True, text=True,
                               env={**env, **more_env}, timeout=120)
 
-    p = run("--stage", "plan")
-    assert p.returncode == 0, p.stderr
+    plan(cfg)  # the CLI's config is this one: same fingerprint, same staging dir
     p = run("--stage", "merge")
     assert p.returncode == 2 and p.stderr.startswith("error: ") and "0-4" in p.stderr
-    for task in range(2):
-        p = run("--stage", "encode", SLURM_ARRAY_TASK_ID=str(task + 1),
-                SLURM_ARRAY_TASK_MIN="1", SLURM_ARRAY_TASK_COUNT="2")
-        assert p.returncode == 0, p.stderr
-        assert json.loads(p.stdout.splitlines()[-1])["encoded"] == 3 - task
+    # Array ids 1..2 (--array=1-2): the second task is task 1 of 2, pieces 1 and 3.
+    p = run("--stage", "encode", SLURM_ARRAY_TASK_ID="2", SLURM_ARRAY_TASK_MIN="1",
+            SLURM_ARRAY_TASK_COUNT="2")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.splitlines()[-1])["encoded"] == 2
+    assert sorted(f.name for f in (staging_dir(cfg) / "done").iterdir()) == \
+        ["00001.json", "00003.json"]
+    encode(cfg, 0, 2)
     p = run("--stage", "merge")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout.splitlines()[-1])["tokens"]["validation"] > 0
-    p = run("--stage", "encode", "--task", "0", "--of", "2")
-    assert p.returncode == 0 and "already prepared" in p.stderr
+    assert is_prepared(cfg)
 
 
 def test_named_tokenizer_encodes_like_the_trained_one(one_worker, tmp_path, in_work_dir):
