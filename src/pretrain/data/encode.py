@@ -78,6 +78,8 @@ class ShardWriter:
                 self._close_shard()
 
     def _close_shard(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())  # on disk before the done-marker can say so
         self._file.close()
         name = shard_name(self.split, self.piece, len(self.shards))
         os.replace(self._tmp(), self.staging / name)
