@@ -115,10 +115,12 @@ def _check_output(cfg: DataConfig, fp: str) -> bool:
             log.info("data: %s already prepared (%s tokens train), nothing to do", out,
                      f"{index['splits']['train']['tokens']:,}")
             return True
+        why = "with different settings" if index.get("format") == FORMAT_VERSION else \
+            f"by an older version (format {index.get('format')}, now {FORMAT_VERSION})"
         raise DataError(
-            f"{out} holds data prepared with different settings (fingerprint "
-            f"{index.get('fingerprint')} != {fp}); it is not overwritten. Use another "
-            f"data.name, or delete {out} to prepare it again."
+            f"{out} holds data prepared {why} (fingerprint {index.get('fingerprint')} != "
+            f"{fp}); it is not overwritten. Use another data.name, or delete {out} to "
+            "prepare it again."
         )
     if out.exists() and any(out.iterdir()):
         raise DataError(f"{out} exists but has no {INDEX}; it is not overwritten. "
