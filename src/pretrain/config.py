@@ -61,7 +61,6 @@ class DataConfig:
     tokenizer_vocab_size: int = 4096
     validation_fraction: float = 0.02
     shard_tokens: int = 100_000_000
-    # Worker processes of the local preparation (tools/prepare_data.py --workers overrides).
     num_proc: int = 2
     seed: int = 1234
     # Prepared shards live in ${root}/${name}; prepared on first use when auto_prepare.
@@ -70,7 +69,8 @@ class DataConfig:
     # Preparation cuts the corpus into pieces of about this many bytes (JSON Lines: newline-
     # aligned byte ranges; text/stdlib: groups of files; parquet: groups of row groups; hub:
     # its data files), each encoded alone into its own shards, so the output does not depend
-    # on the number of workers (num_proc, or --workers / --of). Changing it re-prepares.
+    # on the number of workers (num_proc: the local default; or --workers / --of). Changing
+    # it re-prepares.
     piece_bytes: int = 64_000_000
     # tokenizer=bpe is trained on at most this much text (characters), taken from the start of
     # every piece in proportion to its size, validation documents left out.
