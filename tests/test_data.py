@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 from conftest import CORPUS_FILES, DATA_NAME, N_DOCS, TOKENIZER_VOCAB, make_data_config
 
 from pretrain.data.loader import TokenWindows
-from pretrain.data.prepare import DataError, prepare
+from pretrain.data.prepare import DataError, fingerprint, prepare
 
 
 def snapshot(path: Path) -> dict[str, tuple[int, str]]:
@@ -181,13 +180,16 @@ def test_missing_split_and_missing_index(prepared, tmp_path):
 
 
 def test_prepare_is_not_left_half_done(tmp_path, in_work_dir, monkeypatch):
-    """A preparation that fails midway leaves no data dir that a later run would reuse."""
-    import pretrain.data.prepare as prep
+    """A preparation that fails midway leaves no data dir that a later run would reuse
+    (only its staging dir, which the next run resumes from)."""
+    import pretrain.data.encode as enc
 
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(prep, "write_split", boom)
+    monkeypatch.setattr(enc, "encode_piece", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         prepare(make_data_config(tmp_path))
-    assert os.listdir(tmp_path) == []
+    assert not (tmp_path / DATA_NAME).exists()
+    assert [p.name for p in tmp_path.iterdir()] == [f".{DATA_NAME}.staging-" + 
+                                                     fingerprint(make_data_config(tmp_path))]

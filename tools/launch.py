@@ -31,7 +31,6 @@ extra. The preparation runs outside any container, with the interpreter running 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import subprocess
@@ -230,20 +229,11 @@ def render(cfg: Config, alloc: Allocation, run_dir: Path, overrides: list[str],
 # -- data preparation as jobs the training job depends on ----------------------------------
 
 def data_prepared(cfg: Config) -> bool:
-    """Whether ``<data.root>/<data.name>/`` holds this config's data (index.json with the
-    same fingerprint), seen from here: the jobs run in this directory, on shared storage."""
-    from pretrain.data import prepare as prep
+    """Whether the training job can start without preparation jobs before it (seen from
+    here: the jobs run in this directory, on shared storage)."""
+    from pretrain.data.prepare import needs_preparation
 
-    if hasattr(prep, "is_prepared"):
-        return bool(prep.is_prepared(cfg.data))
-    # Until pretrain.data.prepare.is_prepared exists: the same test, spelled out here.
-    index = prep.data_dir(cfg.data) / "index.json"
-    if not index.is_file():
-        return False
-    try:
-        return json.loads(index.read_text()).get("fingerprint") == prep.fingerprint(cfg.data)
-    except (OSError, ValueError):  # unreadable, or data files that are not there (DataError)
-        return False
+    return not needs_preparation(cfg.data)
 
 
 def prepare_script(cfg: Config, overrides: list[str], workdir: Path) -> str:

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from pretrain.cli import compose_config  # noqa: E402
+from pretrain.data.prepare import needs_preparation  # noqa: E402
 
 
 def world_size(overrides: list[str], nproc: int | None) -> int:
@@ -50,13 +51,6 @@ def command(overrides: list[str], nproc: int) -> list[str]:
             f"--nproc_per_node={nproc}", str(REPO / "train.py"), *overrides]
 
 
-def prepared(cfg) -> bool:
-    from pretrain.data.epochs import prepared_index
-
-    # data.auto_prepare=false: the data is the user's to provide, as train.py reads it
-    return not cfg.data.auto_prepare or prepared_index(cfg.data) is not None
-
-
 def prepare_command(overrides: list[str]) -> list[str]:
     return [sys.executable, str(REPO / "tools" / "prepare_data.py"), *overrides]
 
@@ -75,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     # on one process; torchrun cannot pass that through, so the trainer leaves stopped.json
     # in the run directory and this launcher returns 75 for it.
     cfg = compose_config(overrides)
-    if not prepared(cfg):
+    if needs_preparation(cfg.data):
         # A multi-process run never tokenises (train.py refuses): prepare first, as its own
         # job, with the same overrides and data.num_proc worker processes.
         print(f"run_local: preparing data.name={cfg.data.name} first: "

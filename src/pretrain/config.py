@@ -77,6 +77,15 @@ class DataConfig:
     # configuration error (more than one epoch is a warning): repeated data stops paying
     # after about 4 epochs (Muennighoff et al. 2023).
     max_epochs: float = 4.0
+    # Preparation cuts the corpus into pieces of about this many bytes (JSON Lines: newline-
+    # aligned byte ranges; text/stdlib: groups of files; parquet: groups of row groups; hub:
+    # its data files), each encoded alone into its own shards, so the output does not depend
+    # on the number of workers (num_proc: the local default; or --workers / --of). Changing
+    # it re-prepares.
+    piece_bytes: int = 64_000_000
+    # tokenizer=bpe is trained on at most this much text (characters), taken from the start of
+    # every piece in proportion to its size, validation documents left out.
+    tokenizer_sample_bytes: int = 64_000_000
 
 
 @dataclass

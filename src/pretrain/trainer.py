@@ -36,7 +36,7 @@ from pretrain.checkpoint import (
     resolve_checkpoint,
 )
 from pretrain.config import Config
-from pretrain.data.epochs import check_epochs, prepared_index
+from pretrain.data.epochs import check_epochs
 from pretrain.data.loader import TokenWindows
 from pretrain.data.prepare import DataError, data_dir, load_index, prepare
 from pretrain.device import (
@@ -82,9 +82,7 @@ def require_prepared(cfg: Config) -> None:
     command that prepares it, when there is none for this data config (with
     ``data.auto_prepare=false`` any prepared index at the path will do)."""
     path = data_dir(cfg.data)
-    if cfg.data.auto_prepare and prepared_index(cfg.data) is not None:
-        return
-    if not cfg.data.auto_prepare and (path / "index.json").exists():
+    if not needs_preparation(cfg.data) and (path / "index.json").exists():
         return
     what = ("was prepared with other settings" if (path / "index.json").exists()
             else "holds no prepared data")

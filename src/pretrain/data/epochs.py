@@ -12,12 +12,11 @@ is unknown until preparation, and the trainer checks again once the index exists
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 
 from pretrain.config import DataConfig
-from pretrain.data.prepare import INDEX, data_dir, fingerprint
+from pretrain.data.prepare import prepared_index
 from pretrain.validate import ConfigError
 
 log = logging.getLogger(__name__)
@@ -32,15 +31,6 @@ class CorpusSize:
         if self.tokens is None:
             return "size unknown until prepared"
         return f"{self.tokens:,} tokens ({self.source})"
-
-
-def prepared_index(cfg: DataConfig) -> dict | None:
-    """The index of a finished preparation of exactly this data config, else None."""
-    path = data_dir(cfg) / INDEX
-    if not path.exists():
-        return None
-    index = json.loads(path.read_text())
-    return index if index.get("fingerprint") == fingerprint(cfg) else None
 
 
 def corpus_size(cfg: DataConfig, index: dict | None = None) -> CorpusSize:

@@ -1,280 +1,91 @@
-"""Pre-tokenize a Hugging Face ``datasets`` source into flat token shards, once.
+"""Pre-tokenize a corpus into flat token shards, once, as a streaming job in three stages.
 
-Output, in ``<data.root>/<data.name>/``::
+    plan    the tokenizer (a BPE trained on a bounded sample, or a named one) and the
+            ordered list of pieces of the corpus (sources.py), into the staging dir
+    encode  worker k of n encodes the pieces i with i % n == k, each into its own shard
+            files plus a done-marker (encode.py); finished pieces are skipped on a re-run
+    merge   checks every piece is done, writes index.json and renames the staging dir to
+            ``<data.root>/<data.name>/``
 
-    index.json          tokenizer, dtype, vocab, eos id, shards per split, fingerprint
-    tokenizer.json      the tokenizer used (trained here for tokenizer=bpe, or copied)
-    train_000.bin ...   uint16/uint32 token ids, documents joined by the EOS token
+The piece boundaries, the validation documents (split.py) and so the files depend only on
+the corpus and the config, never on the number of workers. The staging dir's name derives
+from the fingerprint, so separate jobs (a Slurm array, several nodes) share it. Output::
+
+    index.json           tokenizer, dtype, vocab, eos id, shards per split, fingerprint
+    tokenizer.json       the tokenizer used (trained here for tokenizer=bpe, or copied)
+    plan.json            the pieces and the settings they were encoded with
+    train_000.bin ...    uint16/uint32 token ids, documents joined by the EOS token
     validation_000.bin
 
-The directory is built under a temporary name and renamed when complete, so an interrupted
-preparation is never mistaken for a finished one; a finished one with the same fingerprint
-is reused, and one with a different fingerprint is never overwritten.
+A finished dir with the same fingerprint is reused (every stage is a no-op); one with a
+different fingerprint, or a non-empty dir without an index, is never overwritten.
 """
 
 from __future__ import annotations
 
-import glob
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import sysconfig
-from dataclasses import asdict
+import time
 from pathlib import Path
 
 import numpy as np
 
 from pretrain.config import DataConfig
+from pretrain.data.encode import (
+    DONE,
+    PLAN,
+    done_path,
+    load_plan,
+    progress_line,
+    run_worker,
+    write_json_atomic,
+)
+from pretrain.data.errors import DataError
+from pretrain.data.sources import apply_max_documents, expand_files, plan_pieces, stdlib_files
+from pretrain.data.tokenizer import make_tokenizer
+
+__all__ = ["DataError", "INDEX", "FORMAT_VERSION", "data_dir", "fingerprint", "is_prepared",
+           "load_index", "merge", "plan", "encode", "prepare", "staging_dir", "stdlib_files"]
 
 log = logging.getLogger(__name__)
 
-EOS = "<|endoftext|>"
 INDEX = "index.json"
-FORMAT_VERSION = 1
-# Parts of the standard library left out of the embedded corpus: the test suite is two
-# thirds of its size; idlelib/lib2to3 are applications; encodings/ is mostly generated
-# code-page tables that a small model would otherwise spend its capacity memorising.
-STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "encodings", "site-packages",
-               "dist-packages"}
-
-
-# DataConfig keys that do not change the prepared tokens.
-NOT_CONTENT = ("num_proc", "root", "auto_prepare", "tokens", "max_epochs")
-
-
-class DataError(ValueError):
-    pass
+FORMAT_VERSION = 2
+# The settings that determine the shards' bytes (num_proc, root, auto_prepare and anything
+# about training do not): the fingerprint covers these and the data files' stats.
+CONTENT_KEYS = ("source", "subset", "revision", "split", "data_files", "text_field", "max_documents",
+                "tokenizer", "tokenizer_vocab_size", "validation_fraction", "shard_tokens",
+                "seed", "piece_bytes", "tokenizer_sample_bytes")
+PROGRESS_FILES = "progress"
 
 
 def data_dir(cfg: DataConfig) -> Path:
     return Path(cfg.root) / cfg.name
 
 
-def stdlib_files() -> list[Path]:
-    """The embedded corpus: this interpreter's own standard-library sources, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [
-        f for f in root.rglob("*.py")
-        if not STDLIB_SKIP.intersection(f.relative_to(root).parts)
-    ]
-    if not files:
-        raise DataError(f"no Python sources found under the standard library at {root}")
-    return sorted(files)
-
-
-def expand_files(patterns: list[str]) -> list[str]:
-    """Glob patterns (absolute or relative) -> the existing files, as absolute paths."""
-    files: list[str] = []
-    for pattern in patterns:
-        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
-        files += [os.path.abspath(m) for m in matches if os.path.isfile(m)]
-    return files
+def staging_dir(cfg: DataConfig) -> Path:
+    """Where the stages build the output: fixed by the fingerprint, shared by every job."""
+    return Path(cfg.root) / f".{cfg.name}.staging-{fingerprint(cfg)}"
 
 
 def fingerprint(cfg: DataConfig) -> str:
-    """What determines the shards' content; where they go, how many processes make them,
-    the declared size and the epoch limit do not."""
-    keys = {k: v for k, v in asdict(cfg).items() if k not in NOT_CONTENT}
+    """What determines the shards' content (CONTENT_KEYS, the format, the files' stats)."""
+    keys = {k: getattr(cfg, k) for k in CONTENT_KEYS}
+    keys["data_files"] = list(keys["data_files"])
+    keys["format"] = FORMAT_VERSION
     if cfg.source == "stdlib":
         keys["stdlib"] = sysconfig.get_paths()["stdlib"]
     for f in expand_files(cfg.data_files):
         st = Path(f).stat()
         keys.setdefault("file_stats", []).append([f, st.st_size, int(st.st_mtime)])
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def load_source(cfg: DataConfig):
-    """The raw documents as a ``datasets.Dataset`` with one text column."""
-    import datasets
-
-    if cfg.source == "stdlib":
-        files = stdlib_files()
-        texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
-        ds = datasets.Dataset.from_dict({cfg.text_field: texts})
-    elif cfg.source in ("text", "json", "csv", "parquet", "arrow"):
-        if not cfg.data_files:
-            raise DataError(
-                f"data.source={cfg.source} reads local files but data.data_files is empty; "
-                "set data.data_files=[path/to/file, ...]"
-            )
-        missing = [f for f in cfg.data_files if not expand_files([f])]
-        if missing:
-            raise DataError(f"data.data_files matches no file: {missing}; check the paths")
-        kwargs = {"sample_by": "document"} if cfg.source == "text" else {}
-        ds = datasets.load_dataset(cfg.source, data_files=expand_files(cfg.data_files),
-                                   split="train", **kwargs)
-    else:
-        try:
-            ds = datasets.load_dataset(cfg.source, cfg.subset, split=cfg.split,
-                                       revision=cfg.revision)
-        except Exception as e:  # hub unreachable, unknown name, gated dataset ...
-            raise DataError(
-                f"could not load data.source={cfg.source!r} (subset={cfg.subset}) from the "
-                f"Hugging Face hub: {e}. On a machine without hub access, use local files "
-                "(data.source=text|json|parquet data.data_files=[...]) or the embedded corpus "
-                "(data=stdlib)."
-            ) from e
-    if cfg.text_field not in ds.column_names:
-        raise DataError(
-            f"data.text_field={cfg.text_field!r} is not a column of {cfg.source}; "
-            f"columns are {ds.column_names}"
-        )
-    if cfg.max_documents is not None:
-        ds = ds.select(range(min(cfg.max_documents, len(ds))))
-    ds = ds.select_columns([cfg.text_field])
-    # Empty documents (empty files, blank records) would add nothing but EOS tokens.
-    ds = ds.filter(lambda t: bool(t and t.strip()), input_columns=cfg.text_field)
-    if len(ds) == 0:
-        raise DataError(f"data.source={cfg.source!r} has no documents; check data.data_files")
-    return ds
-
-
-def train_bpe(texts, vocab_size: int):
-    """A byte-level BPE (GPT-2 style) trained with HF tokenizers on the training text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return tok
-
-
-def get_tokenizer(cfg: DataConfig, train_texts, out: Path):
-    """A ``PreTrainedTokenizerFast`` saved as out/tokenizer.json, and its EOS id."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    if cfg.tokenizer == "bpe":
-        log.info("training a byte-level BPE of %d tokens on the corpus", cfg.tokenizer_vocab_size)
-        raw = train_bpe(train_texts, cfg.tokenizer_vocab_size)
-        tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=EOS)
-    else:
-        try:
-            tok = AutoTokenizer.from_pretrained(cfg.tokenizer)
-        except Exception as e:
-            raise DataError(
-                f"could not load data.tokenizer={cfg.tokenizer!r}: {e}. Without hub access "
-                "use data.tokenizer=bpe (trained on the corpus) or a local tokenizer directory."
-            ) from e
-    if tok.eos_token_id is None:
-        raise DataError(f"tokenizer {cfg.tokenizer!r} has no EOS token to separate documents")
-    tok.backend_tokenizer.save(str(out / "tokenizer.json"))
-    return tok
-
-
-def write_split(ds, split: str, out: Path, dtype, shard_tokens: int) -> list[dict]:
-    """Concatenate the ``ids`` column into shards of at most shard_tokens tokens."""
-    from tqdm.auto import tqdm
-
-    shards: list[dict] = []
-    buf: list[np.ndarray] = []
-    n_buf = 0
-
-    def flush() -> None:
-        nonlocal buf, n_buf
-        if n_buf == 0:
-            return
-        name = f"{split}_{len(shards):03d}.bin"
-        np.concatenate(buf).astype(dtype).tofile(out / name)
-        shards.append({"file": name, "tokens": int(n_buf)})
-        buf, n_buf = [], 0
-
-    for batch in tqdm(ds.iter(batch_size=1024), total=-(-len(ds) // 1024),
-                      desc=f"writing {split}", unit="batch", leave=False):
-        for ids in batch["ids"]:
-            arr = np.asarray(ids, dtype=np.int64)
-            while len(arr):
-                take = min(len(arr), shard_tokens - n_buf)
-                buf.append(arr[:take])
-                n_buf += take
-                arr = arr[take:]
-                if n_buf >= shard_tokens:
-                    flush()
-    flush()
-    return shards
-
-
-def prepare(cfg: DataConfig) -> Path:
-    """Prepare the shards for ``cfg`` unless an identical preparation exists. Returns the dir."""
-    out = data_dir(cfg)
-    fp = fingerprint(cfg)
-    index_path = out / INDEX
-    if index_path.exists():
-        index = json.loads(index_path.read_text())
-        if index.get("fingerprint") == fp:
-            log.info("data: %s already prepared (%s tokens train), reusing", out,
-                     f"{index['splits']['train']['tokens']:,}")
-            return out
-        raise DataError(
-            f"{out} holds data prepared with different settings (fingerprint "
-            f"{index.get('fingerprint')} != {fp}); it is not overwritten. Use another "
-            f"data.name, or delete {out} to prepare it again."
-        )
-    if out.exists() and any(out.iterdir()):
-        raise DataError(f"{out} exists but has no {INDEX}; it is not overwritten. "
-                        f"Delete it or choose another data.name.")
-    if not 0 <= cfg.validation_fraction < 1:
-        raise DataError("data.validation_fraction must be in [0, 1)")
-
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        ds = load_source(cfg)
-        log.info("data: %d documents from %s", len(ds), cfg.source)
-        n_val = int(round(len(ds) * cfg.validation_fraction))
-        if cfg.validation_fraction > 0:
-            n_val = max(1, n_val)
-        if n_val >= len(ds):
-            raise DataError(f"data has {len(ds)} documents, too few for a validation split of "
-                            f"{cfg.validation_fraction}; lower data.validation_fraction")
-        parts = ds.train_test_split(test_size=n_val, seed=cfg.seed) if n_val else None
-        splits = {"train": parts["train"], "validation": parts["test"]} if parts else {"train": ds}
-
-        tok = get_tokenizer(cfg, (t for t in splits["train"][cfg.text_field]), tmp)
-        vocab = len(tok)
-        dtype = np.uint16 if vocab <= 65536 else np.uint32
-        field_, eos = cfg.text_field, tok.eos_token_id
-
-        def encode(batch):
-            ids = tok(batch[field_], add_special_tokens=False)["input_ids"]
-            return {"ids": [x + [eos] for x in ids]}
-
-        index = {
-            "format": FORMAT_VERSION, "fingerprint": fp, "source": cfg.source,
-            "tokenizer": cfg.tokenizer, "vocab_size": vocab, "eos_id": eos,
-            "dtype": np.dtype(dtype).name, "splits": {},
-        }
-        max_id = 0
-        for split, part in splits.items():
-            enc = part.map(encode, batched=True, num_proc=max(1, cfg.num_proc) if len(part) > 1 else None,
-                           remove_columns=part.column_names, desc=f"tokenizing {split}")
-            shards = write_split(enc, split, tmp, dtype, cfg.shard_tokens)
-            for s in shards:
-                max_id = max(max_id, int(np.fromfile(tmp / s["file"], dtype=dtype).max()))
-            index["splits"][split] = {
-                "documents": len(part), "tokens": sum(s["tokens"] for s in shards),
-                "shards": shards,
-            }
-        index["max_token_id"] = max_id
-        (tmp / INDEX).write_text(json.dumps(index, indent=2))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.info("data: prepared %s: %s", out, {k: v["tokens"] for k, v in index["splits"].items()})
-    return out
 
 
 def load_index(path: Path) -> dict:
@@ -285,3 +96,253 @@ def load_index(path: Path) -> dict:
             f"`python tools/prepare_data.py data=...` or set data.auto_prepare=true"
         )
     return json.loads(index_path.read_text())
+
+
+def prepared_index(cfg: DataConfig) -> dict | None:
+    """The index of a finished preparation of exactly this config, else None."""
+    index_path = data_dir(cfg) / INDEX
+    if not index_path.exists():
+        return None
+    index = json.loads(index_path.read_text())
+    return index if index.get("fingerprint") == fingerprint(cfg) else None
+
+
+def is_prepared(cfg: DataConfig) -> bool:
+    """The output dir holds a finished preparation of exactly this config."""
+    return prepared_index(cfg) is not None
+
+
+def needs_preparation(cfg: DataConfig) -> bool:
+    """Whether a launcher must run the preparation before training: ``auto_prepare`` and
+    not prepared. With ``auto_prepare=false`` the data at the path is the user's to provide
+    (training reads whatever index is there)."""
+    return cfg.auto_prepare and not is_prepared(cfg)
+
+
+def _check_output(cfg: DataConfig, fp: str) -> bool:
+    """True when already prepared; raise when the output dir holds something else."""
+    out = data_dir(cfg)
+    index_path = out / INDEX
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        if index.get("fingerprint") == fp:
+            log.info("data: %s already prepared (%s tokens train), nothing to do", out,
+                     f"{index['splits']['train']['tokens']:,}")
+            return True
+        why = "with different settings" if index.get("format") == FORMAT_VERSION else \
+            f"by an older version (format {index.get('format')}, now {FORMAT_VERSION})"
+        raise DataError(
+            f"{out} holds data prepared {why} (fingerprint {index.get('fingerprint')} != "
+            f"{fp}); it is not overwritten. Use another data.name, or delete {out} to "
+            "prepare it again."
+        )
+    if out.exists() and any(out.iterdir()):
+        raise DataError(f"{out} exists but has no {INDEX}; it is not overwritten. "
+                        f"Delete it or choose another data.name.")
+    if not 0 <= cfg.validation_fraction < 1:
+        raise DataError("data.validation_fraction must be in [0, 1)")
+    return False
+
+
+def _config_dict(cfg: DataConfig) -> dict:
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+# -- the stages -------------------------------------------------------------------------------
+
+
+def plan(cfg: DataConfig) -> Path | None:
+    """Stage 1: tokenizer + pieces into the staging dir. None when already prepared."""
+    fp = fingerprint(cfg)
+    if _check_output(cfg, fp):
+        return None
+    staging = staging_dir(cfg)
+    if (staging / PLAN).exists():
+        log.info("data: %s already planned (%d pieces)", staging,
+                 len(load_plan(staging)["pieces"]))
+        return staging
+    t0 = time.time()
+    pieces = apply_max_documents(cfg, plan_pieces(cfg))
+    sizes = [p["bytes"] for p in pieces]
+    total = None if None in sizes else sum(sizes)
+    log.info("data: %d pieces from data.source=%s%s", len(pieces), cfg.source,
+             f" ({total / 1e6:,.0f} MB)" if total is not None else "")
+    tok, vocab, eos = make_tokenizer(cfg, pieces)
+    dtype = np.uint16 if vocab <= 65536 else np.uint32
+    staging.mkdir(parents=True, exist_ok=True)
+    tmp = staging / f".tokenizer.json.tmp-{os.getpid()}"
+    tok.save(str(tmp))
+    os.replace(tmp, staging / "tokenizer.json")
+    write_json_atomic(staging / PLAN, {
+        "format": FORMAT_VERSION, "fingerprint": fp,
+        "data": {k: v for k, v in _config_dict(cfg).items() if k in CONTENT_KEYS},
+        "vocab_size": vocab, "eos_id": eos, "dtype": np.dtype(dtype).name,
+        "bytes": total, "pieces": pieces,
+    })
+    log.info("data: planned %s in %.1f s: %d pieces, vocabulary %d (%s)", staging,
+             time.time() - t0, len(pieces), vocab, np.dtype(dtype).name)
+    return staging
+
+
+def encode(cfg: DataConfig, task: int, of: int) -> dict | None:
+    """Stage 2: encode the pieces i with i % of == task (those not done yet)."""
+    if _check_output(cfg, fingerprint(cfg)):
+        return None
+    return run_worker(staging_dir(cfg), task, of)
+
+
+def missing_pieces(staging: Path, n: int) -> list[int]:
+    return [i for i in range(n) if not done_path(staging, i).exists()]
+
+
+def _ranges(ids: list[int]) -> str:
+    out, start = [], None
+    for k, i in enumerate(ids):
+        if start is None:
+            start = i
+        if k + 1 == len(ids) or ids[k + 1] != i + 1:
+            out.append(str(start) if start == i else f"{start}-{i}")
+            start = None
+    return ", ".join(out)
+
+
+def merge(cfg: DataConfig) -> Path:
+    """Stage 3: check every piece is done, write index.json, publish the dir atomically."""
+    fp = fingerprint(cfg)
+    out = data_dir(cfg)
+    if _check_output(cfg, fp):
+        return out
+    staging = staging_dir(cfg)
+    the_plan = load_plan(staging)
+    n = len(the_plan["pieces"])
+    missing = missing_pieces(staging, n)
+    if missing:
+        raise DataError(
+            f"{len(missing)} of {n} pieces are not encoded yet: {_ranges(missing)}. Run "
+            "`python tools/prepare_data.py <same overrides> --stage encode --task K --of N` "
+            "for the tasks holding them (piece i belongs to task i % N), or "
+            "`python tools/prepare_data.py <same overrides>` to finish them here."
+        )
+    splits = ["train", "validation"] if cfg.validation_fraction > 0 else ["train"]
+    index = {
+        "format": FORMAT_VERSION, "fingerprint": fp, "source": cfg.source,
+        "tokenizer": cfg.tokenizer, "vocab_size": the_plan["vocab_size"],
+        "eos_id": the_plan["eos_id"], "dtype": the_plan["dtype"], "pieces": n,
+        "splits": {s: {"documents": 0, "tokens": 0, "shards": []} for s in splits},
+    }
+    max_id = -1
+    for i in range(n):
+        marker = json.loads(done_path(staging, i).read_text())
+        max_id = max(max_id, marker["max_token_id"])
+        for s, part in marker["splits"].items():
+            split = index["splits"][s]
+            split["documents"] += part["documents"]
+            split["tokens"] += part["tokens"]
+            split["shards"] += part["shards"]
+    index["max_token_id"] = max_id
+    docs = {s: v["documents"] for s, v in index["splits"].items()}
+    if sum(docs.values()) == 0:
+        raise DataError(f"data.source={cfg.source!r} has no documents; check data.data_files")
+    if docs["train"] == 0:
+        raise DataError(f"data has {sum(docs.values())} documents, too few for a validation "
+                        f"split of {cfg.validation_fraction}; lower data.validation_fraction")
+    write_json_atomic(staging / INDEX, index)
+    if out.exists():
+        try:
+            out.rmdir()  # empty (checked above)
+        except OSError:
+            pass
+    try:
+        staging.rename(out)
+    except OSError:
+        if _check_output(cfg, fp):  # another merge of the same job got there first
+            return out
+        raise
+    for leftover in (DONE, PROGRESS_FILES):
+        shutil.rmtree(out / leftover, ignore_errors=True)
+    for stray in out.glob(".*.tmp*"):
+        stray.unlink(missing_ok=True)
+    log.info("data: prepared %s: %s tokens", out,
+             {k: f"{v['tokens']:,}" for k, v in index["splits"].items()})
+    return out
+
+
+# -- the whole job, locally -------------------------------------------------------------------
+
+
+def prepare(cfg: DataConfig, workers: int | None = None) -> Path:
+    """Plan, encode with ``workers`` processes (default data.num_proc; one runs in this
+    process), merge. Returns the data dir; a no-op when it is already prepared. An
+    interrupted run resumes: finished pieces are kept in the staging dir."""
+    out = data_dir(cfg)
+    staging = plan(cfg)
+    if staging is None:
+        return out
+    n_pieces = len(load_plan(staging)["pieces"])
+    workers = max(1, min(workers or cfg.num_proc or 1, n_pieces))
+    t0 = time.time()
+    if workers == 1:
+        run_worker(staging, 0, 1)
+    else:
+        _run_worker_processes(staging, workers)
+    log.info("data: encoded %d pieces with %d worker(s) in %.1f s", n_pieces, workers,
+             time.time() - t0)
+    return merge(cfg)
+
+
+def worker_env(workers: int) -> dict[str, str]:
+    """Split the cores between the worker processes: each tokenizer gets cores / workers
+    threads (one thread: parallelism off), so n processes never oversubscribe."""
+    env = dict(os.environ)
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    env["RAYON_NUM_THREADS"] = str(threads)
+    env["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _run_worker_processes(staging: Path, workers: int) -> None:
+    the_plan = load_plan(staging)
+    total = the_plan["bytes"]
+    progress_dir = staging / PROGRESS_FILES
+    progress_dir.mkdir(exist_ok=True)
+    files = [progress_dir / f"{k}-of-{workers}.json" for k in range(workers)]
+    for f in files:
+        f.unlink(missing_ok=True)
+    env = worker_env(workers)
+    procs = [subprocess.Popen([sys.executable, "-m", "pretrain.data.encode", str(staging),
+                               str(k), str(workers), "--progress", str(files[k]), "--quiet"],
+                              env=env) for k in range(workers)]
+    t0 = last = time.time()
+    try:
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.5)
+            if time.time() - last >= 5.0:
+                last = time.time()
+                done = skipped = tokens = 0
+                for f in files:
+                    if f.exists():
+                        try:
+                            p = json.loads(f.read_text())
+                        except (OSError, ValueError):
+                            continue
+                        done += p["bytes"]
+                        skipped += p["skipped_bytes"]
+                        tokens += p["tokens"]
+                log.info("%s", progress_line(f"encode ({workers} workers)", done, skipped,
+                                             tokens, total, last - t0))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+            p.wait()
+    failed = [k for k, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        missing = missing_pieces(staging, len(the_plan["pieces"]))
+        raise DataError(f"encode worker(s) {failed} of {workers} failed (see above); pieces "
+                        f"{_ranges(missing)} are not done. Run again to resume.")

@@ -1,0 +1,107 @@
+"""The tokenizer of a preparation: a byte-level BPE trained on a bounded sample of the
+corpus, or a named Hugging Face tokenizer; saved as tokenizer.json for the encoders.
+
+Training BPE on all of a large corpus costs minutes and gigabytes for a vocabulary that a
+sample of a hundred MB or so already determines; the sample is the start of every piece in
+proportion to its size, so it is spread over the whole corpus, and it leaves out the
+validation documents (the same rule as the encoders apply), so validation text stays unseen.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from pretrain.config import DataConfig
+from pretrain.data.errors import DataError
+from pretrain.data.sources import iter_documents
+from pretrain.data.split import ValidationRule
+
+log = logging.getLogger(__name__)
+
+EOS = "<|endoftext|>"
+
+
+def sample_documents(cfg: DataConfig, pieces: list[dict]) -> tuple[list[str], int]:
+    """Training documents, about cfg.tokenizer_sample_bytes of them (characters, counted as
+    bytes), from the start of each piece in proportion to its share of the corpus; and
+    their total size. Small corpora are read whole."""
+    sizes = [p["bytes"] if p["bytes"] is not None else 1 for p in pieces]
+    total = sum(sizes) or 1
+    texts: list[str] = []
+    taken, cum = 0, 0
+    for i, (piece, size) in enumerate(zip(pieces, sizes, strict=True)):
+        cum += size
+        target = cfg.tokenizer_sample_bytes * cum / total
+        if taken >= target:
+            continue
+        rule = ValidationRule(cfg.validation_fraction, cfg.seed, i)
+        for doc in iter_documents(piece, cfg):
+            if not doc or not doc.strip() or rule.next():
+                continue
+            texts.append(doc)
+            taken += len(doc)
+            if taken >= target:
+                break
+    return texts, taken
+
+
+def train_bpe(texts, vocab_size: int):
+    """A byte-level BPE (GPT-2 style) trained with HF tokenizers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def make_tokenizer(cfg: DataConfig, pieces: list[dict]) -> tuple[object, int, int]:
+    """(backend ``tokenizers.Tokenizer``, vocabulary size, EOS id) for cfg.tokenizer."""
+    if cfg.tokenizer == "bpe":
+        if cfg.tokenizer_sample_bytes <= 0:
+            raise DataError("data.tokenizer_sample_bytes must be positive")
+        t0 = time.time()
+        texts, size = sample_documents(cfg, pieces)
+        if not texts:
+            raise DataError(f"data.source={cfg.source!r} has no documents (or only validation "
+                            "ones); check data.data_files and data.validation_fraction")
+        log.info("data: training a byte-level BPE of %d tokens on a sample of %d documents "
+                 "(%.1f MB, read in %.1f s)", cfg.tokenizer_vocab_size, len(texts), size / 1e6,
+                 time.time() - t0)
+        t0 = time.time()
+        tok = train_bpe(texts, cfg.tokenizer_vocab_size)
+        log.info("data: tokenizer trained in %.1f s", time.time() - t0)
+        return tok, tok.get_vocab_size(), tok.token_to_id(EOS)
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    except Exception as e:
+        raise DataError(
+            f"could not load data.tokenizer={cfg.tokenizer!r}: {e}. Without hub access "
+            "use data.tokenizer=bpe (trained on the corpus) or a local tokenizer directory."
+        ) from e
+    if not getattr(hf, "is_fast", False):
+        raise DataError(f"tokenizer {cfg.tokenizer!r} has no fast (Rust) version to encode with")
+    if hf.eos_token_id is None:
+        raise DataError(f"tokenizer {cfg.tokenizer!r} has no EOS token to separate documents")
+    return hf.backend_tokenizer, len(hf), hf.eos_token_id
+
+
+def load_for_encoding(path: Path):
+    """tokenizer.json as the encoders use it: no truncation or padding, whatever was saved."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
