@@ -38,7 +38,7 @@ from pretrain.checkpoint import (
 from pretrain.config import Config
 from pretrain.data.epochs import check_epochs
 from pretrain.data.loader import TokenWindows
-from pretrain.data.prepare import DataError, data_dir, load_index, prepare
+from pretrain.data.prepare import DataError, data_dir, load_index, needs_preparation, prepare
 from pretrain.device import (
     cpu_native_matmul,
     gpu_peak_flops,
