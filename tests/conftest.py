@@ -31,6 +31,11 @@ from pretrain.naming import register_resolvers  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+# The recipes sized for a CPU; every other recipe is meant for GPUs (a new recipe counts as
+# one until it is listed here).
+CPU_RECIPES = {"tiny", "tiny-zero3", "llama-tiny", "nano-3d", "nano-zbv", "ladder-tiny",
+               "isoflop-tiny", "gpt2-124m-cpu", "hparam-tiny"}
+GPU_RECIPES = sorted(set(RECIPES) - CPU_RECIPES)
 
 # The tiny corpus: 10 documents (one per file) of short, very regular sentences, so a nano
 # model learns something in a few dozen steps. Paths are relative to the work directory.

@@ -8,17 +8,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import RECIPES, REPO
+from conftest import CPU_RECIPES, GPU_RECIPES, RECIPES, REPO
 
 from pretrain.budget import count_params, flops_per_token
 from pretrain.trainer import resolve_plan
 from pretrain.validate import check
 
-# The recipes sized for a CPU; every other recipe is meant for GPUs (a new recipe counts as
-# one until it is listed here).
-CPU_RECIPES = {"tiny", "tiny-zero3", "llama-tiny", "nano-3d", "nano-zbv", "ladder-tiny",
-               "isoflop-tiny", "gpt2-124m-cpu"}
-GPU_RECIPES = sorted(set(RECIPES) - CPU_RECIPES)
 PLAN_KEYS = {"n_params", "n_params_non_embedding", "tokens", "steps", "global_batch_tokens",
              "flops_per_token", "total_flops", "attention", "precision", "layout",
              "checkpoint"}

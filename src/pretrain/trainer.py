@@ -824,6 +824,10 @@ class Trainer:
                           "is ever whole without an extra backward")
         if lay.microbatches >= 2:
             return lay.micro_batch_size, None
+        if self.cfg.train.compile:
+            return None, ("not measured: with one micro batch per step the measuring step "
+                          "runs two half batches, a new shape torch.compile would compile "
+                          "the blocks again for (use 2 or more micro batches)")
         if lay.micro_batch_size >= 2:
             return lay.micro_batch_size // 2, None
         return None, ("not measured: one sequence per rank and step leaves no smaller batch "
