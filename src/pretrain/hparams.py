@@ -28,7 +28,6 @@ circular (refused).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -199,18 +198,16 @@ def collect_sweep(root: Path | str) -> list[SweepPoint]:
     """Every finished run under ``root`` (``result.json`` with a finite final validation
     loss, ``plan.json`` beside it): its C (the plan's ``hparam_compute``), peak LR, global
     batch in tokens and loss."""
-    root, points = Path(root), []
-    for result_path in sorted(root.rglob("result.json")):
-        plan_path = result_path.with_name("plan.json")
-        if not plan_path.exists():
-            continue
-        result, plan = json.loads(result_path.read_text()), json.loads(plan_path.read_text())
-        loss = result.get("final_val_loss")
-        if loss is None or not math.isfinite(loss) or "hparam_compute" not in plan:
-            continue  # diverged, or written before plans recorded C
+    from pretrain.scaling import finished_runs
+
+    points = []
+    for run_dir, plan, result in finished_runs(root):
+        if "hparam_compute" not in plan:
+            continue  # written before plans recorded C
+        loss = result["final_val_loss"]
         points.append(SweepPoint(compute=float(plan["hparam_compute"]), lr=float(plan["lr"]),
                                  batch_tokens=float(plan["global_batch_tokens"]),
-                                 loss=float(loss), name=str(result_path.parent.name)))
+                                 loss=float(loss), name=str(run_dir.name)))
     return points
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +44,21 @@ class RunPoint:
 # -- collecting runs ------------------------------------------------------------------------
 
 
+def finished_runs(root: Path | str) -> Iterator[tuple[Path, dict, dict]]:
+    """(run dir, plan, result) of every finished run under ``root``: a directory holding
+    ``result.json`` (written only when a run finished its budget) with a finite, positive
+    ``final_val_loss`` and a ``plan.json`` beside it; a diverged run is left out."""
+    for result_path in sorted(Path(root).rglob("result.json")):
+        plan_path = result_path.with_name("plan.json")
+        if not plan_path.exists():
+            continue
+        result, plan = json.loads(result_path.read_text()), json.loads(plan_path.read_text())
+        loss = result.get("final_val_loss")
+        if loss is None or not math.isfinite(loss) or loss <= 0:
+            continue
+        yield result_path.parent, plan, result
+
+
 def collect_runs(root: Path | str, flops: str = "6nd") -> list[RunPoint]:
     """Every finished run under ``root``: a directory holding ``result.json`` (written only
     when a run finished its budget) with ``final_val_loss`` and a ``plan.json`` beside it.
@@ -52,20 +67,12 @@ def collect_runs(root: Path | str, flops: str = "6nd") -> list[RunPoint]:
     use) or ``plan`` (the plan's ``total_flops``, which also counts attention)."""
     if flops not in ("6nd", "plan"):
         raise ValueError(f"flops={flops!r}: use '6nd' or 'plan'")
-    root = Path(root)
-    points = []
-    for result_path in sorted(root.rglob("result.json")):
-        plan_path = result_path.with_name("plan.json")
-        if not plan_path.exists():
-            continue
-        result, plan = json.loads(result_path.read_text()), json.loads(plan_path.read_text())
-        loss = result.get("final_val_loss")
-        if loss is None or not math.isfinite(loss) or loss <= 0:
-            continue  # a diverged run: nothing to fit
+    root, points = Path(root), []
+    for run_dir, plan, result in finished_runs(root):
+        loss = result["final_val_loss"]
         n, d = float(plan["n_params"]), float(result.get("tokens") or plan["tokens"])
         c = 6.0 * n * d if flops == "6nd" else float(plan["total_flops"]) * d / plan["tokens"]
-        name = str(result_path.parent.relative_to(root)) if result_path.parent != root else \
-            root.name
+        name = str(run_dir.relative_to(root)) if run_dir != root else root.name
         points.append(RunPoint(name=name, n_params=n, tokens=d, flops=c, loss=float(loss)))
     return points
 
