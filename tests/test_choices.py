@@ -26,6 +26,7 @@ from pretrain.config import (
     Config,
     Decay,
     Dtype,
+    Fp8Recipe,
     LrScaling,
     MasterDtype,
     ModelConfig,
@@ -118,6 +119,9 @@ def test_every_user_handles_exactly_the_choices():
     assert set(KERNELS) == set(AttentionBackend) - {"auto"}
     for schedule in PipelineSchedule:  # raises for a schedule it does not know
         assert inflight_chunks(schedule, pp=4, v=2, microbatches=8, pp_rank=0) >= 1
+    torchao_config = pytest.importorskip("torchao.float8.config")
+    names = {r.value for r in torchao_config.Float8LinearRecipeName}
+    assert set(Fp8Recipe) <= names  # precision.fp8_recipe: torchao's recipe names
 
 
 def test_every_decay_scaling_and_budget_kind_is_its_own():
