@@ -28,109 +28,32 @@ class Choice(StrEnum):
         return repr(self.value)
 
 
-class PosEmb(Choice):
-    learned = "learned"
-    rope = "rope"
+def _choice(name: str, values: str) -> type[Choice]:
+    """The Choice enum ``name`` of these space-separated values, each member named by its
+    value (the functional API: "1f1b" is no Python identifier)."""
+    return Choice(name, [(v, v) for v in values.split()], module=__name__, qualname=name)
 
 
-class Norm(Choice):
-    layernorm = "layernorm"
-    rmsnorm = "rmsnorm"
-
-
-class Mlp(Choice):
-    gelu = "gelu"
-    swiglu = "swiglu"
-
-
-class AttentionBackend(Choice):
-    auto = "auto"
-    flash = "flash"
-    sdpa = "sdpa"
-    eager = "eager"
-
-
-class Dtype(Choice):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class MasterDtype(Choice):
-    """Master weights and optimizer state are always float32: pure low-precision weights
-    are not supported; a lower precision is precision.compute_dtype's."""
-
-    float32 = "float32"
-
-
-class Fp8Recipe(Choice):  # torchao's recipe names
-    tensorwise = "tensorwise"
-    rowwise = "rowwise"
-
-
-class Fp8Filter(Choice):
-    auto = "auto"
-    all = "all"
-
-
-class DpMode(Choice):
-    ddp = "ddp"
-    zero2 = "zero2"
-    zero3 = "zero3"
-
-
-# "1f1b" is no Python identifier, so this one is built with the functional API.
-PipelineSchedule = Choice("PipelineSchedule", [(s, s) for s in (
-    "gpipe", "1f1b", "interleaved_1f1b", "zbv")], module=__name__, qualname="PipelineSchedule")
-
-
-class ActivationCheckpointing(Choice):
-    none = "none"
-    selective = "selective"
-    full = "full"
-
-
-class LrScaling(Choice):
-    none = "none"
-    sqrt = "sqrt"
-    linear = "linear"
-
-
-class HparamRule(Choice):  # optim.lr_rule and train.batch_rule (src/pretrain/hparams.py)
-    fixed = "fixed"
-    deepseek = "deepseek"
-    power = "power"
-
-
-class Decay(Choice):
-    cosine = "cosine"
-    linear = "linear"
-    wsd = "wsd"
-    constant = "constant"
-
-
-class BudgetKind(Choice):
-    tokens = "tokens"
-    tokens_per_param = "tokens_per_param"
-    flops = "flops"
-    steps = "steps"
-
-
-class ParamCount(Choice):
-    total = "total"
-    non_embedding = "non_embedding"
-
-
-class WandbMode(Choice):
-    disabled = "disabled"
-    offline = "offline"
-    online = "online"
-
-
-class Device(Choice):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
+PosEmb = _choice("PosEmb", "learned rope")
+Norm = _choice("Norm", "layernorm rmsnorm")
+Mlp = _choice("Mlp", "gelu swiglu")
+AttentionBackend = _choice("AttentionBackend", "auto flash sdpa eager")
+Dtype = _choice("Dtype", "float32 bfloat16 float16")
+# Master weights and optimizer state are always float32: pure low-precision weights are not
+# supported; a lower precision is precision.compute_dtype's.
+MasterDtype = _choice("MasterDtype", "float32")
+Fp8Recipe = _choice("Fp8Recipe", "tensorwise rowwise")  # torchao's recipe names
+Fp8Filter = _choice("Fp8Filter", "auto all")
+DpMode = _choice("DpMode", "ddp zero2 zero3")
+PipelineSchedule = _choice("PipelineSchedule", "gpipe 1f1b interleaved_1f1b zbv")
+ActivationCheckpointing = _choice("ActivationCheckpointing", "none selective full")
+LrScaling = _choice("LrScaling", "none sqrt linear")
+HparamRule = _choice("HparamRule", "fixed deepseek power")  # optim.lr_rule, train.batch_rule
+Decay = _choice("Decay", "cosine linear wsd constant")
+BudgetKind = _choice("BudgetKind", "tokens tokens_per_param flops steps")
+ParamCount = _choice("ParamCount", "total non_embedding")
+WandbMode = _choice("WandbMode", "disabled offline online")
+Device = _choice("Device", "auto cpu cuda")
 
 
 @dataclass
