@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from conftest import REPO
+from hydra.errors import ConfigCompositionException
 
 from pretrain.trainer import resolve_plan
 from pretrain.validate import ConfigError, check
@@ -93,9 +94,11 @@ def test_sequence_parallel_needs_tp(compose):
 
 
 def test_unknown_schedule(compose):
-    msg = only_problem(compose, ["parallel.pp_schedule=dualpipe"])
-    assert msg == ("parallel.pp_schedule='dualpipe' is not one of: gpipe, 1f1b, "
-                   "interleaved_1f1b, zbv")
+    with pytest.raises(ConfigCompositionException) as e:
+        compose([*BASE, "parallel.pp_schedule=dualpipe"])
+    msg = str(e.value)
+    assert "parallel.pp_schedule" in msg
+    assert "Invalid value 'dualpipe', expected one of [gpipe, 1f1b, interleaved_1f1b, zbv]" in msg
 
 
 @pytest.mark.parametrize("overrides, needle", [

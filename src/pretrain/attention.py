@@ -13,7 +13,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "flash", "sdpa", "eager")
+from pretrain.config import AttentionBackend
+
+BACKENDS = tuple(AttentionBackend)
 
 
 class AttentionBackendError(ValueError):

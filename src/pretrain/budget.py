@@ -91,13 +91,10 @@ def rule_tokens(model: ModelConfig, budget: BudgetConfig, global_batch_size: int
         if not budget.flops or budget.flops <= 0:
             raise BudgetError("budget.kind=flops needs budget.flops > 0 (e.g. budget.flops=1e20)")
         return math.ceil(budget.flops / (6 * n)), f"C={budget.flops:.3g} FLOPs / (6 N={n:,})"
-    if kind == "steps":
-        if not budget.steps or budget.steps <= 0:
-            raise BudgetError("budget.kind=steps needs budget.steps > 0")
-        return budget.steps * batch_tokens, f"fixed {budget.steps} steps"
-    raise BudgetError(
-        f"budget.kind={kind!r} is unknown; use tokens, tokens_per_param, flops or steps"
-    )
+    # steps, the last of budget.kind's values
+    if not budget.steps or budget.steps <= 0:
+        raise BudgetError("budget.kind=steps needs budget.steps > 0")
+    return budget.steps * batch_tokens, f"fixed {budget.steps} steps"
 
 
 def resolve_budget(model: ModelConfig, budget: BudgetConfig, global_batch_size: int) -> Budget:
@@ -105,8 +102,6 @@ def resolve_budget(model: ModelConfig, budget: BudgetConfig, global_batch_size: 
     counts = count_params(model)
     batch_tokens = global_batch_size * model.seq_len
     tokens, rule = rule_tokens(model, budget, global_batch_size, counts)
-    if budget.param_count not in ("total", "non_embedding"):
-        raise BudgetError("budget.param_count must be 'total' or 'non_embedding'")
     steps = max(1, math.ceil(tokens / batch_tokens))
     fpt = flops_per_token(model, counts)
     return Budget(

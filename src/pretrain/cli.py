@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
 from pretrain.config import Config, register_configs, to_config
@@ -27,7 +28,13 @@ def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:
             f"no Hydra config directory at {conf_dir}; run the tools from a checkout of the repo"
         )
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+        try:
+            cfg = compose(config_name="config", overrides=list(overrides),
+                          return_hydra_config=True)
+        except ConfigCompositionException as e:  # say why, as train.py prints it: a bad
+            if e.__cause__ is None:  # value's key and the allowed values are in the cause
+                raise
+            raise ConfigCompositionException(f"{e}: {e.__cause__}") from e.__cause__
         HydraConfig.instance().set_config(cfg)  # lets ${pretrain_run_name:} resolve
         with open_dict(cfg):
             cfg.run_name = str(cfg.run_name)

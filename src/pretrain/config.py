@@ -2,15 +2,58 @@
 
 Registered in Hydra's ConfigStore as ``base_config`` and put first in ``conf/config.yaml``'s
 defaults list, so every YAML file and command-line override is merged into these dataclasses:
-a misspelt key or a wrongly typed value is an error at composition time, not a silent no-op.
+a misspelt key, a wrongly typed value or a value outside a key's closed set (the ``Choice``
+enums below) is an error at composition time that names the key, not a silent no-op.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+
+
+class Choice(StrEnum):
+    """The values a config key can take: the one list of them, which every user reads.
+
+    OmegaConf turns a YAML or command-line string into a member by its *name* and refuses
+    any other string at composition, naming the key and the allowed values; so every
+    member's name is its value. A member is the ``str`` it names: code compares it with
+    ``"rope"``, looks it up in dicts keyed by strings, and JSON writes it as that string.
+    """
+
+    def __repr__(self) -> str:  # messages and reprs show 'rope', as for a plain string
+        return repr(self.value)
+
+
+def _choice(name: str, values: str) -> type[Choice]:
+    """The Choice enum ``name`` of these space-separated values, each member named by its
+    value (the functional API: "1f1b" is no Python identifier)."""
+    return Choice(name, [(v, v) for v in values.split()], module=__name__, qualname=name)
+
+
+PosEmb = _choice("PosEmb", "learned rope")
+Norm = _choice("Norm", "layernorm rmsnorm")
+Mlp = _choice("Mlp", "gelu swiglu")
+AttentionBackend = _choice("AttentionBackend", "auto flash sdpa eager")
+Dtype = _choice("Dtype", "float32 bfloat16 float16")
+# Master weights and optimizer state are always float32: pure low-precision weights are not
+# supported; a lower precision is precision.compute_dtype's.
+MasterDtype = _choice("MasterDtype", "float32")
+Fp8Recipe = _choice("Fp8Recipe", "tensorwise rowwise")  # torchao's recipe names
+Fp8Filter = _choice("Fp8Filter", "auto all")
+DpMode = _choice("DpMode", "ddp zero2 zero3")
+PipelineSchedule = _choice("PipelineSchedule", "gpipe 1f1b interleaved_1f1b zbv")
+ActivationCheckpointing = _choice("ActivationCheckpointing", "none selective full")
+LrScaling = _choice("LrScaling", "none sqrt linear")
+HparamRule = _choice("HparamRule", "fixed deepseek power")  # optim.lr_rule, train.batch_rule
+Decay = _choice("Decay", "cosine linear wsd constant")
+BudgetKind = _choice("BudgetKind", "tokens tokens_per_param flops steps")
+ParamCount = _choice("ParamCount", "total non_embedding")
+WandbMode = _choice("WandbMode", "disabled offline online")
+Device = _choice("Device", "auto cpu cuda")
 
 
 @dataclass
@@ -30,16 +73,16 @@ class ModelConfig:
     # aligned to tensor-core tiles); 1 = no padding. Padded rows never appear as targets.
     pad_vocab_to: int = 1
     seq_len: int = 1024
-    pos_emb: str = "learned"  # learned | rope
+    pos_emb: PosEmb = PosEmb.learned
     rope_theta: float = 10000.0
-    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm: Norm = Norm.layernorm
     norm_eps: float = 1e-5
-    mlp: str = "gelu"  # gelu | swiglu
+    mlp: Mlp = Mlp.gelu
     bias: bool = True
     tie_embeddings: bool = True
     dropout: float = 0.0
     init_std: float = 0.02
-    attention: str = "auto"  # auto | flash | sdpa | eager
+    attention: AttentionBackend = AttentionBackend.auto
 
 
 @dataclass
@@ -94,18 +137,18 @@ class PrecisionConfig:
     # (pretrain.precision.choose_auto); the other names are the presets in conf/precision/.
     name: str = "fp32"
     # Master weights and optimizer state.
-    param_dtype: str = "float32"
+    param_dtype: MasterDtype = MasterDtype.float32
     # Matmul/activation dtype (autocast when it differs from param_dtype).
-    compute_dtype: str = "float32"
+    compute_dtype: Dtype = Dtype.float32
     # Gradient reduction dtype across data-parallel ranks.
-    reduce_dtype: str = "float32"
+    reduce_dtype: Dtype = Dtype.float32
     loss_scaling: bool = False  # dynamic loss scaling (fp16 only)
     # fp8: torchao float8 training of the block Linears, on top of the bf16 policy.
     fp8: bool = False
-    fp8_recipe: str = "tensorwise"  # tensorwise | rowwise (torchao recipe names)
+    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
     # Which Linears: auto = torchao's size thresholds (skip those fp8 makes slower on an
     # H100); all = every Linear whose dimensions are multiples of 16. Never the output head.
-    fp8_filter: str = "auto"
+    fp8_filter: Fp8Filter = Fp8Filter.auto
     # fp8 needs fp8 tensor cores (compute capability >= 8.9); true emulates the fp8 matmuls
     # elsewhere (CPU, older GPUs): same numerics, slower, for tests and debugging.
     fp8_allow_emulation: bool = False
@@ -125,15 +168,15 @@ class ParallelConfig:
     # dp_shard ranks and replicated over dp_replicate groups. dp_shard None: dp / dp_replicate.
     dp_shard: int | None = None
     dp_replicate: int = 1
-    dp_mode: str = "zero3"  # ddp | zero2 | zero3
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zbv
+    dp_mode: DpMode = DpMode.zero3
+    pp_schedule: PipelineSchedule = PipelineSchedule["1f1b"]
     # Stages per pipeline rank: 1 for gpipe/1f1b, >= 2 for interleaved_1f1b, 2 for zbv.
     virtual_stages: int = 1
     # Sequences per forward pass on one DP rank; the microbatches per step (accumulation
     # count, or pipeline microbatches) are global_batch_size / (micro_batch_size * dp).
     micro_batch_size: int = 8
     sequence_parallel: bool = False
-    activation_checkpointing: str = "none"  # none | selective | full
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     # selective only: 0 recomputes the attention core of every block; n > 0 checkpoints
     # every n-th block whole instead.
     ac_every_n_layers: int = 0
@@ -141,18 +184,19 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    """AdamW (src/pretrain/optim.py), the one optimizer."""
+
     lr: float = 6e-4
     # The global batch (in tokens) that lr was tuned for; lr_scaling adapts lr to the
     # actual global batch: none, sqrt (Adam, Malladi et al. 2022) or linear (Goyal et al.).
     ref_batch_tokens: int | None = None
-    lr_scaling: str = "none"  # none | sqrt | linear
+    lr_scaling: LrScaling = LrScaling.none
     # Where the peak LR comes from (src/pretrain/hparams.py): fixed (optim.lr, today's
     # behaviour), deepseek (0.3118 C^-0.1250, Bi et al. 2024 sec. 3.1) or power (lr_law).
     # C is the run's compute in DeepSeek's convention, M x D (M: non-embedding FLOPs per
     # token). A rule's LR is already the LR for the batch the run uses: lr_scaling is not
     # applied on top of it.
-    lr_rule: str = "fixed"  # fixed | deepseek | power
+    lr_rule: HparamRule = HparamRule.fixed
     # [a, b] for lr_rule=power: lr = a * C^b (tools/scaling_law.py --hparams fits them).
     lr_law: list[float] | None = None
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -164,8 +208,7 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: str = "cosine"
-    decay: str = "cosine"  # cosine | linear | wsd | constant
+    decay: Decay = Decay.cosine
     warmup_steps: int | None = None
     warmup_tokens: int | None = None
     # Fraction of steps spent decaying at the end of a WSD schedule.
@@ -175,15 +218,14 @@ class ScheduleConfig:
 
 @dataclass
 class BudgetConfig:
-    name: str = "fixed"
-    kind: str = "tokens"  # tokens | tokens_per_param | flops | steps
+    kind: BudgetKind = BudgetKind.tokens
     tokens: int | None = None
     tokens_per_param: float = 20.0
     flops: float | None = None
     steps: int | None = None
     # Which N the scaling rules use: total (Chinchilla/Hoffmann et al.) or
     # non_embedding (Kaplan et al.).
-    param_count: str = "total"
+    param_count: ParamCount = ParamCount.total
 
 
 @dataclass
@@ -204,7 +246,7 @@ class CheckpointConfig:
 class LoggingConfig:
     name: str = "default"
     log_interval: int = 10
-    wandb: str = "offline"  # disabled | offline | online
+    wandb: WandbMode = WandbMode.offline
     wandb_project: str = "pretrain-recipes"
     wandb_entity: str | None = None
     progress_bar: bool | None = None  # None: only on an interactive terminal
@@ -216,7 +258,7 @@ class TrainConfig:
     # Where global_batch_size comes from (src/pretrain/hparams.py): fixed (the number
     # above), deepseek (0.2920 C^0.3271 tokens, Bi et al. 2024 sec. 3.1) or power
     # (batch_law), rounded to a multiple of micro_batch_size x dp (x pp) sequences.
-    batch_rule: str = "fixed"  # fixed | deepseek | power
+    batch_rule: HparamRule = HparamRule.fixed
     # [c, d] for batch_rule=power: batch = c * C^d tokens.
     batch_law: list[float] | None = None
     # Gradient noise scale B_simple (McCandlish et al. 2018, app. A), in tokens, measured on
@@ -232,7 +274,7 @@ class TrainConfig:
     # split holds. The number used is logged and written to result.json (val_batches).
     eval_batches: int = 8
     seed: int = 1337
-    device: str = "auto"  # auto | cpu | cuda
+    device: Device = Device.auto
     # On CUDA, fp32 matmuls on TF32 tensor cores (torch.set_float32_matmul_precision("high")).
     tf32: bool = True
     compile: bool = False
@@ -318,8 +360,6 @@ class Config:
     runs_dir: str = "runs"
     # Print the resolved plan as one JSON line and exit without training.
     dry_run: bool = False
-    # Free-form notes a recipe can carry (source paper, intent); logged, never interpreted.
-    notes: Any = None
 
 
 def register_configs() -> None:

@@ -87,10 +87,11 @@ def convert_to_fp8(model: nn.Module, recipe: str, which: str = "auto",
     names. ``fsdp_all_gather``: FSDP2 all-gathers the weights in fp8 (tensorwise only)."""
     require_torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.config import Float8LinearRecipeName
 
-    if recipe not in ("tensorwise", "rowwise"):
-        raise Fp8Error(f"precision.fp8_recipe={recipe!r}: use tensorwise or rowwise")
-    config = Float8LinearConfig.from_recipe_name(recipe)
+    # torchao's own enum: it takes a name only as an exact str (not precision.fp8_recipe's
+    # Choice member); our values are its values (tests/test_choices.py).
+    config = Float8LinearConfig.from_recipe_name(Float8LinearRecipeName(recipe))
     config = dataclasses.replace(
         config, emulate=emulate,
         enable_fsdp_float8_all_gather=fsdp_all_gather and recipe == "tensorwise")

@@ -2,24 +2,49 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 
 from omegaconf import OmegaConf
 
-# Overrides that do not change what is trained, and so do not change the run directory.
-NEUTRAL_PREFIXES = ("+recipe=", "recipe=", "run_name=", "runs_dir=", "dry_run=", "logging.",
-                    "logging=", "checkpoint.resume", "train.sample_", "data.num_proc=",
-                    "data.root=", "hydra.", "train.device=", "cluster.", "cluster=",
-                    "train.time_limit_minutes=", "train.exit_interval=",
-                    "train.stop_check_interval=")
+from pretrain.config import Config
+
+# Keys that do not change what is trained, and so name neither a run (run_name) nor a point
+# of a sweep (conf/config.yaml's hydra.job.config.override_dirname.exclude_keys reads them
+# through the ${pretrain_neutral_keys:} resolver). A group (logging, cluster) stands for
+# every key under it.
+NEUTRAL_KEYS = ("recipe", "run_name", "runs_dir", "dry_run", "hydra", "logging", "cluster",
+                "checkpoint.resume", "checkpoint.resume_from", "data.num_proc", "data.root",
+                "train.device", "train.sample_tokens", "train.sample_prompt",
+                "train.sample_temperature", "train.sample_top_k", "train.time_limit_minutes",
+                "train.exit_interval", "train.stop_check_interval")
+
+
+def neutral_keys() -> list[str]:
+    """NEUTRAL_KEYS with every schema key under a group spelt out, as Hydra's exclude_keys
+    needs them: it compares whole keys, never prefixes."""
+    groups = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+    out = list(NEUTRAL_KEYS)
+    for key in NEUTRAL_KEYS:
+        schema = groups.get(key)
+        if dataclasses.is_dataclass(schema):
+            out += [f"{key}.{f.name}" for f in dataclasses.fields(schema)]
+    return out
+
+
+def is_neutral(override: str) -> bool:
+    """Whether a command-line override (``key=value``, ``+key=value``, ``~key``) leaves what
+    is trained unchanged."""
+    key = override.lstrip("+~").split("=", 1)[0]
+    return key in NEUTRAL_KEYS or key.startswith(tuple(f"{k}." for k in NEUTRAL_KEYS))
 
 
 def run_name(recipe: str | None, overrides: list[str]) -> str:
     """``<recipe or 'default'>`` plus the training-relevant overrides, e.g.
     ``gpt2-124m__model.n_layer=6``; long names end in a hash instead."""
     base = recipe or "default"
-    rest = sorted(o.lstrip("+~") for o in overrides if not o.lstrip("+~").startswith(NEUTRAL_PREFIXES))
+    rest = sorted(o.lstrip("+~") for o in overrides if not is_neutral(o))
     if not rest:
         return base
     suffix = re.sub(r"[^A-Za-z0-9._=,-]+", "-", ",".join(rest))
@@ -46,3 +71,4 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("pretrain_run_name"):
         OmegaConf.register_new_resolver("pretrain_run_name", lambda: _from_hydra())
         OmegaConf.register_new_resolver("pretrain_sweep_name", _sweep_name)
+        OmegaConf.register_new_resolver("pretrain_neutral_keys", neutral_keys)

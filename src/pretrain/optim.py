@@ -21,9 +21,7 @@ def scaled_lr(cfg: OptimConfig, global_batch_tokens: int) -> float:
     ratio = global_batch_tokens / cfg.ref_batch_tokens
     if cfg.lr_scaling == "sqrt":
         return cfg.lr * math.sqrt(ratio)
-    if cfg.lr_scaling == "linear":
-        return cfg.lr * ratio
-    raise ValueError(f"optim.lr_scaling={cfg.lr_scaling!r}: use none, sqrt or linear")
+    return cfg.lr * ratio  # linear, the last of optim.lr_scaling's values
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float,
@@ -71,9 +69,7 @@ def lr_multiplier(step: int, total: int, warmup: int, cfg: ScheduleConfig) -> fl
     progress = min(1.0, (step - warmup + 1) / max(1, total - warmup))
     if cfg.decay == "cosine":
         return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * progress))
-    if cfg.decay == "linear":
-        return 1.0 - (1.0 - lo) * progress
-    raise ValueError(f"schedule.decay={cfg.decay!r}: use cosine, linear, wsd or constant")
+    return 1.0 - (1.0 - lo) * progress  # linear, the last of schedule.decay's values
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int,

@@ -8,32 +8,9 @@ from __future__ import annotations
 
 import math
 
-from pretrain.attention import BACKENDS
 from pretrain.config import Config
 from pretrain.model import ffn_dim, padded_vocab_size
 from pretrain.parallel.layout import MULTI_STAGE_SCHEDULES, SCHEDULES, declared_world_size
-
-CHOICES = {
-    "model.pos_emb": ("learned", "rope"),
-    "model.norm": ("layernorm", "rmsnorm"),
-    "model.mlp": ("gelu", "swiglu"),
-    "model.attention": BACKENDS,
-    "budget.kind": ("tokens", "tokens_per_param", "flops", "steps"),
-    "budget.param_count": ("total", "non_embedding"),
-    "optim.lr_scaling": ("none", "sqrt", "linear"),
-    "optim.lr_rule": ("fixed", "deepseek", "power"),
-    "train.batch_rule": ("fixed", "deepseek", "power"),
-    "schedule.decay": ("cosine", "linear", "wsd", "constant"),
-    "parallel.dp_mode": ("ddp", "zero2", "zero3"),
-    "parallel.pp_schedule": SCHEDULES,
-    "parallel.activation_checkpointing": ("none", "selective", "full"),
-    "precision.param_dtype": ("float32", "bfloat16", "float16"),
-    "precision.compute_dtype": ("float32", "bfloat16", "float16"),
-    "precision.reduce_dtype": ("float32", "bfloat16", "float16"),
-    "precision.fp8_recipe": ("tensorwise", "rowwise"),
-    "precision.fp8_filter": ("auto", "all"),
-    "logging.wandb": ("disabled", "offline", "online"),
-}
 
 POSITIVE = (
     "model.n_layer", "model.n_head", "model.d_model", "model.vocab_size", "model.seq_len",
@@ -61,20 +38,32 @@ def _get(cfg: Config, dotted: str):
 def check(cfg: Config, world_size: int | None = None) -> None:
     """Raise ConfigError listing every problem with ``cfg``; return None when it is sound.
 
+    A key's closed set of values is its type's (the ``Choice`` enums of pretrain.config,
+    enforced at composition); what is checked here relates several keys or bounds a number.
     ``world_size`` is the number of processes launched, checked against the layout the
     recipe declares; None: WORLD_SIZE when a launcher set it, else the layout as declared
     (tp * pp * dp), which is what a dry run checks."""
     if world_size is None:
         world_size = declared_world_size(cfg)
     p: list[str] = []
-    for key, allowed in CHOICES.items():
-        value = _get(cfg, key)
-        if value not in allowed:
-            p.append(f"{key}={value!r} is not one of: {', '.join(allowed)}")
     for key in POSITIVE:
         value = _get(cfg, key)
         if value is None or value <= 0:
             p.append(f"{key}={value} must be a positive integer")
+    _check_model(cfg, p)
+    _check_layout(cfg, world_size, p)
+    _check_precision(cfg, p)
+    _check_optim(cfg, p)
+    if cfg.data.tokenizer == "bpe" and cfg.data.tokenizer_vocab_size > cfg.model.vocab_size:
+        p.append(f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size} exceeds "
+                 f"model.vocab_size={cfg.model.vocab_size}: token ids would fall outside the "
+                 f"embedding; set model.vocab_size={cfg.data.tokenizer_vocab_size}")
+    if p:
+        raise ConfigError(p)
+
+
+def _check_model(cfg: Config, p: list[str]) -> None:
+    """The model's shape: heads against width, KV heads against heads, RoPE's head size."""
     m = cfg.model
     if m.n_head > 0 and m.d_model > 0 and m.d_model % m.n_head:
         p.append(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}; "
@@ -90,27 +79,26 @@ def check(cfg: Config, world_size: int | None = None) -> None:
     if not 0 <= m.dropout < 1:
         p.append(f"model.dropout={m.dropout} must be in [0, 1)")
 
-    _check_layout(cfg, world_size, p)
 
+def _check_precision(cfg: Config, p: list[str]) -> None:
     prec = cfg.precision
     if prec.loss_scaling and prec.compute_dtype != "float16":
         p.append("precision.loss_scaling=true only makes sense with compute_dtype=float16")
-    if prec.param_dtype != "float32":
-        p.append(f"precision.param_dtype={prec.param_dtype}: master weights and optimizer "
-                 "state are kept in float32 (pure low-precision weights are not supported); "
-                 f"set precision.param_dtype=float32 and compute in {prec.param_dtype} with "
-                 f"precision.compute_dtype={prec.param_dtype}")
     if prec.fp8 and prec.compute_dtype != "bfloat16":
         p.append(f"precision.fp8=true runs the non-fp8 parts in bf16; compute_dtype="
                  f"{prec.compute_dtype} is not supported with it: use precision=fp8 as is")
+
+
+def _check_optim(cfg: Config, p: list[str]) -> None:
+    """The LR, its schedule and the LR/batch rules against the budget."""
     if not 0 <= cfg.schedule.min_lr_ratio <= 1:
         p.append(f"schedule.min_lr_ratio={cfg.schedule.min_lr_ratio} must be in [0, 1]")
     if cfg.schedule.warmup_steps is not None and cfg.schedule.warmup_tokens is not None:
         p.append("set schedule.warmup_steps or schedule.warmup_tokens, not both")
     if cfg.optim.lr <= 0:
         p.append(f"optim.lr={cfg.optim.lr} must be positive")
-    for key, law in (("optim.lr", cfg.optim.lr_law), ("train.batch", cfg.train.batch_law)):
-        rule = cfg.optim.lr_rule if key == "optim.lr" else cfg.train.batch_rule
+    for key, rule, law in (("optim.lr", cfg.optim.lr_rule, cfg.optim.lr_law),
+                           ("train.batch", cfg.train.batch_rule, cfg.train.batch_law)):
         if rule == "power" and (law is None or len(law) != 2):
             p.append(f"{key}_rule=power needs {key}_law=[coef,exponent] ({key.split('.')[1]} "
                      "= coef x C^exponent; tools/scaling_law.py --hparams fits them)")
@@ -122,12 +110,6 @@ def check(cfg: Config, world_size: int | None = None) -> None:
     if cfg.optim.lr_scaling != "none" and not cfg.optim.ref_batch_tokens:
         p.append(f"optim.lr_scaling={cfg.optim.lr_scaling} needs optim.ref_batch_tokens, the "
                  "global batch (in tokens) that optim.lr was tuned for")
-    if cfg.data.tokenizer == "bpe" and cfg.data.tokenizer_vocab_size > m.vocab_size:
-        p.append(f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size} exceeds "
-                 f"model.vocab_size={m.vocab_size}: token ids would fall outside the embedding;"
-                 f" set model.vocab_size={cfg.data.tokenizer_vocab_size}")
-    if p:
-        raise ConfigError(p)
 
 
 def _check_layout(cfg: Config, world_size: int, p: list[str]) -> None:

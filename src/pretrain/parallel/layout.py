@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from pretrain.config import Config
+from pretrain.config import Config, PipelineSchedule
 
-# Schedules that hold one stage per rank, and those that hold several ("virtual" stages).
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv")
-SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+SCHEDULES = tuple(PipelineSchedule)
+# Schedules that hold several stages per rank ("virtual" stages); the others hold one.
+MULTI_STAGE_SCHEDULES = (PipelineSchedule.interleaved_1f1b, PipelineSchedule.zbv)
 
 
 def world_size_from_env() -> int:
