@@ -11,7 +11,14 @@ from pretrain.data.epochs import check_epochs
 from pretrain.model import padded_vocab_size
 from pretrain.optim import scaled_lr
 from pretrain.parallel.layout import Layout, resolve_layout
-from pretrain.planning.autolayout import Candidate, evaluate, tp_options, why_first
+from pretrain.parallel.rules import layout_problems
+from pretrain.planning.autolayout import (
+    Candidate,
+    evaluate,
+    tp_options,
+    why_first,
+    with_parallel,
+)
 from pretrain.planning.cost import step_cost
 from pretrain.planning.gpus import GIB, GpuSpec
 from pretrain.planning.memory import PARTS, estimate_memory
@@ -51,11 +58,10 @@ def suggestions(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> li
                                                         dp_shard=None)))
     out = []
     for text, new in tries:
-        try:
-            cand = evaluate(cfg, new, gpu, budget)
-        except Exception:  # a change the layout code rejects is no suggestion
+        if layout_problems(with_parallel(cfg, new), n):  # invalid, or another GPU count
             continue
-        if cand.fits and cand.layout.world_size == n:
+        cand = evaluate(cfg, new, gpu, budget)
+        if cand.fits:
             out.append(f"{text} -> {_gib(cand.memory.total)} GiB per GPU, "
                        f"{cand.cost.total:.4g} s/step (model)")
     return out[:4]
