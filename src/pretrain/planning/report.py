@@ -106,6 +106,7 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, mfu: float | None = None,
         "global_batch_size": cfg.train.global_batch_size, "lr": scaled_lr(
             cfg.optim, budget.global_batch_tokens),
         "flops_per_token": budget.flops_per_token, "total_flops": budget.total_flops,
+        "compute": budget.compute,
         "memory_gib": {k: _gib(worst.parts.get(k, 0.0)) for k in PARTS},
         "memory_total_gib": _gib(worst.total), "fullest_pp_rank": worst.pp_rank,
         "fits": mem.fits,
@@ -158,7 +159,8 @@ def format_plan(p: dict) -> str:
     sm = p["step_model"]
     lines += [
         f"compute: {p['flops_per_token']:,} FLOPs/token x {p['tokens']:,} tokens = "
-        f"{p['total_flops']:.3g} FLOPs ({p['steps']:,} steps)",
+        f"{p['total_flops']:.3g} FLOPs ({p['steps']:,} steps); scaling-law compute "
+        f"C = 6ND = {p['compute']:.3g} (tools/scaling_law.py --target-flops, budget.flops)",
         f"data: {p['data']}, " + (
             f"{p['data_tokens']:,} tokens ({p['data_tokens_from']}): the budget is "
             f"{p['epochs']:.3g} epochs" if p["epochs"] is not None
