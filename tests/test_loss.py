@@ -38,3 +38,25 @@ def test_small_inputs_use_the_plain_loss():
     targets = torch.randint(0, 11, (2, 5))
     got = loss_mod.cross_entropy(logits, targets)
     torch.testing.assert_close(got, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+
+
+@pytest.mark.parametrize("tokens", [6, 7, 8, 40])
+def test_planner_sizes_the_path_the_loss_takes(tokens, monkeypatch):
+    """The planner's loss memory (planning/activations.head_and_loss) follows the path the
+    loss really takes, at and around the chunk size (7 tokens of a 64-token vocabulary)."""
+    from pretrain.config import ModelConfig
+    from pretrain.planning.activations import ActivationSetup, head_and_loss
+
+    monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", 7 * 64)
+    logits = torch.randn(tokens, 64, requires_grad=True)
+    got = loss_mod.cross_entropy(logits, torch.randint(0, 64, (tokens,)))
+    chunked = "Chunked" in type(got.grad_fn).__name__
+    assert chunked == (tokens > 7) == loss_mod.is_chunked(tokens, 64)
+
+    m = ModelConfig(n_layer=1, n_head=1, d_model=8, seq_len=tokens, vocab_size=64)
+    a = ActivationSetup(micro_batch=1, compute_bytes=2, residual_bytes=2, autocast=False)
+    _, transient = head_and_loss(m, a)
+    # plain: fp32 log-probabilities and their gradient (8 n V); chunked: the logits'
+    # gradient in the compute dtype and two fp32 chunks
+    plain, chunk = 8 * tokens * 64, 2 * tokens * 64 + 8 * min(7, tokens) * 64
+    assert transient == (chunk if chunked else plain)

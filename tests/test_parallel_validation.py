@@ -137,3 +137,35 @@ def test_dry_run_prints_the_declared_layout():
     layout = json.loads(out.strip().splitlines()[-1])["layout"]
     assert (layout["tp"], layout["pp"], layout["dp"], layout["world_size"]) == (2, 2, 2, 8)
     assert layout["sequence_parallel"] and layout["microbatches"] == 2
+
+
+def test_auto_search_proposes_exactly_the_layouts_validation_accepts(compose):
+    """``parallel=auto`` filters with the rules ``check`` reports: every layout it proposes
+    passes validation, and every layout of its search space that it leaves out is one that
+    validation refuses (or outside the search: tp beyond a node, partial rounds for a
+    multi-stage schedule). train.compile=true rules ZB-V out for both."""
+    import itertools
+
+    from pretrain.config import ParallelConfig
+    from pretrain.planning import autolayout as al
+    from pretrain.planning.gpus import get_gpu
+
+    cfg = compose(["model=nano", "model.n_layer=4", "train.global_batch_size=16",
+                   "train.compile=true"])
+    gpu = get_gpu("h100-80gb")
+    found = list(al.enumerate_parallel(cfg, 8, gpu))
+    assert found and all(p.pp_schedule != "zbv" for p in found)
+    for tp, pp, mbs in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), al.MICRO_BATCHES):
+        if 8 % (tp * pp):
+            continue
+        dp = 8 // (tp * pp)
+        for (sched, v), (mode, rep, shard) in itertools.product(al._schedules(pp),
+                                                                al._dp_modes(dp, tp, gpu)):
+            par = ParallelConfig(name="auto", tp=tp, pp=pp, dp=dp, dp_mode=mode,
+                                 dp_replicate=rep, dp_shard=shard, pp_schedule=sched,
+                                 virtual_stages=v, micro_batch_size=mbs,
+                                 sequence_parallel=tp > 1)
+            if par in found:
+                check(al.with_parallel(cfg, par), 8)
+            elif al._whole_rounds(par, 16) and tp <= gpu.gpus_per_node:
+                assert problems(al.with_parallel(cfg, par), 8), par

@@ -78,3 +78,96 @@ def test_untied_padded_vocab_counts():
     assert untied_counts.total - tied_counts.total == 320 * 64
     # non-embedding excludes the token (320 x 64) and position (64 x 64) tables only.
     assert untied_counts.non_embedding == untied_counts.total - 320 * 64 - 64 * 64
+
+
+# -- the planner's per-rank parameters come from the rules the real code applies -----------
+
+GPT2_STYLE = dict(name="gpt2-style", n_layer=4, n_head=4, d_model=64, seq_len=32,
+                  vocab_size=300, pad_vocab_to=64)
+LLAMA_STYLE = dict(name="llama-style", n_layer=4, n_head=4, n_kv_head=2, d_model=64,
+                   seq_len=32, vocab_size=300, pad_vocab_to=64, pos_emb="rope",
+                   norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
+
+
+def _tp_probe(model: dict, tp: int, rank: int) -> dict:
+    """Run in a child process: the GPT of ``model`` on the meta device, parallelised by
+    ``apply_tensor_parallel`` (the real TP plan) over a fake process group of ``tp`` ranks;
+    for every parameter, the dimension its DTensor is sharded on and this rank's shape."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from pretrain.model import GPT
+    from pretrain.parallel.tensor_parallel import apply_tensor_parallel
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp)
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    with torch.device("meta"):
+        gpt = GPT(ModelConfig(**model))
+    apply_tensor_parallel(gpt, mesh, sequence_parallel=True)
+    out = {}
+    for name, p in gpt.named_parameters():
+        (placement,) = p.placements
+        out[name] = [placement.dim if isinstance(placement, Shard) else None,
+                     list(p.to_local().shape)]
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("model", [GPT2_STYLE, LLAMA_STYLE], ids=lambda m: m["name"])
+def test_planner_tp_shards_equal_the_real_tp_plan(model):
+    """Every parameter: the dimension the planner shards (``tp_shard_dim``) and the local
+    shape it counts equal those of the model parallelised with the real plan, rank 1 of 2."""
+    import json
+    import subprocess
+    import sys
+
+    from pretrain.planning.params import inventory, tp_local_shape
+
+    code = (f"import json, test_params; print(json.dumps(test_params._tp_probe("
+            f"{model!r}, 2, 1)))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=str(CONF_DIR.parent / "tests"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = json.loads(proc.stdout.strip().splitlines()[-1])
+    params = inventory(ModelConfig(**model))
+    assert sorted(real) == sorted(p.name for p in params)
+    sharded = set()
+    for p in params:
+        dim, shape = real[p.name]
+        assert (p.tp_dim, list(tp_local_shape(p, 2, 1))) == (dim, shape), p.name
+        sharded |= {p.name} if dim is not None else set()
+    assert {"layers.0.attn.wq.weight", "layers.0.attn.wo.weight", "tok_emb.weight"} <= sharded
+
+
+LAYOUTS = {  # parallel config of a 2-rank pipeline, 8 layers
+    "1f1b": dict(pp=2), "gpipe": dict(pp=2, pp_schedule="gpipe"),
+    "interleaved x2": dict(pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2),
+    "zbv": dict(pp=2, pp_schedule="zbv", virtual_stages=2),
+}
+
+
+@pytest.mark.parametrize("model", [GPT2_STYLE, LLAMA_STYLE], ids=lambda m: m["name"])
+@pytest.mark.parametrize("par", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_planner_stage_split_equals_the_pipeline_split(model, par):
+    """For every pipeline rank, the planner's blocks and parameter elements equal what
+    ``parallel.pipeline.split_model`` keeps on that rank (tied head copies included)."""
+    from pretrain.config import Config, ParallelConfig
+    from pretrain.model import GPT
+    from pretrain.parallel.layout import resolve_layout
+    from pretrain.parallel.pipeline import split_model
+    from pretrain.planning.params import rank_params
+
+    cfg = Config()
+    cfg.model = ModelConfig(**{**model, "n_layer": 8})
+    cfg.parallel = ParallelConfig(**par, micro_batch_size=1)
+    cfg.train.global_batch_size = 8
+    layout = resolve_layout(cfg, 2)
+    with torch.device("meta"):
+        gpt = GPT(cfg.model)
+    for pp_rank in range(2):
+        _, parts = split_model(gpt, layout, pp_rank)
+        planned = rank_params(cfg.model, layout, pp_rank)
+        assert len(planned.blocks) == sum(len(part.layers) for part in parts)
+        assert planned.unsharded == sum(p.numel() for part in parts for p in part.parameters())

@@ -130,3 +130,18 @@ def test_gpu_table_is_the_one_device_py_uses():
     assert gpu_for_device_name("NVIDIA L40S").peak_flops("float8") == 733e12
     assert get_gpu("a100-80gb").peak_flops("float8") is None
     assert gpu_for_device_name("Tesla T4") is None
+
+
+def test_default_gpu_count_is_the_layouts_world_size(plan_main, capsys, monkeypatch):
+    """Without --gpus the plan takes the layout's own size, the same formula a dry run and
+    the trainer use (parallel.layout.layout_world_size): tp2 x pp2 x dp2 = 8."""
+    from pretrain.cli import compose_config
+    from pretrain.parallel.layout import declared_world_size, layout_world_size
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = compose_config(["+recipe=nano-3d"])
+    code, out, _ = run(plan_main, capsys, "+recipe=nano-3d", "--json")
+    assert code == 0
+    p = json.loads(out)
+    assert p["gpus"] == p["layout_fields"]["world_size"] == 8
+    assert layout_world_size(cfg.parallel) == declared_world_size(cfg) == 8

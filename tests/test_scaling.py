@@ -7,6 +7,7 @@ about 1.5x margin), so they hold for any seed, not just the one used here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -31,6 +32,7 @@ from pretrain.scaling import (  # noqa: E402
     isoflop_minimum,
     report_chinchilla_law,
     report_compute_law,
+    run_compute,
 )
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -194,8 +196,34 @@ def test_collect_runs_reads_result_and_plan(tmp_path):
     for p in pts:
         assert got[p.name].loss == pytest.approx(p.loss)
         assert got[p.name].flops == pytest.approx(6 * p.n_params * p.tokens)
-    exact = collect_runs(tmp_path, flops="plan")
-    assert exact[0].flops == pytest.approx(7 * exact[0].n_params * exact[0].tokens)
+    # the plan's total_flops (here 7ND, the hardware work) is not the fits' C: 6ND is
+    assert all(p.flops == run_compute(p.n_params, p.tokens) for p in got.values())
+
+
+def test_a_plans_compute_means_the_same_run_to_the_fit_and_the_budget(tmp_path):
+    """One C: the compute a plan records for the tiny iso-FLOP recipe, given back as
+    budget.flops, buys the same tokens; the fit reads that run at that C (same N, D); and
+    the compute-optimal split of that C is a run of that C. The plan's PaLM-count
+    total_flops is another number (attention included), never the fit's C."""
+    from pretrain.budget import resolve_budget
+    from pretrain.cli import compose_config
+
+    cfg = compose_config(["+recipe=isoflop-tiny"])
+    gbs = cfg.train.global_batch_size
+    b = resolve_budget(cfg.model, cfg.budget, gbs)
+    assert b.compute == run_compute(b.n_params, b.tokens) == 6.0 * b.n_params * b.tokens
+    assert abs(b.total_flops / b.compute - 1) > 0.01
+    again = resolve_budget(cfg.model, dataclasses.replace(cfg.budget, flops=b.compute), gbs)
+    assert (again.n_params, again.tokens, again.compute) == (b.n_params, b.tokens, b.compute)
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "plan.json").write_text(json.dumps(b.as_dict()))
+    (run / "result.json").write_text(json.dumps({"final_val_loss": 5.0, "tokens": b.tokens}))
+    (point,) = collect_runs(tmp_path)
+    assert (point.n_params, point.tokens, point.flops) == (b.n_params, b.tokens, b.compute)
+    n_opt, d_opt = CHINCHILLA.optimal(b.compute)
+    assert run_compute(n_opt, d_opt) == pytest.approx(b.compute, rel=1e-12)
 
 
 def test_tool_fits_and_plots(tmp_path, capsys):

@@ -18,15 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from pretrain.checkpoint import CheckpointError, load_model_weights, read_meta, resolve_checkpoint  # noqa: E402
 from pretrain.config import Config  # noqa: E402
 from pretrain.hf import ExportError, hf_config, to_hf_state_dict  # noqa: E402
 from pretrain.model import GPT  # noqa: E402
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from pretrain.precision import DTYPES  # noqa: E402
 
 
 def find_tokenizer(ckpt: Path, cfg: Config) -> Path | None:

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from pretrain.budget import BudgetError  # noqa: E402
 from pretrain.cli import compose_config  # noqa: E402
 from pretrain.hparams import apply_rules  # noqa: E402
+from pretrain.parallel.layout import layout_world_size  # noqa: E402
 from pretrain.planning.autolayout import LayoutError, resolve_auto  # noqa: E402
 from pretrain.planning.gpus import GpuError, get_gpu  # noqa: E402
 from pretrain.planning.report import build_plan, format_plan  # noqa: E402
@@ -82,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             return fail("parallel=auto needs the number of GPUs: add --gpus N")
         n = args.gpus
     else:
-        declared = max(par.tp, 1) * max(par.pp, 1) * max(par.dp or 1, 1)
-        n = args.gpus or declared
+        n = args.gpus or layout_world_size(par)
     if n < 1:
         return fail(f"--gpus={n} must be a positive number of GPUs")
     candidates = None

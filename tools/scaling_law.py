@@ -14,7 +14,8 @@ with the override line that makes a recipe use the fitted laws. Writes ``hparams
 
 Otherwise it reads every run directory under the given folders that holds ``result.json`` (written only
 when a run finished its budget) and ``plan.json``; N is the plan's ``n_params``, D the
-tokens trained, C = 6 N D (``--flops plan`` uses the plan's exact FLOPs instead). Fits
+tokens trained, C = 6 N D (``pretrain.scaling.run_compute``: the plan's ``compute``, the C
+of ``budget=flops``; not its ``total_flops``, the hardware work). Fits
 L(C) = a C^b + c (needs 3+ runs) and L(N, D) = E + A/N^alpha + B/D^beta (needs 6+ runs at
 different tokens per parameter: an iso-FLOP sweep, not a pure 20-tokens-per-param
 ladder), each with a Huber objective on log loss (Hoffmann et al. 2022) and a bootstrap
@@ -44,10 +45,6 @@ from pretrain.scaling import (  # noqa: E402
     report_chinchilla_law,
     report_compute_law,
 )
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.4g}"
 
 
 def print_chinchilla(budgets: list[float]) -> list[dict]:
@@ -148,11 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chinchilla", nargs="+", type=float, metavar="C",
                     help="print compute-optimal N and D from the published Chinchilla fit")
     ap.add_argument("--target-flops", type=float,
-                    help="budget to predict (default: 10x the largest run)")
+                    help="budget C = 6ND to predict, as a plan's 'compute' (default: 10x the "
+                         "largest run)")
     ap.add_argument("--out", type=Path, help="where fit.json and the PNGs go")
     ap.add_argument("--bootstrap", type=int, default=200, help="resamples (0: none)")
-    ap.add_argument("--flops", choices=("6nd", "plan"), default="6nd",
-                    help="C = 6ND (default) or the plan's exact FLOPs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hparams", action="store_true",
                     help="fit lr(C) and batch(C) to an LR x batch sweep instead")
@@ -170,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dirs:
         ap.error("give one or more folders of runs, or --chinchilla C")
 
-    points = [p for d in args.dirs for p in collect_runs(d, args.flops)]
+    points = [p for d in args.dirs for p in collect_runs(d)]
     if not points:
         print(f"no finished runs (result.json + plan.json) under {', '.join(map(str, args.dirs))}",
               file=sys.stderr)
@@ -178,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     target = args.target_flops or 10 * max(p.flops for p in points)
     out = args.out or args.dirs[0] / "scaling_law"
     out.mkdir(parents=True, exist_ok=True)
-    print(f"{len(points)} finished runs (C = {'6ND' if args.flops == '6nd' else 'plan FLOPs'})")
+    print(f"{len(points)} finished runs (C = 6ND, the plan's 'compute')")
     print_runs(points)
 
     fit: dict = {"runs": [vars(p) for p in points], "target_flops": target}

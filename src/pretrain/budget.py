@@ -12,7 +12,8 @@ Conventions (stated once, used everywhere: plan, logs, MFU, scaling-law fits):
   whose lookups cost nothing; the output head counts whether tied or not), and the second
   term is the attention scores and values (forward + backward, no causal discount).
 - Scaling rules use N = n_params (Hoffmann et al. 2022) unless ``budget.param_count`` is
-  ``non_embedding`` (Kaplan et al.), and compute C = 6 * N * D.
+  ``non_embedding`` (Kaplan et al.), and compute C = 6 * N * D (``scaling.run_compute``;
+  a run's ``compute`` is that C with N = n_params, the C the scaling-law fits use).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from pretrain.config import BudgetConfig, ModelConfig
 from pretrain.model import GPT
+from pretrain.scaling import compute_tokens, run_compute
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class Budget:
     steps: int
     global_batch_tokens: int
     flops_per_token: int
-    total_flops: float
+    total_flops: float  # hardware work (flops_per_token x tokens): time, MFU
+    compute: float  # C = 6 N D (scaling.run_compute): what the scaling laws call compute
     rule: str
 
     def as_dict(self) -> dict:
@@ -90,7 +93,7 @@ def rule_tokens(model: ModelConfig, budget: BudgetConfig, global_batch_size: int
     if kind == "flops":
         if not budget.flops or budget.flops <= 0:
             raise BudgetError("budget.kind=flops needs budget.flops > 0 (e.g. budget.flops=1e20)")
-        return math.ceil(budget.flops / (6 * n)), f"C={budget.flops:.3g} FLOPs / (6 N={n:,})"
+        return compute_tokens(budget.flops, n), f"C={budget.flops:.3g} FLOPs / (6 N={n:,})"
     # steps, the last of budget.kind's values
     if not budget.steps or budget.steps <= 0:
         raise BudgetError("budget.kind=steps needs budget.steps > 0")
@@ -112,5 +115,6 @@ def resolve_budget(model: ModelConfig, budget: BudgetConfig, global_batch_size: 
         global_batch_tokens=batch_tokens,
         flops_per_token=fpt,
         total_flops=float(fpt) * steps * batch_tokens,
+        compute=run_compute(counts.total, steps * batch_tokens),
         rule=rule,
     )

@@ -17,6 +17,18 @@ import torch.nn.functional as F
 CHUNK_ELEMENTS = 2**24  # fp32 logits per chunk: 64 MB
 
 
+def chunk_rows(vocab: int) -> int:
+    """Tokens per chunk for a ``vocab``-wide logits tensor. The planner
+    (planning/activations.py) sizes the loss's memory with this same rule."""
+    return max(1, CHUNK_ELEMENTS // vocab)
+
+
+def is_chunked(n_tokens: int, vocab: int, vocab_sharded: bool = False) -> bool:
+    """Whether ``cross_entropy`` takes the chunked path: not for vocabulary-sharded logits
+    (``loss_parallel`` needs the plain call) nor for inputs that fit in one chunk."""
+    return not vocab_sharded and n_tokens > chunk_rows(vocab)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -50,7 +62,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token loss of logits (..., vocab) against targets (...), computed in fp32."""
     logits, targets = logits.flatten(0, -2), targets.flatten()
     n, vocab = logits.shape
-    chunk = max(1, CHUNK_ELEMENTS // vocab)
-    if type(logits) is not torch.Tensor or n <= chunk:  # DTensor (loss_parallel) or small
+    if not is_chunked(n, vocab, vocab_sharded=type(logits) is not torch.Tensor):  # DTensor
         return F.cross_entropy(logits.float(), targets)
-    return _ChunkedCrossEntropy.apply(logits, targets, chunk)
+    return _ChunkedCrossEntropy.apply(logits, targets, chunk_rows(vocab))

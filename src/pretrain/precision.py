@@ -13,7 +13,14 @@ import torch
 from pretrain.config import Config, PrecisionConfig
 from pretrain.planning.gpus import GpuSpec
 
+# The one table of dtype names a config may use: precision policies, the planner's byte
+# counts (``dtype_bytes``) and tools/export_hf.py's --dtype all read it.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of the dtype a config names ("bfloat16": 2)."""
+    return DTYPES[name].itemsize
 
 
 class PrecisionError(ValueError):

@@ -10,7 +10,7 @@ local minima). Uncertainty comes from a bootstrap over runs, the only honest err
 the runs themselves are the samples.
 
 Units: N is ``plan.json``'s ``n_params`` (every parameter, as Hoffmann et al.), D the
-tokens trained, C = 6 N D unless the plan's exact FLOPs are asked for.
+tokens trained, C = 6 N D (``run_compute``, below).
 
 Needs scipy (the ``analysis`` extra): ``pip install -e '.[analysis]'``.
 """
@@ -28,6 +28,28 @@ from pathlib import Path
 import numpy as np
 
 HUBER_DELTA = 1e-3  # Hoffmann et al. 2022, section D.2
+
+# -- the compute of a run -------------------------------------------------------------------
+
+# C = 6 N D: about 6 FLOPs per parameter and token for a forward and backward pass (Kaplan et
+# al. 2020, section 2.1; Hoffmann et al. 2022). The one definition of a run's compute: the
+# fits below, their predictions, the compute-optimal split, ``budget.kind=flops`` and the
+# plan's ``compute`` all use it. The plan's ``total_flops`` (PaLM's count, attention
+# included) is the hardware work for time and MFU, a different number; DeepSeek's M x D
+# (``hparams.hparam_compute``) is a third, kept for its published constants.
+FLOPS_PER_PARAM_TOKEN = 6
+
+
+def run_compute(n_params: float, tokens: float) -> float:
+    """C = 6 N D of a run of ``n_params`` parameters (all of them, as ``plan.json``'s
+    ``n_params``) trained on ``tokens`` tokens."""
+    return float(FLOPS_PER_PARAM_TOKEN) * n_params * tokens
+
+
+def compute_tokens(flops: float, n_params: float) -> int:
+    """The tokens D that a compute budget C buys a model of N parameters: C / (6 N),
+    rounded up (``budget.kind=flops``)."""
+    return math.ceil(flops / (FLOPS_PER_PARAM_TOKEN * n_params))
 
 
 @dataclass(frozen=True)
@@ -59,21 +81,16 @@ def finished_runs(root: Path | str) -> Iterator[tuple[Path, dict, dict]]:
         yield result_path.parent, plan, result
 
 
-def collect_runs(root: Path | str, flops: str = "6nd") -> list[RunPoint]:
+def collect_runs(root: Path | str) -> list[RunPoint]:
     """Every finished run under ``root``: a directory holding ``result.json`` (written only
     when a run finished its budget) with ``final_val_loss`` and a ``plan.json`` beside it.
-
-    ``flops``: ``6nd`` (C = 6 N D, the convention the fits and the compute-optimal split
-    use) or ``plan`` (the plan's ``total_flops``, which also counts attention)."""
-    if flops not in ("6nd", "plan"):
-        raise ValueError(f"flops={flops!r}: use '6nd' or 'plan'")
+    C is ``run_compute`` of the plan's N and the tokens trained: the plan's own ``compute``."""
     root, points = Path(root), []
     for run_dir, plan, result in finished_runs(root):
-        loss = result["final_val_loss"]
         n, d = float(plan["n_params"]), float(result.get("tokens") or plan["tokens"])
-        c = 6.0 * n * d if flops == "6nd" else float(plan["total_flops"]) * d / plan["tokens"]
         name = str(run_dir.relative_to(root)) if run_dir != root else root.name
-        points.append(RunPoint(name=name, n_params=n, tokens=d, flops=c, loss=float(loss)))
+        points.append(RunPoint(name=name, n_params=n, tokens=d, flops=run_compute(n, d),
+                               loss=float(result["final_val_loss"])))
     return points
 
 
@@ -194,7 +211,7 @@ class ChinchillaLaw:
         """Compute-optimal (N, D) under C = 6 N D: minimising L along that constraint gives
         N = G (C/6)^(beta/(alpha+beta)), D = (C/6)^(alpha/(alpha+beta)) / G with
         G = (alpha A / (beta B))^(1/(alpha+beta)) (Hoffmann et al. 2022, eq. 4)."""
-        c6 = np.asarray(flops, float) / 6.0
+        c6 = np.asarray(flops, float) / FLOPS_PER_PARAM_TOKEN
         s = self.alpha + self.beta
         g = (self.alpha * self.A / (self.beta * self.B)) ** (1.0 / s)
         return g * c6 ** (self.beta / s), c6 ** (self.alpha / s) / g

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from pretrain.config import Config, PipelineSchedule
+from pretrain.config import Config, ParallelConfig, PipelineSchedule
 
 SCHEDULES = tuple(PipelineSchedule)
 # Schedules that hold several stages per rank ("virtual" stages); the others hold one.
@@ -23,13 +23,18 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def layout_world_size(par: ParallelConfig) -> int:
+    """The processes a layout declares: tp * pp * dp as written (dp=1 when left out). The
+    plan's default GPU count and the dry run's world size are this number."""
+    return max(par.tp, 1) * max(par.pp, 1) * max(par.dp or 1, 1)
+
+
 def declared_world_size(cfg: Config) -> int:
-    """The world size a layout asks for: WORLD_SIZE when launched, else tp * pp * dp as
-    written (dp=1 when left out), so a dry run checks a multi-process recipe in one process."""
+    """The world size a run has: WORLD_SIZE when launched, else the layout's own
+    (``layout_world_size``), so a dry run checks a multi-process recipe in one process."""
     if "WORLD_SIZE" in os.environ:
         return world_size_from_env()
-    par = cfg.parallel
-    return max(par.tp, 1) * max(par.pp, 1) * max(par.dp or 1, 1)
+    return layout_world_size(cfg.parallel)
 
 
 def derived_dp(cfg: Config, world_size: int) -> int:

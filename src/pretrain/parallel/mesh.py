@@ -67,11 +67,6 @@ def is_rank0() -> bool:
     return rank() == 0
 
 
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -36,7 +36,11 @@ SCHEDULE_CLASSES = {
 
 
 def stage_indices(layout: Layout, pp_rank: int) -> list[int]:
-    """The global stage indices this pipeline rank runs, in execution order."""
+    """The global stage indices this pipeline rank runs, in execution order (stage 0, the
+    whole model, without a pipeline). The planner (planning/params.py, planning/memory.py)
+    and the tied-embedding group (tied.py) read this too."""
+    if layout.pp == 1:
+        return [0]
     if layout.pp_schedule == "zbv":
         return [pp_rank, 2 * layout.pp - 1 - pp_rank]
     return [pp_rank + v * layout.pp for v in range(layout.virtual_stages)]
@@ -45,7 +49,8 @@ def stage_indices(layout: Layout, pp_rank: int) -> list[int]:
 def stage_layers(n_layer: int, stage: int, n_stages: int) -> range:
     """The global indices of the transformer blocks stage ``stage`` of ``n_stages`` runs
     (balanced by count; validation requires n_layer % n_stages == 0). Stage 0 also holds
-    the embeddings, the last stage the final norm and the head. The planner reads this."""
+    the embeddings, the last stage the final norm and the head (``split_stage``). The
+    planner counts parameters and activations per stage with this same function."""
     per = n_layer // n_stages
     return range(stage * per, (stage + 1) * per)
 

@@ -42,9 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pretrain.config import ModelConfig
+from pretrain.loss import chunk_rows, is_chunked
 from pretrain.model import ffn_dim, padded_vocab_size
-
-CE_CHUNK_ELEMENTS = 2**24  # pretrain.loss.CHUNK_ELEMENTS: fp32 logits per chunk
 
 
 @dataclass(frozen=True)
@@ -151,7 +150,8 @@ def head_and_loss(m: ModelConfig, a: ActivationSetup) -> tuple[float, float]:
     """(saved, transient) bytes of the final norm, output head and cross-entropy for one
     microbatch, as ``pretrain.loss.cross_entropy`` computes it.
 
-    Small batches (tokens <= 2^24 / vocab) and TP (``loss_parallel``) take the plain path:
+    Small batches (one chunk: ``pretrain.loss.chunk_rows``) and TP (``loss_parallel``) take
+    the plain path (``pretrain.loss.is_chunked``, the loss's own test):
     F.cross_entropy on an fp32 copy saves fp32 log-probabilities (4 n V) and its backward
     peaks at 8 n V more. Otherwise the chunked path saves the logits in the compute dtype and
     a log-sum-exp, and backward adds the logits' gradient and two fp32 chunks."""
@@ -161,8 +161,8 @@ def head_and_loss(m: ModelConfig, a: ActivationSetup) -> tuple[float, float]:
     in_div = t if a.sequence_parallel and not a.sp_saves_gathered else 1
     saved = norm_saved_bytes(m, a) * n * h / seq_div + a.compute_bytes * n * h / in_div
     saved += 16 * n  # int64 tokens and targets
-    chunk = max(1, CE_CHUNK_ELEMENTS // int(padded_vocab_size(m)))
-    if t > 1 or n <= chunk:
+    chunk = chunk_rows(padded_vocab_size(m))
+    if not is_chunked(n, padded_vocab_size(m), vocab_sharded=t > 1):
         return saved + 4 * n * vocab, 8 * n * vocab
     return saved + a.compute_bytes * n * vocab + 4 * n, (
         a.compute_bytes * n * vocab + 8 * min(chunk, n) * vocab)

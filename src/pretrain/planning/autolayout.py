@@ -1,10 +1,11 @@
 """``parallel=auto``: choose tp, pp, dp, dp mode, micro batch, activation checkpointing and
 pipeline schedule for a GPU count and type.
 
-The search enumerates every layout the validator would accept (tp divides the heads, the KV
-heads, the MLP width and the vocabulary, and is at most a node's GPUs; pp divides the layers;
-dp = n / (tp pp) divides the global batch; pipelines get at least pp microbatches), with
-sequence parallelism whenever tp > 1 (same traffic, less memory). For each it tries
+The search enumerates every layout the validator accepts (it filters with the same rules,
+``parallel.rules``: tp divides the heads, the KV heads, the MLP width and the vocabulary;
+pp x virtual stages divides the layers; dp = n / (tp pp) divides the global batch;
+pipelines get at least pp microbatches), with tp at most a node's GPUs and sequence
+parallelism whenever tp > 1 (same traffic, less memory). For each it tries
 checkpointing none -> selective -> full and keeps the first that fits in memory (more
 recomputation never makes a step faster), drops layouts that fit under none of them, and
 ranks the rest by the step time of ``cost.step_cost``; ties go to a micro batch of at least
@@ -18,13 +19,15 @@ the layout with the most memory headroom.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from pretrain.budget import Budget, resolve_budget
 from pretrain.config import Config, ParallelConfig
-from pretrain.model import ffn_dim, padded_vocab_size
-from pretrain.parallel.layout import Layout, resolve_layout
+from pretrain.model import padded_vocab_size
+from pretrain.parallel.layout import Layout, layout_world_size, resolve_layout
+from pretrain.parallel.rules import layout_problems, tp_problems
 from pretrain.planning.cost import StepCost, step_cost
 from pretrain.planning.gpus import GpuSpec, get_gpu
 from pretrain.planning.memory import MemoryEstimate, estimate_memory
@@ -51,10 +54,6 @@ class Candidate:
     def fits(self) -> bool:
         return self.memory.fits
 
-    @property
-    def layout_seq_len(self) -> int:
-        return self.seq_len
-
     def describe(self) -> str:
         return self.layout.describe()
 
@@ -69,21 +68,19 @@ def divisors(n: int) -> list[int]:
 
 
 def tp_options(cfg: Config, gpu: GpuSpec, n_gpus: int, vocab_ok: bool = True) -> list[int]:
-    m = cfg.model
-    kv = m.n_kv_head or m.n_head
-    return [t for t in divisors(n_gpus) if t <= gpu.gpus_per_node and m.n_head % t == 0
-            and kv % t == 0 and ffn_dim(m) % t == 0 and m.seq_len % t == 0
-            and (not vocab_ok or padded_vocab_size(m) % t == 0)]
+    """Tensor-parallel sizes of ``n_gpus`` within a node that the layout rules accept with
+    sequence parallelism on (``vocab_ok=False``: ignoring the vocabulary's divisibility)."""
+    return [t for t in divisors(n_gpus) if t <= gpu.gpus_per_node
+            and not tp_problems(cfg.model, t, sequence_parallel=t > 1, vocab=vocab_ok)]
 
 
-def _schedules(n_layer: int, pp: int) -> list[tuple[str, int]]:
+def _schedules(pp: int) -> list[tuple[str, int]]:
+    """Schedules and stages per rank to try; the layout rules drop what the layers or
+    microbatches do not allow."""
     if pp == 1:
         return [("1f1b", 1)]
-    out = [("1f1b", 1), ("gpipe", 1)]
-    out += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES if n_layer % (pp * v) == 0]
-    if n_layer % (2 * pp) == 0:
-        out.append(("zbv", 2))
-    return out
+    return ([("1f1b", 1), ("gpipe", 1)]
+            + [("interleaved_1f1b", v) for v in VIRTUAL_STAGES] + [("zbv", 2)])
 
 
 def _dp_modes(dp: int, tp: int, gpu: GpuSpec) -> list[tuple[str, int, int | None]]:
@@ -98,30 +95,34 @@ def _dp_modes(dp: int, tp: int, gpu: GpuSpec) -> list[tuple[str, int, int | None
     return out
 
 
-def enumerate_parallel(cfg: Config, n_gpus: int, gpu: GpuSpec) -> Iterator[ParallelConfig]:
-    """Every layout of ``n_gpus`` the validator accepts, checkpointing left at none."""
-    m, gbs = cfg.model, cfg.train.global_batch_size
+def _shapes(cfg: Config, n_gpus: int, gpu: GpuSpec) -> Iterator[tuple[int, int, int]]:
+    """(tp, pp, dp) with tp * pp * dp = n_gpus, tp within a node and valid for the model."""
     for tp in tp_options(cfg, gpu, n_gpus):
         for pp in divisors(n_gpus // tp):
-            if m.n_layer % pp:
-                continue
-            dp = n_gpus // (tp * pp)
-            if gbs % dp:
-                continue
-            for mbs in MICRO_BATCHES:
-                local = gbs // dp
-                if local % mbs or (pp > 1 and local // mbs < pp):
-                    continue
-                micro = local // mbs
-                for schedule, v in _schedules(m.n_layer, pp):
-                    if v > 1 and micro % pp:
-                        continue
-                    for mode, rep, shard in _dp_modes(dp, tp, gpu):
-                        yield ParallelConfig(
-                            name="auto", tp=tp, pp=pp, dp=dp, dp_mode=mode,
-                            dp_replicate=rep, dp_shard=shard, pp_schedule=schedule,
-                            virtual_stages=v, micro_batch_size=mbs,
-                            sequence_parallel=tp > 1, activation_checkpointing="none")
+            yield tp, pp, n_gpus // (tp * pp)
+
+
+def _whole_rounds(parallel: ParallelConfig, gbs: int) -> bool:
+    """The search's own restriction, beyond validity: multi-stage schedules only with
+    microbatches in whole rounds of pp (torch accepts any count that splits into equal
+    rounds; the in-flight counts of planning/activations.py assume whole rounds)."""
+    micro = gbs // (parallel.micro_batch_size * parallel.dp)
+    return parallel.virtual_stages == 1 or micro % parallel.pp == 0
+
+
+def enumerate_parallel(cfg: Config, n_gpus: int, gpu: GpuSpec) -> Iterator[ParallelConfig]:
+    """Every layout of ``n_gpus`` the layout rules (``parallel.rules``, which validation
+    applies) accept, checkpointing left at none."""
+    gbs = cfg.train.global_batch_size
+    for (tp, pp, dp), mbs in itertools.product(_shapes(cfg, n_gpus, gpu), MICRO_BATCHES):
+        for (schedule, v), (mode, rep, shard) in itertools.product(_schedules(pp),
+                                                                   _dp_modes(dp, tp, gpu)):
+            par = ParallelConfig(
+                name="auto", tp=tp, pp=pp, dp=dp, dp_mode=mode, dp_replicate=rep,
+                dp_shard=shard, pp_schedule=schedule, virtual_stages=v, micro_batch_size=mbs,
+                sequence_parallel=tp > 1, activation_checkpointing="none")
+            if _whole_rounds(par, gbs) and not layout_problems(with_parallel(cfg, par), n_gpus):
+                yield par
 
 
 def with_parallel(cfg: Config, parallel: ParallelConfig) -> Config:
@@ -132,7 +133,7 @@ def with_parallel(cfg: Config, parallel: ParallelConfig) -> Config:
 
 def evaluate(cfg: Config, parallel: ParallelConfig, gpu: GpuSpec, budget: Budget) -> Candidate:
     c = with_parallel(cfg, parallel)
-    layout = resolve_layout(c, parallel.tp * parallel.pp * (parallel.dp or 1))
+    layout = resolve_layout(c, layout_world_size(parallel))
     return Candidate(parallel, layout, estimate_memory(c, layout, gpu),
                      step_cost(c, layout, gpu, budget), cfg.model.seq_len)
 
@@ -144,7 +145,7 @@ def _rank_key(c: Candidate) -> tuple:
     """Step time; on a tie, a micro batch of at least 8192 tokens (GEMMs that tall run near
     peak on A100/H100-class GPUs; smaller ones lose efficiency the model does not count),
     then the least memory (most headroom)."""
-    rows = c.parallel.micro_batch_size * c.layout_seq_len
+    rows = c.parallel.micro_batch_size * c.seq_len
     return (float(f"{c.cost.total:.4g}"), rows < EFFICIENT_GEMM_ROWS, c.memory.total)
 
 

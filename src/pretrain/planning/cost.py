@@ -43,8 +43,8 @@ from pretrain.budget import Budget
 from pretrain.config import Config
 from pretrain.parallel.layout import Layout
 from pretrain.planning.gpus import GpuSpec
-from pretrain.planning.memory import DTYPE_BYTES
 from pretrain.planning.params import inventory, rank_params
+from pretrain.precision import dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
     m, prec = cfg.model, cfg.precision
     t, p, d, mb = layout.tp, layout.pp, layout.dp, layout.microbatches
     v = layout.virtual_stages if p > 1 else 1
-    e = DTYPE_BYTES[prec.compute_dtype]
+    e = dtype_bytes(prec.compute_dtype)
     tokens = budget.global_batch_tokens
     world = layout.world_size
     peak = gpu.peak_flops(prec.compute_dtype) or gpu.peak_flops("float32")
@@ -143,7 +143,7 @@ def _data_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, compute: float
     if d == 1:
         return 0.0, 0.0
     prec = cfg.precision
-    e, red = DTYPE_BYTES[prec.compute_dtype], DTYPE_BYTES[prec.reduce_dtype]
+    e, red = dtype_bytes(prec.compute_dtype), dtype_bytes(prec.reduce_dtype)
     sp = rank_params(cfg.model, layout)
     n = sp.unsharded  # this rank's TP/PP-local parameters
     units = len(sp.blocks) + layout.virtual_stages  # FSDP units: blocks + one root per stage

@@ -81,19 +81,21 @@ def load_gpus(extra: tuple[str, ...] = ()) -> dict[str, GpuSpec]:
     """Every known GPU type by name: conf/gpu, then $PRETRAIN_GPU_TABLE, then ``extra``
     (files or directories of YAML files); later definitions replace earlier ones."""
     table: dict[str, GpuSpec] = {}
-    for d in _dirs(extra):
-        if d.is_file():
-            files = [d]
-        elif d.is_dir():
-            files = sorted(d.glob("*.yaml"))
-        elif d == CONF_GPU_DIR:  # an installed package without the checkout's conf/
-            files = []
-        else:
-            raise GpuError(f"GPU table path {d} does not exist")
-        for f in files:
-            spec = _load_file(f)
-            table[spec.name] = spec
+    for f in (f for d in _dirs(extra) for f in _yaml_files(d)):
+        spec = _load_file(f)
+        table[spec.name] = spec
     return table
+
+
+def _yaml_files(d: Path) -> list[Path]:
+    """The GPU files a table path names: itself (a file) or its YAML files (a directory)."""
+    if d.is_file():
+        return [d]
+    if d.is_dir():
+        return sorted(d.glob("*.yaml"))
+    if d == CONF_GPU_DIR:  # an installed package without the checkout's conf/
+        return []
+    raise GpuError(f"GPU table path {d} does not exist")
 
 
 def get_gpu(name: str, extra: tuple[str, ...] = ()) -> GpuSpec:
@@ -120,8 +122,8 @@ def local_gpu(device_type: str, world_size: int = 1) -> GpuSpec:
     """The GPU type a run is on, for ``parallel=auto`` inside the trainer: the table entry
     matching the CUDA device name; an unknown CUDA GPU gets its real memory and the A100's
     peaks and links (stated fallback); a CPU run gets a stand-in whose memory is this host's
-    RAM shared by ``world_size`` processes and whose peaks are the DESIGN.md measurement of a
-    2-core AVX512-BF16 CPU (421 GFLOP/s bf16, 197 fp32)."""
+    RAM shared by ``world_size`` processes and whose peaks are those measured on large
+    matmuls on a 2-core AVX512-BF16 CPU (421 GFLOP/s bf16, 197 fp32)."""
     if device_type == "cuda":
         import torch
 

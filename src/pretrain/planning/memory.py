@@ -51,8 +51,8 @@ from pretrain.planning.activations import (
 )
 from pretrain.planning.gpus import GIB, GpuSpec
 from pretrain.planning.params import StageParams, rank_params
+from pretrain.precision import dtype_bytes
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # trainer.forward_backward calls schedule.step(..., return_outputs=False): no logits kept
 KEEPS_PIPELINE_OUTPUTS = False
 FRAGMENTATION = 0.10
@@ -103,10 +103,10 @@ class MemoryEstimate:
 def activation_setup(cfg: Config, layout: Layout, device: str = "cuda") -> ActivationSetup:
     """How activations are stored for this config and layout (see activations.py)."""
     prec = cfg.precision
-    e = DTYPE_BYTES[prec.compute_dtype]
+    e = dtype_bytes(prec.compute_dtype)
     autocast = prec.compute_dtype != prec.param_dtype
     # FSDP2/replicate (dp > 1) cast parameters to the compute dtype: bf16 residual stream.
-    residual = e if layout.dp > 1 else DTYPE_BYTES[prec.param_dtype]
+    residual = e if layout.dp > 1 else dtype_bytes(prec.param_dtype)
     norm_copies = autocast and (device == "cuda" or residual > e)
     attention = "eager" if cfg.model.attention == "eager" else "fused"
     return ActivationSetup(
@@ -117,35 +117,26 @@ def activation_setup(cfg: Config, layout: Layout, device: str = "cuda") -> Activ
     )
 
 
-def _stage_layers(cfg: Config, layout: Layout, stage: int) -> range:
-    return stage_layers(cfg.model.n_layer, stage, layout.n_stages)
-
-
-def _stages_of(layout: Layout, pp_rank: int) -> list[int]:
-    return stage_indices(layout, pp_rank) if layout.pp > 1 else [0]
-
-
 def _activations(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: int
                  ) -> tuple[float, float, float]:
     """(saved in flight, head + loss saved, transient peak) for one pipeline rank."""
     m = cfg.model
     ac, every = layout.activation_checkpointing, cfg.parallel.ac_every_n_layers
-    stages = _stages_of(layout, pp_rank)
-    n_stages = layout.n_stages if layout.pp > 1 else 1
+    stages = stage_indices(layout, pp_rank)
     chunks = inflight_chunks(layout.pp_schedule, layout.pp, layout.virtual_stages,
                              layout.microbatches, pp_rank)
     rest = "selective" if ac == "selective" else ("full" if ac == "full" else "none")
     per_mode = {mode: layer_bytes(m, a, mode) for mode in {rest, "full"}}
     per_chunk = []
     for s in stages:
-        layers = _stage_layers(cfg, layout, s) if layout.pp > 1 else range(m.n_layer)
+        layers = stage_layers(m.n_layer, s, layout.n_stages)
         whole = sum(1 for i in layers if ac == "selective" and every > 0
                     and (i + 1) % every == 0)
         per_chunk.append(whole * per_mode["full"] + (len(layers) - whole) * per_mode[rest])
     # Chunks in flight spread evenly over this rank's stages (stages hold equal layers).
     saved = chunks * sum(per_chunk) / len(per_chunk)
     saved += chunks * 8 * m.seq_len * a.micro_batch if 0 in stages else 0.0  # token ids
-    head, loss_transient = (head_and_loss(m, a) if n_stages - 1 in stages else (0.0, 0.0))
+    head, loss_transient = (head_and_loss(m, a) if layout.n_stages - 1 in stages else (0.0, 0.0))
     work = backward_working_bytes(m, a)
     if ac == "full" or (ac == "selective" and every > 0):
         work += layer_bytes(m, a, "none")  # one block recomputed during its backward
@@ -161,7 +152,7 @@ def _pipeline_buffers(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: 
     act = a.residual_bytes * m.seq_len * a.micro_batch * m.d_model / (
         layout.tp if a.sequence_parallel else 1)
     total = 0.0
-    for s in _stages_of(layout, pp_rank):
+    for s in stage_indices(layout, pp_rank):
         if s != 0:  # activation receive buffer and the input gradient left on it
             total += 2 * layout.microbatches * act
         if s != layout.n_stages - 1:  # gradient receive buffer
@@ -175,7 +166,7 @@ def _pipeline_buffers(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: 
 def _weights_and_grad_buffers(cfg: Config, layout: Layout, sp: StageParams
                               ) -> tuple[float, float]:
     prec = cfg.precision
-    e, reduce_b = DTYPE_BYTES[prec.compute_dtype], DTYPE_BYTES[prec.reduce_dtype]
+    e, reduce_b = dtype_bytes(prec.compute_dtype), dtype_bytes(prec.reduce_dtype)
     biggest_block = max(sp.blocks, default=0)
     if layout.dp == 1:  # no DP wrapper: autocast's weight cache, grads straight into .grad
         if prec.compute_dtype == prec.param_dtype:
@@ -197,11 +188,11 @@ def _weights_and_grad_buffers(cfg: Config, layout: Layout, sp: StageParams
 
 def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda") -> RankMemory:
     prec = cfg.precision
-    pb = DTYPE_BYTES[prec.param_dtype]
+    pb = dtype_bytes(prec.param_dtype)
     sp = rank_params(cfg.model, layout, pp_rank)
     a = activation_setup(cfg, layout, device)
     grads = pb * sp.local
-    if layout.tp > 1 and cfg.model.pos_emb == "learned" and 0 in _stages_of(layout, pp_rank):
+    if layout.tp > 1 and cfg.model.pos_emb == "learned" and 0 in stage_indices(layout, pp_rank):
         # DTensor's embedding backward leaves the sharded position table a Replicate grad
         pos = cfg.model.seq_len * cfg.model.d_model
         grads += pb * (pos - pos // layout.tp)

@@ -6,8 +6,9 @@ placed the way ``pretrain.parallel`` places it:
 
 - pipeline: stage s holds the layers ``parallel.pipeline.stage_layers`` gives it; stage 0
   the embeddings, the last stage the final norm and the head; ranks hold stages as
-  ``parallel.pipeline.stage_indices`` says (the functions the pipeline split itself uses). A head tied to the embedding but on another stage
-  is a second copy (Megatron's "embedding group", ``parallel/tied.py``).
+  ``parallel.pipeline.stage_indices`` says (the functions the pipeline split itself uses).
+  A head tied to the embedding but on another stage is a second copy (Megatron's
+  "embedding group", ``parallel/tied.py``).
 - tensor parallel: the dimension ``parallel.tensor_parallel.tp_shard_dim`` names, the one
   the TP plan itself is built from (column-parallel and vocabulary-parallel: 0, row-parallel
   weights: 1, row-parallel biases and norms: replicated). DTensor shards like
@@ -125,10 +126,36 @@ def rank_params(model: ModelConfig, layout: Layout, pp_rank: int = 0, tp_rank: i
                 ) -> StageParams:
     """What pipeline rank ``pp_rank`` (TP rank ``tp_rank``) holds under ``layout``."""
     sharded = layout.dp_mode in ("zero2", "zero3") and layout.dp_shard > 1
-    stages = tuple(stage_indices(layout, pp_rank)) if layout.pp > 1 else (0,)
-    n_stages = layout.n_stages if layout.pp > 1 else 1
     return _rank_params(dataclasses.astuple(model), layout.tp, tp_rank, layout.dp_shard,
-                        sharded, stages, n_stages)
+                        sharded, tuple(stage_indices(layout, pp_rank)), layout.n_stages)
+
+
+def _root_params(model: ModelConfig, params: tuple[Param, ...], first: bool, last: bool
+                 ) -> list[Param]:
+    """The parameters outside the blocks that a stage holds, as ``split_stage`` keeps them:
+    the embeddings on the first stage (the token table also a matmul weight when it is the
+    tied head as well), the final norm and an untied head on the last, and a copy of the
+    tied embedding as the head on a last stage that is not the first."""
+    tied = model.tie_embeddings
+    out = []
+    for p in params:
+        top = p.name.split(".")[0]
+        if p.layer is None and top in ("tok_emb", "pos_emb") and first:
+            shared = p.name == "tok_emb.weight" and tied and last
+            out.append(dataclasses.replace(p, matmul=p.matmul or shared))
+        elif p.layer is None and top not in ("tok_emb", "pos_emb") and last:
+            out.append(p)
+    if last and tied and not first:
+        emb = next(p for p in params if p.name == "tok_emb.weight")
+        out.append(Param("lm_head.weight", emb.shape, None, 0, True))
+    return out
+
+
+def _sum(params: list[Param], tp: int, tp_rank: int, dp_shard: int, sharded: bool) -> _Sum:
+    total = _Sum()
+    for p in params:
+        total = total.add(p, tp, tp_rank, dp_shard, sharded)
+    return total
 
 
 @functools.lru_cache(maxsize=4096)
@@ -136,41 +163,21 @@ def _rank_params(fields: tuple, tp: int, tp_rank: int, dp_shard: int, sharded: b
                  stages: tuple[int, ...], n_stages: int) -> StageParams:
     model = ModelConfig(*fields)
     params = inventory(model)
+    shard = (tp, tp_rank, dp_shard, sharded)
     # Every block has the same parameters: sum block 0 once, count blocks per stage.
-    block = _Sum()
-    for p in params:
-        if p.layer == 0:
-            block = block.add(p, tp, tp_rank, dp_shard, sharded)
-    emb = next(p for p in params if p.name == "tok_emb.weight")
-    head_copy = Param("lm_head.weight", emb.shape, None, 0, True)
-    total, root, n_blocks = _Sum(), 0, 0
-    for s in stages:
-        first, last = s == 0, s == n_stages - 1
-        n_blocks += len(stage_layers(model.n_layer, s, n_stages))
-        part = _Sum()
-        for p in params:
-            top = p.name.split(".")[0]
-            if p.layer is not None:
-                continue
-            if top in ("tok_emb", "pos_emb"):
-                if first:
-                    shared = p.name == "tok_emb.weight" and model.tie_embeddings and last
-                    part = part.add(Param(p.name, p.shape, None, p.tp_dim, p.matmul or shared),
-                                    tp, tp_rank, dp_shard, sharded)
-            elif last:  # final norm, untied head
-                part = part.add(p, tp, tp_rank, dp_shard, sharded)
-        if last and model.tie_embeddings and not first:  # the head's copy of the embedding
-            part = part.add(head_copy, tp, tp_rank, dp_shard, sharded)
-        root += part.unsharded
-        total = _Sum(total.local + part.local, total.unsharded + part.unsharded,
-                     total.matmul + part.matmul, total.n_tensors + part.n_tensors, 0)
+    block = _sum([p for p in params if p.layer == 0], *shard)
+    n_blocks = sum(len(stage_layers(model.n_layer, s, n_stages)) for s in stages)
+    parts = [_sum(_root_params(model, params, s == 0, s == n_stages - 1), *shard)
+             for s in stages]
+    total = _Sum(*(sum(getattr(part, f) for part in parts) for f in ("local", "unsharded",
+                                                                      "matmul", "n_tensors")))
     return StageParams(
         local=total.local + n_blocks * block.local,
         unsharded=total.unsharded + n_blocks * block.unsharded,
         matmul_unsharded=total.matmul + n_blocks * block.matmul,
         block_matmul=n_blocks * block.matmul,
         blocks=(block.unsharded,) * n_blocks,
-        root=root,
+        root=total.unsharded,
         n_tensors=total.n_tensors + n_blocks * block.n_tensors,
         n_linear=n_blocks * block.n_linear,
     )

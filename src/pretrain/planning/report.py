@@ -11,7 +11,14 @@ from pretrain.data.epochs import check_epochs
 from pretrain.model import padded_vocab_size
 from pretrain.optim import scaled_lr
 from pretrain.parallel.layout import Layout, resolve_layout
-from pretrain.planning.autolayout import Candidate, evaluate, tp_options, why_first
+from pretrain.parallel.rules import layout_problems
+from pretrain.planning.autolayout import (
+    Candidate,
+    evaluate,
+    tp_options,
+    why_first,
+    with_parallel,
+)
 from pretrain.planning.cost import step_cost
 from pretrain.planning.gpus import GIB, GpuSpec
 from pretrain.planning.memory import PARTS, estimate_memory
@@ -51,11 +58,10 @@ def suggestions(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> li
                                                         dp_shard=None)))
     out = []
     for text, new in tries:
-        try:
-            cand = evaluate(cfg, new, gpu, budget)
-        except Exception:  # a change the layout code rejects is no suggestion
+        if layout_problems(with_parallel(cfg, new), n):  # invalid, or another GPU count
             continue
-        if cand.fits and cand.layout.world_size == n:
+        cand = evaluate(cfg, new, gpu, budget)
+        if cand.fits:
             out.append(f"{text} -> {_gib(cand.memory.total)} GiB per GPU, "
                        f"{cand.cost.total:.4g} s/step (model)")
     return out[:4]
@@ -100,6 +106,7 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, mfu: float | None = None,
         "global_batch_size": cfg.train.global_batch_size, "lr": scaled_lr(
             cfg.optim, budget.global_batch_tokens),
         "flops_per_token": budget.flops_per_token, "total_flops": budget.total_flops,
+        "compute": budget.compute,
         "memory_gib": {k: _gib(worst.parts.get(k, 0.0)) for k in PARTS},
         "memory_total_gib": _gib(worst.total), "fullest_pp_rank": worst.pp_rank,
         "fits": mem.fits,
@@ -152,7 +159,8 @@ def format_plan(p: dict) -> str:
     sm = p["step_model"]
     lines += [
         f"compute: {p['flops_per_token']:,} FLOPs/token x {p['tokens']:,} tokens = "
-        f"{p['total_flops']:.3g} FLOPs ({p['steps']:,} steps)",
+        f"{p['total_flops']:.3g} FLOPs ({p['steps']:,} steps); scaling-law compute "
+        f"C = 6ND = {p['compute']:.3g} (tools/scaling_law.py --target-flops, budget.flops)",
         f"data: {p['data']}, " + (
             f"{p['data_tokens']:,} tokens ({p['data_tokens_from']}): the budget is "
             f"{p['epochs']:.3g} epochs" if p["epochs"] is not None

@@ -38,7 +38,7 @@ from pretrain.parallel.mesh import build_mesh
 from pretrain.parallel.tensor_parallel import loss_context
 from pretrain.planning.memory import rank_memory
 from pretrain.planning.params import rank_params
-from pretrain.precision import Policy, resolve_policy
+from pretrain.precision import Policy, dtype_bytes, resolve_policy
 
 log = logging.getLogger("pretrain.simulate")
 
@@ -110,10 +110,27 @@ def _stage_input(part: GPT, cfg: Config, layout: Layout, policy: Policy) -> torc
     return torch.randn(b, s, cfg.model.d_model, dtype=dtype, requires_grad=True)
 
 
+def _forward_backward(part: GPT, x: torch.Tensor, cfg: Config, layout: Layout,
+                      policy: Policy) -> None:
+    """One micro batch through one stage and back: the real loss on the last stage, a sum
+    of the output (standing in for the next stage's gradient) elsewhere."""
+    with loss_context(layout.tp), policy.autocast(torch.device("cpu")):
+        out = part(x)
+        if part.lm_head is not None:
+            targets = torch.randint(0, cfg.model.vocab_size,
+                                    (layout.micro_batch_size, cfg.model.seq_len))
+            loss = cross_entropy(out, targets)
+        else:
+            local = out.to_local() if isinstance(out, DTensor) else out
+            loss = local.float().sum()
+        loss.backward()
+
+
 def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str) -> dict:
     """Peak bytes of one micro batch's forward and backward through each of this rank's
     stages, then an optimizer step, on a fake copy of the rank's model (nothing allocated).
-    A pipeline keeps several micro batches in flight; this is one (see the planner)."""
+    A pipeline keeps several micro batches in flight; this measures one (the planner's
+    ``inflight_chunks`` multiplies by the schedule's count)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -127,17 +144,7 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str)
         tracker.track_external(*pm.parts, optimizer, *inputs)
         with tracker:
             for part, x in zip(pm.parts, inputs, strict=True):
-                with loss_context(layout.tp), policy.autocast(torch.device("cpu")):
-                    out = part(x)
-                    if part.lm_head is not None:
-                        targets = torch.randint(0, cfg.model.vocab_size,
-                                                (layout.micro_batch_size, cfg.model.seq_len))
-                        loss = cross_entropy(out, targets)
-                    else:
-                        local = out.to_local() if isinstance(out, DTensor) else out
-                        loss = local.float().sum()
-                    loss.backward()
-                del out, loss
+                _forward_backward(part, x, cfg, layout, policy)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         peak = tracker.get_tracker_snapshot("peak")
@@ -150,7 +157,7 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str)
 def predicted(cfg: Config, layout: Layout, pp_rank: int, tp_rank: int) -> dict:
     """The planner's numbers for this rank (CPU: no CUDA context, no fragmentation)."""
     sp = rank_params(cfg.model, layout, pp_rank, tp_rank)
-    pb = torch.tensor([], dtype=getattr(torch, cfg.precision.param_dtype)).element_size()
+    pb = dtype_bytes(cfg.precision.param_dtype)
     parts = rank_memory(cfg, layout, pp_rank, device="cpu").parts
     return {
         "local_param_bytes": pb * sp.local,

@@ -1,0 +1,153 @@
+"""What makes a parallel layout valid: the one set of rules, each returning its problems.
+
+``validate.check`` reports these problems for a user's layout (each names the key and a
+fix); ``planning.autolayout`` keeps only the candidate layouts they find nothing wrong
+with. So a layout the search proposes always passes validation, and a rule added here
+applies to both.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pretrain.config import Config, ModelConfig, ParallelConfig
+from pretrain.model import ffn_dim, padded_vocab_size
+from pretrain.parallel.layout import MULTI_STAGE_SCHEDULES, SCHEDULES
+
+
+def world_problems(par: ParallelConfig, world_size: int) -> tuple[int | None, list[str]]:
+    """(dp, problems): the data-parallel size the layout gets on ``world_size`` processes
+    (None when ``parallel.dp`` itself is invalid), and why the two disagree."""
+    tp, pp = par.tp, par.pp
+    if par.dp is not None and par.dp <= 0:
+        return None, [f"parallel.dp={par.dp} must be a positive integer (or null: world / "
+                      "(tp*pp))"]
+    if par.dp is None:
+        dp = world_size // (tp * pp)
+        if dp > 0 and world_size % (tp * pp) == 0:
+            return dp, []
+        return max(dp, 1), [
+            f"parallel.dp=null takes dp = world size / (tp x pp), but the world size "
+            f"{world_size} is not a multiple of tp={tp} x pp={pp} = {tp * pp}; launch a "
+            f"multiple of {tp * pp} processes or set parallel.dp"]
+    need = tp * pp * par.dp
+    if need == world_size:
+        return par.dp, []
+    return par.dp, [
+        f"parallel layout tp={tp} x pp={pp} x dp={par.dp} needs {need} processes but the "
+        f"world size is {world_size}; launch {need} (torchrun --nproc_per_node={need}, or "
+        "tools/run_local.py) or change parallel.tp/pp/dp"]
+
+
+def tp_problems(m: ModelConfig, tp: int, sequence_parallel: bool,
+                vocab: bool = True) -> list[str]:
+    """Tensor parallelism shards whole heads, KV heads, MLP units, vocabulary rows (unless
+    ``vocab`` is False: to ask what else limits tp) and, with SP, sequence positions."""
+    if tp == 1:
+        return [] if not sequence_parallel else [
+            "parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence "
+            "over the tensor-parallel ranks); set parallel.tp or turn it off"]
+    p, kv = [], m.n_kv_head or m.n_head
+    if m.n_head % tp:
+        p.append(f"model.n_head={m.n_head} is not divisible by parallel.tp={tp}: each TP "
+                 f"rank holds whole heads; use a tp that divides {m.n_head}")
+    if m.n_kv_head not in (None, m.n_head) and kv % tp:  # GQA; MHA is the line above
+        p.append(f"model.n_kv_head={kv} is not divisible by parallel.tp={tp}: each TP rank "
+                 f"holds whole key/value heads; use a tp that divides {kv} (or more KV heads)")
+    rows = padded_vocab_size(m)
+    if vocab and rows % tp:
+        p.append(f"the vocabulary ({rows} rows) is not divisible by parallel.tp={tp} for "
+                 f"the vocab-parallel embedding and head; pad it: model.pad_vocab_to="
+                 f"{math.lcm(tp, 64)}")
+    if ffn_dim(m) % tp:
+        p.append(f"the MLP width {ffn_dim(m)} (model.d_ff) is not divisible by "
+                 f"parallel.tp={tp}; choose a d_ff that is")
+    if sequence_parallel and m.seq_len % tp:
+        p.append(f"parallel.sequence_parallel shards model.seq_len={m.seq_len} over "
+                 f"parallel.tp={tp}; use a seq_len divisible by {tp}")
+    return p
+
+
+def batch_problems(gbs: int, mbs: int, dp: int) -> list[str]:
+    """The global batch splits into whole micro batches on every DP rank."""
+    if gbs > 0 and gbs % (mbs * dp):
+        return [f"train.global_batch_size={gbs} is not divisible by parallel.micro_batch_size"
+                f"={mbs} x dp={dp}; use a global batch that is a multiple of {mbs * dp}"]
+    return []
+
+
+def _schedule_problems(par: ParallelConfig) -> list[str]:
+    """Stages per rank that the schedule runs: one (gpipe, 1f1b), two in a V (zbv), or
+    two or more (interleaved 1f1b)."""
+    vs, multi = par.virtual_stages, par.pp_schedule in MULTI_STAGE_SCHEDULES
+    if par.pp_schedule == "zbv" and vs != 2:
+        return [f"parallel.pp_schedule=zbv runs exactly 2 stages per rank (a V); set "
+                f"parallel.virtual_stages=2 (got {vs})"]
+    if multi and vs < 2:
+        return [f"parallel.pp_schedule={par.pp_schedule} needs parallel.virtual_stages "
+                f">= 2 stages per rank (got {vs}); or use pp_schedule=1f1b"]
+    if not multi and vs != 1:
+        return [f"parallel.pp_schedule={par.pp_schedule} runs one stage per rank; set "
+                f"parallel.virtual_stages=1 or use pp_schedule=interleaved_1f1b"]
+    return []
+
+
+def pipeline_problems(cfg: Config, dp: int) -> list[str]:
+    """Equal layers per stage, enough microbatches to fill the pipeline, the rounds torch's
+    multi-stage schedules need, and no torch.compile under ZB-V's split backward."""
+    par, n_layer, gbs = cfg.parallel, cfg.model.n_layer, cfg.train.global_batch_size
+    pp, vs, mbs = par.pp, par.virtual_stages, par.micro_batch_size
+    if pp == 1 or par.pp_schedule not in SCHEDULES:
+        return []
+    p = _schedule_problems(par)
+    if n_layer % (pp * vs):
+        p.append(f"model.n_layer={n_layer} is not divisible by parallel.pp={pp} x "
+                 f"parallel.virtual_stages={vs} = {pp * vs} pipeline stages; choose "
+                 "pp/virtual_stages so every stage gets the same number of layers")
+    micro = gbs // (mbs * dp) if gbs > 0 else 0
+    rounds = max(1, micro // pp)
+    if 0 < micro < pp:
+        p.append(f"the pipeline gets {micro} microbatch(es) per step (global batch {gbs} / "
+                 f"(micro batch {mbs} x dp {dp})) but {par.pp_schedule} needs at least "
+                 f"parallel.pp={pp}; lower parallel.micro_batch_size or raise "
+                 f"train.global_batch_size to {mbs * dp * pp}")
+    elif par.pp_schedule in MULTI_STAGE_SCHEDULES and micro % rounds:
+        p.append(f"{par.pp_schedule} needs the microbatches per step ({micro}) to be a "
+                 f"multiple of {rounds} (rounds of pp={pp}); use a multiple of pp")
+    if par.pp_schedule == "zbv" and cfg.train.compile:
+        p.append("parallel.pp_schedule=zbv splits backward into input and weight parts, "
+                 "which torch.compile does not support; set train.compile=false")
+    return p
+
+
+def dp_mode_problems(par: ParallelConfig, dp: int) -> list[str]:
+    """HSDP (zero2/zero3): dp = dp_replicate x dp_shard."""
+    rep = par.dp_replicate
+    if par.dp_mode == "ddp" or dp <= 0:
+        return []
+    if rep <= 0 or dp % rep:
+        return [f"parallel.dp_replicate={rep} must divide dp={dp} (HSDP: dp = "
+                "dp_replicate x dp_shard)"]
+    if par.dp_shard is not None and par.dp_shard * rep != dp:
+        return [f"parallel.dp_replicate={rep} x parallel.dp_shard={par.dp_shard} must "
+                f"equal dp={dp}; set dp_shard={dp // rep} (or leave it null)"]
+    return []
+
+
+def layout_problems(cfg: Config, world_size: int) -> list[str]:
+    """Every problem of ``cfg.parallel`` against the world size, the model shape and the
+    batch ([] for a sound layout). Sizes that are not positive are left to the caller's
+    own check of positive integers."""
+    par = cfg.parallel
+    if min(par.tp, par.pp, par.virtual_stages, par.micro_batch_size) <= 0:
+        return []
+    dp, p = world_problems(par, world_size)
+    if dp is None:
+        return p
+    p += tp_problems(cfg.model, par.tp, par.sequence_parallel)
+    p += batch_problems(cfg.train.global_batch_size, par.micro_batch_size, dp)
+    p += pipeline_problems(cfg, dp)
+    p += dp_mode_problems(par, dp)
+    if par.ac_every_n_layers < 0:
+        p.append(f"parallel.ac_every_n_layers={par.ac_every_n_layers} must be >= 0")
+    return p
