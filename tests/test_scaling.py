@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
 
 pytest.importorskip("scipy", reason="the analysis extra: pip install -e '.[analysis]'")
 
@@ -32,8 +30,6 @@ from pretrain.scaling import (  # noqa: E402
     report_chinchilla_law,
     report_compute_law,
 )
-
-sys.path.insert(0, str(REPO / "tools"))
 
 # L(C): a GPT-4-report-like curve, reducible part 2.0 nats at 1e17 FLOPs.
 TRUE_C = ComputeLaw(a=2.0 / 1e17**-0.1, b=-0.1, c=1.8)
@@ -199,7 +195,7 @@ def test_collect_runs_reads_result_and_plan(tmp_path):
 
 
 def test_tool_fits_and_plots(tmp_path, capsys):
-    import scaling_law
+    from pretrain.tools import scaling_law
 
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
@@ -222,7 +218,7 @@ def test_tool_fits_and_plots(tmp_path, capsys):
 
 
 def test_tool_prints_published_chinchilla_optimum(capsys):
-    import scaling_law
+    from pretrain.tools import scaling_law
 
     assert scaling_law.main(["--chinchilla", "5.76e23"]) == 0
     text = capsys.readouterr().out
@@ -253,7 +249,7 @@ THREE_BUDGETS = [(2e5, 1e5, 6.508), (6.3e5, 3.15e5, 6.276), (2e6, 1e6, 5.207)]
 
 
 def test_tool_survives_a_sweep_whose_interval_leaves_out_the_estimate(tmp_path, capsys):
-    import scaling_law
+    from pretrain.tools import scaling_law
 
     pytest.importorskip("matplotlib")
     _write_runs(tmp_path / "sweep", _ladder(THREE_BUDGETS))
@@ -296,7 +292,7 @@ def test_plot_draws_an_interval_that_excludes_the_point(tmp_path):
 ])
 def test_tool_on_degenerate_sweeps_explains_and_still_writes(tmp_path, capsys, rows,
                                                              not_fitted):
-    import scaling_law
+    from pretrain.tools import scaling_law
 
     pytest.importorskip("matplotlib")
     _write_runs(tmp_path / "sweep", _ladder(rows))

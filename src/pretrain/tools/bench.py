@@ -26,13 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import torch
 
-import torch  # noqa: E402
-
-from pretrain.cli import compose_config  # noqa: E402
-from pretrain.device import peak_memory_bytes  # noqa: E402
-from pretrain.loss import cross_entropy  # noqa: E402
+from pretrain.cli import compose_config
+from pretrain.device import peak_memory_bytes
+from pretrain.loss import cross_entropy
 
 MODES = ("trainer", "plain", "hf")
 
@@ -113,7 +111,7 @@ def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
         }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
@@ -122,7 +120,7 @@ def main() -> int:
     ap.add_argument("--modes", default="trainer,plain,hf", help="comma-separated: " + ",".join(MODES))
     ap.add_argument("--json", action="store_true", help="print one JSON line per mode only")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
-    args, overrides = ap.parse_known_args()
+    args, overrides = ap.parse_known_args(argv)
     if args._child:
         print(json.dumps(measure(args._child, overrides, args.steps, args.warmup)), flush=True)
         return 0
@@ -136,7 +134,7 @@ def main() -> int:
         if not args.json:
             print(f"[bench] {mode}: {args.warmup} warm-up + {args.steps} measured steps ...",
                   file=sys.stderr, flush=True)
-        cmd = [sys.executable, __file__, "--_child", mode, "--steps", str(args.steps),
+        cmd = [sys.executable, "-m", "pretrain.tools.bench", "--_child", mode, "--steps", str(args.steps),
                "--warmup", str(args.warmup), *overrides]
         out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if out.returncode != 0:

@@ -23,8 +23,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / "tools" / "bench.py"
+from pretrain.cli import REPO
 
 # Models at a batch of micro x accumulation that fits an 80 GB GPU without activation
 # checkpointing (tools/plan.py: 62 GiB for gpt3-1.3b at micro batch 8) and gives steps short
@@ -57,13 +56,14 @@ def overrides(model: str, setting: str) -> list[str]:
 
 
 def command(model: str, setting: str, steps: int, warmup: int) -> list[str]:
-    return [sys.executable, str(BENCH), *overrides(model, setting), "--modes", "trainer",
+    return [sys.executable, "-m", "pretrain.tools.bench", *overrides(model, setting),
+            "--modes", "trainer",
             "--json", "--steps", str(steps), "--warmup", str(warmup)]
 
 
 def shown(cmd: list[str]) -> str:
     """The command as a reader types it, from the repository root."""
-    args = ["python", "tools/bench.py", *cmd[2:]]
+    args = ["python", "tools/bench.py", *cmd[3:]]
     return " ".join(shlex.quote(a) for a in args if a != "--json")
 
 
@@ -177,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
              for s in pick(args.settings, SETTINGS, "settings", ap)]
 
     if args.dry_run:
-        sys.path.insert(0, str(REPO / "src"))
         from pretrain.cli import compose_config
 
         for model, setting in cells:

@@ -32,7 +32,8 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from pretrain.cli import REPO
+
 SUFFIXES = {".py", ".pyi", ".md", ".rst", ".txt", ".h"}
 CORPUS_VERSION = 1
 
@@ -165,7 +166,7 @@ print(tokens / (time.time() - t0), tokens / (time.process_time() - c0))
     return float(wall), float(cpu)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--corpus", type=Path, required=True, help="JSONL path (built if missing)")
     p.add_argument("--size", type=parse_size, default=parse_size("1.3G"))
@@ -252,4 +253,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -16,15 +16,13 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import torch
+from omegaconf import OmegaConf
 
-import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from pretrain.checkpoint import CheckpointError, load_model_weights, read_meta, resolve_checkpoint  # noqa: E402
-from pretrain.config import Config  # noqa: E402
-from pretrain.hf import ExportError, hf_config, to_hf_state_dict  # noqa: E402
-from pretrain.model import GPT  # noqa: E402
+from pretrain.checkpoint import CheckpointError, load_model_weights, read_meta, resolve_checkpoint
+from pretrain.config import Config
+from pretrain.hf import ExportError, hf_config, to_hf_state_dict
+from pretrain.model import GPT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,12 +71,12 @@ def export(src: str, out: Path, dtype: str = "float32") -> Path:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source", help="run directory, checkpoints folder or step_XXXXXXX directory")
     ap.add_argument("out", type=Path, help="output directory (must be new or empty)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     try:
         out = export(args.source, args.out, args.dtype)
     except (CheckpointError, ExportError, FileExistsError) as e:

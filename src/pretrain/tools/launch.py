@@ -38,12 +38,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-
-from pretrain.cli import compose_config  # noqa: E402
-from pretrain.config import Config  # noqa: E402
-from pretrain.validate import ConfigError, check  # noqa: E402
+from pretrain.cli import REPO, compose_config
+from pretrain.config import Config
+from pretrain.validate import ConfigError, check
 
 TEMPLATE = REPO / "slurm" / "train.sbatch"
 PREPARE_TEMPLATE = REPO / "slurm" / "prepare.sbatch"

@@ -22,18 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from pretrain.budget import BudgetError  # noqa: E402
-from pretrain.cli import compose_config  # noqa: E402
-from pretrain.hparams import apply_rules  # noqa: E402
-from pretrain.planning.autolayout import LayoutError, resolve_auto  # noqa: E402
-from pretrain.planning.gpus import GpuError, get_gpu  # noqa: E402
-from pretrain.planning.report import build_plan, format_plan  # noqa: E402
-from pretrain.precision import resolve_auto_precision  # noqa: E402
-from pretrain.validate import ConfigError, check  # noqa: E402
+from pretrain.budget import BudgetError
+from pretrain.cli import compose_config
+from pretrain.hparams import apply_rules
+from pretrain.planning.autolayout import LayoutError, resolve_auto
+from pretrain.planning.gpus import GpuError, get_gpu
+from pretrain.planning.report import build_plan, format_plan
+from pretrain.precision import resolve_auto_precision
+from pretrain.validate import ConfigError, check
 
 FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2
 

@@ -25,12 +25,9 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from pretrain.cli import compose_config  # noqa: E402
-from pretrain.data.prepare import (  # noqa: E402
+from pretrain.cli import compose_config
+from pretrain.data.prepare import (
     DataError,
     data_dir,
     encode,
@@ -56,8 +53,8 @@ def env_int(name: str) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
-def main(argv: list[str]) -> int:
-    args, overrides = parse(argv)
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse(sys.argv[1:] if argv is None else argv)
     if args.help:
         print(__doc__)
         return 0
@@ -104,4 +101,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

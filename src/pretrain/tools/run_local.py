@@ -22,11 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-
-from pretrain.cli import compose_config  # noqa: E402
-from pretrain.data.prepare import needs_preparation  # noqa: E402
+from pretrain.cli import REPO, compose_config
+from pretrain.data.prepare import needs_preparation
 
 
 def world_size(overrides: list[str], nproc: int | None) -> int:
@@ -55,7 +52,7 @@ def prepare_command(overrides: list[str]) -> list[str]:
     return [sys.executable, str(REPO / "tools" / "prepare_data.py"), *overrides]
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes, when the recipe leaves parallel.dp null")
@@ -64,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     cmd = command(overrides, world_size(overrides, args.nproc))
     if args.print:
         print(shlex.join(cmd))
-        return
+        return 0
     # A run stopped early to be requeued (signal, time limit, train.exit_interval) exits 75
     # on one process; torchrun cannot pass that through, so the trainer leaves stopped.json
     # in the run directory and this launcher returns 75 for it.
@@ -76,13 +73,13 @@ def main(argv: list[str] | None = None) -> None:
               f"{shlex.join(prepare_command(overrides))}", file=sys.stderr, flush=True)
         code = subprocess.run(prepare_command(overrides)).returncode
         if code:
-            sys.exit(code)
+            return code
     stopped = Path(cfg.runs_dir) / cfg.run_name / "stopped.json"
     code = subprocess.run(cmd).returncode
     if code == 0 and stopped.exists():
         code = json.loads(stopped.read_text()).get("exit_code", 75)
-    sys.exit(code)
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -29,10 +29,7 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-
-from pretrain.scaling import (  # noqa: E402
+from pretrain.scaling import (
     CHINCHILLA,
     FitReport,
     RunPoint,
