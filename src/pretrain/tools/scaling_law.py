@@ -43,10 +43,6 @@ from pretrain.scaling import (
 )
 
 
-def _fmt(x: float) -> str:
-    return f"{x:.4g}"
-
-
 def print_chinchilla(budgets: list[float]) -> list[dict]:
     """Compute-optimal N and D from the published fit (Hoffmann et al. 2022, approach 3)."""
     law = CHINCHILLA
