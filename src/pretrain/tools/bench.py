@@ -47,6 +47,50 @@ def hf_gpt2(cfg, device):
     return GPT2LMHeadModel(hf_cfg).to(device)
 
 
+def plain_step(mode: str, trainer, cfg):
+    """A nanoGPT-style step over ``trainer``'s model (``plain``) or transformers' GPT-2
+    (``hf``), on the trainer's data and precision; None when hf has no such model."""
+    device, policy = trainer.device, trainer.policy
+    mbs = cfg.parallel.micro_batch_size
+    accum = cfg.train.global_batch_size // mbs
+    model = trainer.model if mode == "plain" else hf_gpt2(cfg, device)
+    if model is None:
+        return None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    data, pos = trainer.train_data, [0]
+
+    def step_fn():
+        for _ in range(accum):
+            x, y = data.batch(pos[0], mbs)
+            pos[0] += mbs
+            x, y = x.to(device), y.to(device)
+            with policy.autocast(device):
+                out = model(x)
+                logits = out if mode == "plain" else out.logits
+                loss = cross_entropy(logits, y) / accum
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step_fn
+
+
+def timed(step_fn, warmup: int, steps: int, device: torch.device) -> float:
+    """Seconds for ``steps`` calls of ``step_fn`` after ``warmup`` unmeasured ones."""
+    for _ in range(warmup):
+        step_fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step_fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
     cfg = compose_config([*overrides, "logging.wandb=disabled", "logging.progress_bar=false",
                           "train.sample_tokens=0"])
@@ -55,43 +99,15 @@ def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(cfg, Path(tmp))
         trainer.setup()
-        device, policy = trainer.device, trainer.policy
+        device = trainer.device
         gbs, mbs = cfg.train.global_batch_size, cfg.parallel.micro_batch_size
-        accum = gbs // mbs
         if mode == "trainer":
             step_fn = trainer.train_step_local
         else:
-            model = trainer.model if mode == "plain" else hf_gpt2(cfg, device)
-            if model is None:
+            step_fn = plain_step(mode, trainer, cfg)
+            if step_fn is None:
                 return {"mode": mode, "skipped": "hf reference exists for the GPT-2 architecture only"}
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-            data, pos = trainer.train_data, [0]
-
-            def step_fn():
-                for _ in range(accum):
-                    x, y = data.batch(pos[0], mbs)
-                    pos[0] += mbs
-                    x, y = x.to(device), y.to(device)
-                    with policy.autocast(device):
-                        out = model(x)
-                        logits = out if mode == "plain" else out.logits
-                        loss = cross_entropy(logits, y) / accum
-                    loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                return loss.item()
-
-        for _ in range(warmup):
-            step_fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step_fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        dt = timed(step_fn, warmup, steps, device)
         tokens = steps * trainer.budget.global_batch_tokens
         tps = tokens / dt
         achieved = tps * trainer.budget.flops_per_token

@@ -19,6 +19,7 @@ process, sampled from /proc), the disk left behind besides the output (in the ou
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -30,6 +31,7 @@ import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from pretrain.cli import REPO
@@ -54,6 +56,30 @@ def source_files() -> list[Path]:
     return sorted(f for f in files if 0 < f.stat().st_size < 2_000_000)
 
 
+def _texts(files: list[Path]) -> Iterator[str]:
+    for f in files:
+        try:
+            yield f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+
+
+def _cut_documents(files: list[Path], seed: int) -> Iterator[tuple[int, str]]:
+    """(pass, document) without end: the files' text run together and cut into documents
+    of 5-25 KB, each pass over the files cut at other places (its own seeded lengths)."""
+    for rounds in itertools.count():
+        rng = random.Random(seed * 1000 + rounds)
+        buf, need = [], rng.randint(5_000, 25_000)
+        for text in _texts(files):
+            buf.append(text)
+            have = sum(map(len, buf))
+            while have >= need:
+                joined = "".join(buf)
+                doc, rest = joined[:need], joined[need:]
+                yield rounds, doc
+                buf, have, need = [rest], len(rest), rng.randint(5_000, 25_000)
+
+
 def build_corpus(path: Path, size: int, seed: int = 0) -> dict:
     """Write ``size`` bytes (about) of JSONL documents to ``path``, unless already there."""
     meta_path = path.with_name(path.name + ".meta.json")
@@ -65,34 +91,20 @@ def build_corpus(path: Path, size: int, seed: int = 0) -> dict:
         raise SystemExit("no local text files found to build a corpus from")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    written, docs, rounds = 0, 0, 0
+    written, docs, rounds = 0, 0, -1
     t0 = time.time()
+    documents = _cut_documents(files, seed)
     with open(tmp, "w", encoding="utf-8") as out:
         while written < size:
-            rng = random.Random(seed * 1000 + rounds)
-            buf, need = [], rng.randint(5_000, 25_000)
-            for f in files:
-                try:
-                    text = f.read_text(encoding="utf-8")
-                except (UnicodeDecodeError, OSError):
-                    continue
-                buf.append(text)
-                have = sum(map(len, buf))
-                while have >= need and written < size:
-                    joined = "".join(buf)
-                    doc, rest = joined[:need], joined[need:]
-                    line = json.dumps({"text": doc, "id": docs}, ensure_ascii=False) + "\n"
-                    out.write(line)
-                    written += len(line.encode("utf-8"))
-                    docs += 1
-                    buf, have, need = [rest], len(rest), rng.randint(5_000, 25_000)
-                if written >= size:
-                    break
-            rounds += 1
+            rounds, doc = next(documents)
+            line = json.dumps({"text": doc, "id": docs}, ensure_ascii=False) + "\n"
+            out.write(line)
+            written += len(line.encode("utf-8"))
+            docs += 1
     tmp.rename(path)
     meta_path.write_text(json.dumps(meta))
     return {"corpus": str(path), "reused": False, "bytes": written, "documents": docs,
-            "passes": rounds, "build_s": round(time.time() - t0, 1)}
+            "passes": rounds + 1, "build_s": round(time.time() - t0, 1)}
 
 
 def tree_rss(root_pid: int) -> tuple[int, int]:
@@ -166,7 +178,7 @@ print(tokens / (time.time() - t0), tokens / (time.process_time() - c0))
     return float(wall), float(cpu)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--corpus", type=Path, required=True, help="JSONL path (built if missing)")
     p.add_argument("--size", type=parse_size, default=parse_size("1.3G"))
@@ -178,25 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the prepared output")
     p.add_argument("--build-only", action="store_true")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for prepare_data.py")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    corpus = build_corpus(args.corpus.resolve(), args.size)
-    print(f"corpus: {corpus}", file=sys.stderr)
-    if args.build_only:
-        print(json.dumps(corpus))
-        return 0
-    root = (args.out or args.corpus.parent / f"prepared-{args.corpus.stem}").resolve()
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    hf_cache = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
-    cache_before = du(hf_cache / "datasets")
 
-    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "data=local-text",
-           "data.name=bench", "data.source=json", f"data.data_files=[{args.corpus.resolve()}]",
-           f"data.root={root}", f"data.tokenizer_vocab_size={args.vocab}",
-           "data.validation_fraction=0.005", *args.overrides, "--workers", str(args.workers)]
+def run_prepare(cmd: list[str]) -> dict:
+    """Run the preparation, its stderr passed through; exit code, wall and CPU seconds, the
+    tokenizer-training and planning times it logs, and the sampled peak memory."""
     print("running: " + " ".join(cmd), file=sys.stderr)
-    load_at_start = os.getloadavg()
     t0 = time.time()
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=REPO)
     sampler = PeakSampler(proc.pid)
@@ -213,12 +213,35 @@ def main(argv: list[str] | None = None) -> int:
     rc = proc.wait()
     wall = time.time() - t0
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the whole (waited-for) tree
-    cpu_s = usage.ru_utime + usage.ru_stime
     sampler.stop.set()
     sampler.join()
-    if rc != 0:
-        print(f"prepare_data.py failed with exit code {rc}", file=sys.stderr)
-        return rc
+    return {"rc": rc, "wall": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
+            "train_s": train_s, "plan_s": plan_s, "peak_sum": sampler.peak_sum,
+            "peak_max": sampler.peak_max}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    corpus = build_corpus(args.corpus.resolve(), args.size)
+    print(f"corpus: {corpus}", file=sys.stderr)
+    if args.build_only:
+        print(json.dumps(corpus))
+        return 0
+    root = (args.out or args.corpus.parent / f"prepared-{args.corpus.stem}").resolve()
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    hf_cache = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    cache_before = du(hf_cache / "datasets")
+
+    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "data=local-text",
+           "data.name=bench", "data.source=json", f"data.data_files=[{args.corpus.resolve()}]",
+           f"data.root={root}", f"data.tokenizer_vocab_size={args.vocab}",
+           "data.validation_fraction=0.005", *args.overrides, "--workers", str(args.workers)]
+    load_before = os.getloadavg()
+    run = run_prepare(cmd)
+    if run["rc"] != 0:
+        print(f"prepare_data.py failed with exit code {run['rc']}", file=sys.stderr)
+        return run["rc"]
     out_dir = root / "bench"
     index = json.loads((out_dir / "index.json").read_text())
     tokens = sum(s["tokens"] for s in index["splits"].values())
@@ -226,16 +249,16 @@ def main(argv: list[str] | None = None) -> int:
             "output_root_besides_output": du(root) - du(out_dir)}
     raw, raw_cpu = raw_encode_speed(out_dir / "tokenizer.json", args.corpus)
     load = os.getloadavg()
-    load_before = load_at_start
+    wall, cpu_s = run["wall"], run["cpu_s"]
     result = {
         "corpus_bytes": args.corpus.stat().st_size, "workers": args.workers,
         "wall_s": round(wall, 1), "tokens": tokens, "tokens_per_s": round(tokens / wall),
         # CPU seconds of the whole job: on a shared machine, tokens per CPU-second times the
         # cores gives what an idle machine would do (when the job keeps every core busy).
         "cpu_s": round(cpu_s, 1), "tokens_per_cpu_s": round(tokens / cpu_s),
-        "tokenizer_train_s": train_s, "plan_s": plan_s,
-        "peak_rss_tree_gb": round(sampler.peak_sum / 1e9, 3),
-        "peak_rss_max_process_gb": round(sampler.peak_max / 1e9, 3),
+        "tokenizer_train_s": run["train_s"], "plan_s": run["plan_s"],
+        "peak_rss_tree_gb": round(run["peak_sum"] / 1e9, 3),
+        "peak_rss_max_process_gb": round(run["peak_max"] / 1e9, 3),
         "output_gb": round(du(out_dir) / 1e9, 3),
         "left_behind_bytes": left, "raw_encode_batch_tokens_per_s": round(raw),
         "raw_encode_batch_tokens_per_cpu_s": round(raw_cpu),
@@ -243,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_after": [round(x, 2) for x in load],
     }
     print(f"wall {wall:.1f} s, {tokens:,} tokens, {tokens / wall / 1e6:.2f}M tokens/s end to end, "
-          f"tokenizer training {train_s} s, peak RSS {sampler.peak_sum / 1e9:.2f} GB (tree) / "
-          f"{sampler.peak_max / 1e9:.2f} GB (one process), raw encode_batch "
+          f"tokenizer training {run['train_s']} s, peak RSS {run['peak_sum'] / 1e9:.2f} GB (tree) / "
+          f"{run['peak_max'] / 1e9:.2f} GB (one process), raw encode_batch "
           f"{raw / 1e6:.2f}M tokens/s", file=sys.stderr)
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)

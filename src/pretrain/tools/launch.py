@@ -313,7 +313,7 @@ def describe_preparation(jobs: list[tuple[str, list[str]]], train_script: Path) 
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     ap.add_argument("--nodes", type=int)
@@ -336,8 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prepare", action="store_true",
                     help="submit no preparation jobs even when the data is not prepared")
     ap.add_argument("--wait", action="store_true", help="sbatch --wait: return the job's exit code")
-    args = ap.parse_intermixed_args(argv)  # overrides before, between or after the flags
+    return ap.parse_intermixed_args(argv)  # overrides before, between or after the flags
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     overrides = list(args.overrides)
     for key in ("partition", "account", "time"):  # the flags are cluster.* overrides
         if getattr(args, key) is not None:
@@ -361,21 +364,29 @@ def main(argv: list[str] | None = None) -> int:
     path, prep_path = run_dir / "train.sbatch", run_dir / "prepare.sbatch"
     prep_jobs = [] if args.no_prepare or data_prepared(cfg) else \
         prepare_jobs(cfg, run_dir, prep_path)
-    where = Path(cfg.data.root) / cfg.data.name
     if args.dry_run:
         print(script)
         print(f"# {summary}", file=sys.stderr)
         if prep_jobs:
-            print(f"# {where} is not prepared: preparation jobs first, then training\n"
+            print(f"# {Path(cfg.data.root) / cfg.data.name} is not prepared: preparation jobs first, then training\n"
                   + describe_preparation(prep_jobs, path)
                   + f"\n# ---- {prep_path} ----\n" + prepare_script(cfg, overrides, workdir),
                   file=sys.stderr)
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
-    depend: list[str] = []
     if prep_jobs:
         prep_path.write_text(prepare_script(cfg, overrides, workdir))
+    return submit(cfg, run_dir, path, prep_jobs, summary, args.wait)
+
+
+def submit(cfg: Config, run_dir: Path, path: Path, prep_jobs: list[tuple[str, list[str]]],
+           summary: str, wait: bool) -> int:
+    """Submit the preparation chain (if any), then the training job after it; the
+    training job's sbatch exit code."""
+    where = Path(cfg.data.root) / cfg.data.name
+    depend: list[str] = []
+    if prep_jobs:
         try:
             plan, encode, merge = submit_preparation(prep_jobs)
         except SubmitError as e:
@@ -385,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(array of {cfg.cluster.prepare_tasks}), merge {merge}\n"
               f"  logs   {run_dir}/prepare-*.out")
         depend = after(merge)
-    cmd = ["sbatch", "--parsable", *depend, *(["--wait"] if args.wait else []), str(path)]
+    cmd = ["sbatch", "--parsable", *depend, *(["--wait"] if wait else []), str(path)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ)
     job = proc.stdout.strip().split(";")[0]
     if job:

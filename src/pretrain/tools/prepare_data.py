@@ -25,8 +25,10 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from pretrain.cli import compose_config
+from pretrain.config import DataConfig
 from pretrain.data.prepare import (
     DataError,
     data_dir,
@@ -41,7 +43,7 @@ from pretrain.data.prepare import (
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="tools/prepare_data.py", add_help=False)
     p.add_argument("-h", "--help", action="store_true")
-    p.add_argument("--stage", choices=["all", "plan", "encode", "merge"], default="all")
+    p.add_argument("--stage", choices=list(STAGES), default="all")
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--task", type=int, default=None)
     p.add_argument("--of", type=int, default=None)
@@ -53,6 +55,61 @@ def env_int(name: str) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
+def check_options(args: argparse.Namespace, overrides: list[str]) -> None:
+    if args.stage != "encode" and (args.task is not None or args.of is not None):
+        raise DataError("--task/--of belong to --stage encode")
+    if args.workers is not None and (args.stage != "all" or args.workers < 1):
+        raise DataError("--workers N (N >= 1) belongs to the whole job (no --stage)")
+    unknown = [a for a in overrides if a.startswith("--")]
+    if unknown:
+        raise DataError(f"unknown option(s) {unknown}; see --help")
+
+
+def array_task(args: argparse.Namespace) -> tuple[int, int]:
+    """(K, N) of ``--stage encode``: --task/--of, else the Slurm array's."""
+    task = args.task
+    if task is None:  # an array may start at 1 (--array=1-16): count from its first id
+        array_id = env_int("SLURM_ARRAY_TASK_ID")
+        task = None if array_id is None else array_id - (env_int("SLURM_ARRAY_TASK_MIN") or 0)
+    of = args.of if args.of is not None else env_int("SLURM_ARRAY_TASK_COUNT")
+    if task is None or of is None:
+        raise DataError("--stage encode needs --task K --of N (or SLURM_ARRAY_TASK_ID "
+                        "and SLURM_ARRAY_TASK_COUNT in the environment)")
+    return task, of
+
+
+def print_prepared(cfg: DataConfig, out: Path | None) -> int:
+    """The last stdout line of a finished job: where it is, its vocabulary and tokens."""
+    index = load_index(out if out else data_dir(cfg))
+    summary = {split: v["tokens"] for split, v in index["splits"].items()}
+    print(json.dumps({"dir": str(out), "vocab_size": index["vocab_size"], "tokens": summary}))
+    return 0
+
+
+def run_all(cfg: DataConfig, args: argparse.Namespace) -> int:
+    return print_prepared(cfg, prepare(cfg, workers=args.workers))
+
+
+def run_plan(cfg: DataConfig, args: argparse.Namespace) -> int:
+    staging = plan(cfg)
+    print(json.dumps({"stage": "plan", "staging": str(staging) if staging else None,
+                      "prepared": staging is None}))
+    return 0
+
+
+def run_encode(cfg: DataConfig, args: argparse.Namespace) -> int:
+    summary = encode(cfg, *array_task(args))
+    print(json.dumps({"stage": "encode", **(summary or {}), "prepared": summary is None}))
+    return 0
+
+
+def run_merge(cfg: DataConfig, args: argparse.Namespace) -> int:
+    return print_prepared(cfg, merge(cfg))
+
+
+STAGES = {"all": run_all, "plan": run_plan, "encode": run_encode, "merge": run_merge}
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     if args.help:
@@ -60,44 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        if args.stage != "encode" and (args.task is not None or args.of is not None):
-            raise DataError("--task/--of belong to --stage encode")
-        if args.workers is not None and (args.stage != "all" or args.workers < 1):
-            raise DataError("--workers N (N >= 1) belongs to the whole job (no --stage)")
-        unknown = [a for a in overrides if a.startswith("--")]
-        if unknown:
-            raise DataError(f"unknown option(s) {unknown}; see --help")
-        cfg = compose_config(overrides).data
-        if args.stage == "all":
-            out = prepare(cfg, workers=args.workers)
-        elif args.stage == "plan":
-            staging = plan(cfg)
-            print(json.dumps({"stage": "plan", "staging": str(staging) if staging else None,
-                              "prepared": staging is None}))
-            return 0
-        elif args.stage == "encode":
-            array_id = env_int("SLURM_ARRAY_TASK_ID")
-            if args.task is not None:
-                task = args.task
-            else:  # an array may start at 1 (--array=1-16): count from its first id
-                task = None if array_id is None else array_id - (env_int("SLURM_ARRAY_TASK_MIN") or 0)
-            of = args.of if args.of is not None else env_int("SLURM_ARRAY_TASK_COUNT")
-            if task is None or of is None:
-                raise DataError("--stage encode needs --task K --of N (or SLURM_ARRAY_TASK_ID "
-                                "and SLURM_ARRAY_TASK_COUNT in the environment)")
-            summary = encode(cfg, task, of)
-            print(json.dumps({"stage": "encode", **(summary or {}),
-                              "prepared": summary is None}))
-            return 0
-        else:
-            out = merge(cfg)
+        check_options(args, overrides)
+        return STAGES[args.stage](compose_config(overrides).data, args)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    index = load_index(out if out else data_dir(cfg))
-    summary = {split: v["tokens"] for split, v in index["splits"].items()}
-    print(json.dumps({"dir": str(out), "vocab_size": index["vocab_size"], "tokens": summary}))
-    return 0
 
 
 if __name__ == "__main__":

@@ -135,6 +135,46 @@ def hparam_report(dirs: list[Path], out: Path | None) -> int:
     return 0
 
 
+def fit_laws(points: list[RunPoint], target: float, bootstrap: int, seed: int, fit: dict
+             ) -> tuple[FitReport | None, FitReport | None]:
+    """Fit and print L(C) and L(N, D), each into ``fit`` when it could be fitted."""
+    compute = chinchilla = None
+    try:
+        compute = report_compute_law(points, target, bootstrap, seed)
+        print_report(f"\nL(C) = a C^b + c, fitted to the best run of each of "
+                     f"{len(compute_frontier(points))} budgets", compute)
+        fit["compute_law"] = compute.as_dict()
+    except ValueError as e:
+        print(f"\nL(C): not fitted: {e}")
+    try:
+        chinchilla = report_chinchilla_law(points, target, max(bootstrap // 2, 0), seed)
+        print_report("\nL(N, D) = E + A/N^alpha + B/D^beta", chinchilla)
+        fit["chinchilla_law"] = chinchilla.as_dict()
+    except ValueError as e:  # NotIdentifiable, or a fit that did not converge
+        print(f"\nL(N, D): not fitted: {e}")
+    return compute, chinchilla
+
+
+def report_isoflop(points: list[RunPoint], fit: dict) -> None:
+    """Warn where a budget's best run is at the edge of its sizes; print (and record in
+    ``fit``) each budget's parabola minimum."""
+    for g in isoflop_groups(points):
+        if len(g) >= 3 and not isoflop_bracketed(g):
+            side = "below" if min(g, key=lambda p: p.loss) is g[0] else "above"
+            print(f"\nwarning: at C = {g[0].flops:.3g} the best size is the "
+                  f"{'smallest' if side == 'below' else 'largest'} run: the iso-FLOP valley lies "
+                  f"{side} the sizes run ({g[0].n_params:.3g}..{g[-1].n_params:.3g}); "
+                  "extend the sweep that way")
+    minima = [(g, isoflop_minimum(g)) for g in isoflop_groups(points)]
+    minima = [(g, m) for g, m in minima if m is not None]
+    if minima:
+        print("\niso-FLOP minima (parabola in log N, approach 2):")
+        fit["isoflop_minima"] = []
+        for g, (n_opt, loss) in minima:
+            print(f"  C = {g[0].flops:.3g}: N_opt = {n_opt:.3g}, loss {loss:.4f}")
+            fit["isoflop_minima"].append({"flops": g[0].flops, "n_opt": n_opt, "loss": loss})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", type=Path, help="folders holding finished runs")
@@ -175,37 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     print_runs(points)
 
     fit: dict = {"runs": [vars(p) for p in points], "target_flops": target}
-    compute = chinchilla = None
-    try:
-        compute = report_compute_law(points, target, args.bootstrap, args.seed)
-        print_report(f"\nL(C) = a C^b + c, fitted to the best run of each of "
-                     f"{len(compute_frontier(points))} budgets", compute)
-        fit["compute_law"] = compute.as_dict()
-    except ValueError as e:
-        print(f"\nL(C): not fitted: {e}")
-    try:
-        chinchilla = report_chinchilla_law(points, target, max(args.bootstrap // 2, 0),
-                                           args.seed)
-        print_report("\nL(N, D) = E + A/N^alpha + B/D^beta", chinchilla)
-        fit["chinchilla_law"] = chinchilla.as_dict()
-    except ValueError as e:  # NotIdentifiable, or a fit that did not converge
-        print(f"\nL(N, D): not fitted: {e}")
-
-    for g in isoflop_groups(points):
-        if len(g) >= 3 and not isoflop_bracketed(g):
-            side = "below" if min(g, key=lambda p: p.loss) is g[0] else "above"
-            print(f"\nwarning: at C = {g[0].flops:.3g} the best size is the "
-                  f"{'smallest' if side == 'below' else 'largest'} run: the iso-FLOP valley lies "
-                  f"{side} the sizes run ({g[0].n_params:.3g}..{g[-1].n_params:.3g}); "
-                  "extend the sweep that way")
-    minima = [(g, isoflop_minimum(g)) for g in isoflop_groups(points)]
-    minima = [(g, m) for g, m in minima if m is not None]
-    if minima:
-        print("\niso-FLOP minima (parabola in log N, approach 2):")
-        fit["isoflop_minima"] = []
-        for g, (n_opt, loss) in minima:
-            print(f"  C = {g[0].flops:.3g}: N_opt = {n_opt:.3g}, loss {loss:.4f}")
-            fit["isoflop_minima"].append({"flops": g[0].flops, "n_opt": n_opt, "loss": loss})
+    compute, chinchilla = fit_laws(points, target, args.bootstrap, args.seed, fit)
+    report_isoflop(points, fit)
 
     # the numbers first: a plot that cannot be drawn must not lose them
     (out / "fit.json").write_text(json.dumps(fit, indent=2))
