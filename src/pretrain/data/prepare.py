@@ -301,6 +301,8 @@ def worker_env(workers: int) -> dict[str, str]:
     threads = max(1, (os.cpu_count() or 1) // workers)
     env["RAYON_NUM_THREADS"] = str(threads)
     env["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    # The workers run this very package (python -m pretrain.data.encode), not another
+    # installed copy: the encoding must be the one this process planned.
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
     return env
