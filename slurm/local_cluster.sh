@@ -12,8 +12,9 @@
 # $SLURM_LOCAL_DIR (default /tmp/pretrain-slurm); `start` on a dead cluster begins afresh,
 # so job ids restart at 1. Daemons run in the foreground (-F / -D) in the background of
 # this script, never as system services (there is no systemd here). Ports: 6817 slurmctld,
-# 6818 slurmd, 6819 slurmdbd, 3306 MariaDB, all on 127.0.0.1. Why each setting is what it
-# is: shared/SLURM_NOTES.md (measured on this kind of machine).
+# 6818 slurmd, 6819 slurmdbd, 3306 MariaDB, all on 127.0.0.1. Why a setting is what it is:
+# the comments in write_configs below (found with Debian 12's Slurm 22.05, as root, without
+# systemd or cgroups).
 set -euo pipefail
 
 STATE=${SLURM_LOCAL_DIR:-/tmp/pretrain-slurm}
@@ -86,19 +87,25 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+# Schedule within seconds of a submission or a requeue (the defaults wait up to 60 s).
 SchedulerParameters=sched_interval=2,bf_interval=1
 JobRequeue=1
+# No mail here; and a cancelled job is killed 2 s after SIGTERM, not 30.
 MailProg=/bin/true
 KillWait=2
 ReturnToService=2
 MinJobAge=600
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
+# Accounting (slurmdbd + MariaDB) so that sacct works: without it submitit cannot learn the
+# state of a job that died without writing a result, and job.result() waits forever.
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 AccountingStoragePort=6819
 # slurmctld reaches slurmdbd through the same munge socket.
 AccountingStoragePass=$STATE/munge/munge.socket
+# This host under its short name, on 127.0.0.1; RealMemory above what slurmd -C reports
+# would drain the node.
 NodeName=$host NodeAddr=127.0.0.1 CPUs=$nproc RealMemory=$mem State=UNKNOWN
 PartitionName=local Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF

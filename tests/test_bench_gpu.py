@@ -8,9 +8,7 @@ import sys
 
 from conftest import REPO, compose_config
 
-sys.path.insert(0, str(REPO / "tools"))
-
-import bench_gpu  # noqa: E402
+from pretrain.tools import bench_gpu
 
 
 def test_every_cell_composes_to_the_setting_it_names():

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
 
 from pretrain.budget import BudgetError
 from pretrain.config import ModelConfig
@@ -155,8 +153,7 @@ def test_scaling_law_tool_hparams_mode(tmp_path, capsys):
         (run_dir / "plan.json").write_text(json.dumps(
             {"hparam_compute": p.compute, "lr": p.lr, "global_batch_tokens": p.batch_tokens}))
         (run_dir / "result.json").write_text(json.dumps({"final_val_loss": p.loss}))
-    sys.path.insert(0, str(REPO / "tools"))
-    import scaling_law
+    from pretrain.tools import scaling_law
 
     assert scaling_law.main(["--hparams", str(tmp_path / "sweep")]) == 0
     out = capsys.readouterr().out

@@ -14,9 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, compose_config
 
-sys.path.insert(0, str(REPO / "tools"))
-
-import launch  # noqa: E402
+from pretrain.tools import launch
 
 CONTAINER_VARS = ("CONTAINER_IMAGE", "APPTAINER_IMAGE", "CONTAINER_MOUNTS")
 

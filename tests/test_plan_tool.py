@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from pretrain.planning.gpus import get_gpu, gpu_for_device_name, load_gpus
-
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "plan.py"
+from pretrain.tools import plan as plan_tool
 
 
 @pytest.fixture(scope="module")
 def plan_main():
-    spec = importlib.util.spec_from_file_location("plan_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return plan_tool.main
 
 
 def run(plan_main, capsys, *argv: str) -> tuple[int, str, str]:

@@ -10,11 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
 
 pytest.importorskip("scipy", reason="the analysis extra: pip install -e '.[analysis]'")
 
@@ -34,8 +32,6 @@ from pretrain.scaling import (  # noqa: E402
     report_compute_law,
     run_compute,
 )
-
-sys.path.insert(0, str(REPO / "tools"))
 
 # L(C): a GPT-4-report-like curve, reducible part 2.0 nats at 1e17 FLOPs.
 TRUE_C = ComputeLaw(a=2.0 / 1e17**-0.1, b=-0.1, c=1.8)
@@ -227,7 +223,7 @@ def test_a_plans_compute_means_the_same_run_to_the_fit_and_the_budget(tmp_path):
 
 
 def test_tool_fits_and_plots(tmp_path, capsys):
-    import scaling_law
+    from pretrain.tools import scaling_law
 
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
@@ -250,7 +246,7 @@ def test_tool_fits_and_plots(tmp_path, capsys):
 
 
 def test_tool_prints_published_chinchilla_optimum(capsys):
-    import scaling_law
+    from pretrain.tools import scaling_law
 
     assert scaling_law.main(["--chinchilla", "5.76e23"]) == 0
     text = capsys.readouterr().out
@@ -281,7 +277,7 @@ THREE_BUDGETS = [(2e5, 1e5, 6.508), (6.3e5, 3.15e5, 6.276), (2e6, 1e6, 5.207)]
 
 
 def test_tool_survives_a_sweep_whose_interval_leaves_out_the_estimate(tmp_path, capsys):
-    import scaling_law
+    from pretrain.tools import scaling_law
 
     pytest.importorskip("matplotlib")
     _write_runs(tmp_path / "sweep", _ladder(THREE_BUDGETS))
@@ -324,7 +320,7 @@ def test_plot_draws_an_interval_that_excludes_the_point(tmp_path):
 ])
 def test_tool_on_degenerate_sweeps_explains_and_still_writes(tmp_path, capsys, rows,
                                                              not_fitted):
-    import scaling_law
+    from pretrain.tools import scaling_law
 
     pytest.importorskip("matplotlib")
     _write_runs(tmp_path / "sweep", _ladder(rows))

@@ -3,7 +3,6 @@ group), its shards initialised for real and measured against the planner."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from pretrain.tools import plan as plan_tool
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "plan.py"
 # GPT-3 175B's layout (tp 8 + SP, 16 interleaved pipeline stages x 2, ZeRO-3 over 8: 1024
@@ -50,10 +51,7 @@ def test_any_rank_of_a_1024_gpu_run_starts_and_matches_the_planner(rank):
 
 def test_a_rank_outside_the_world_is_refused_before_any_work(capsys):
     """In process: the rank is checked before any process group exists."""
-    spec = importlib.util.spec_from_file_location("plan_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    code = module.main([*NARROW_175B, "--simulate", "--rank", "1024"])
+    code = plan_tool.main([*NARROW_175B, "--simulate", "--rank", "1024"])
     out, err = capsys.readouterr()
     assert code == 2
     assert "--rank=1024 is not a rank of this 1024-GPU run: use 0..1023" in err

@@ -283,14 +283,6 @@ def test_preemption_saves_requeues_and_resumes_to_the_same_loss(slurm, work_dir,
     assert len(attempts) == 2 and all(a.endswith(f"-{run_id}") for a in attempts), attempts
 
 
-def staged_prepare_cli() -> bool:
-    """tools/prepare_data.py with --stage plan|encode|merge (what slurm/prepare.sbatch runs)
-    is being written in parallel; until it is here, the preparation-job test skips."""
-    return "--stage" in (REPO / "tools" / "prepare_data.py").read_text()
-
-
-@pytest.mark.skipif(not staged_prepare_cli(), reason="tools/prepare_data.py has no --stage "
-                    "plan|encode|merge yet (slurm/prepare.sbatch runs it)")
 def test_launch_prepares_the_data_in_jobs_then_trains(slurm, work_dir, tmp_path):
     """Unprepared data: tools/launch.py submits plan -> 2 encode tasks -> merge, and the
     training job after them; every job completes and training reads what they wrote."""

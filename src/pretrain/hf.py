@@ -14,6 +14,9 @@ The exported vocabulary is the tokenizer's (``model.vocab_size``), without paddi
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from pretrain.config import ModelConfig
@@ -201,15 +204,38 @@ def check_matches(cfg: ModelConfig, hf_cfg) -> None:
                           + "; ".join(diff) + f". Override: {fix}")
 
 
+def read_hf_weights(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The float32 tensors of a transformers checkpoint directory, straight from its
+    safetensors file or the shards its index lists: no transformers model is built to hold
+    them. A base-model checkpoint (GPT-2 as published: ``h.0...``, no ``transformer.``)
+    gets the causal-LM prefix that ``from_hf_state_dict`` reads."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise ExportError(f"{path} has no model.safetensors or model.safetensors.index.json: "
+                          "save the model with save_pretrained(..., safe_serialization=True)")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(path / name))
+    prefix = "transformer." if architecture(cfg) == "gpt2" else "model."
+    if not any(k.startswith(prefix) for k in tensors):
+        tensors = {(k if k == "lm_head.weight" else prefix + k): t for k, t in tensors.items()}
+    return {k: t.float() for k, t in tensors.items()}
+
+
 def load_hf_weights(model: torch.nn.Module, cfg: ModelConfig, path: str) -> None:
     """Initialise ``model`` (plain, unsharded) from a transformers checkpoint directory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from pretrain.model import padded_vocab_size
 
     check_matches(cfg, AutoConfig.from_pretrained(path))
-    hf_model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-    sd = from_hf_state_dict(cfg, hf_model.state_dict(), padded_vocab_size(cfg))
+    sd = from_hf_state_dict(cfg, read_hf_weights(Path(path), cfg), padded_vocab_size(cfg))
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             if name in sd:

@@ -96,13 +96,17 @@ def init_parameters(module: nn.Module, seed: int, rule: Callable[[str], Init]) -
     parallel or FSDP-sharded) in place: each rank writes only its local shard."""
     for name, param in module.named_parameters():
         name = canonical_name(name)
-        init = rule(name)
-        local, offsets, shape = local_region(param)
-        if init.kind == "zeros":
-            local.zero_()
-        elif init.kind == "ones":
-            local.fill_(1.0)
-        elif init.kind == "normal":
-            fill_normal_(local, offsets, shape, init.std, seed, init.key or name)
-        else:
-            raise ValueError(f"{name}: unknown initialisation {init.kind!r}")
+        _fill(param, rule(name), seed, name)
+
+
+def _fill(param: torch.Tensor, init: Init, seed: int, name: str) -> None:
+    """Write ``init`` into this rank's piece of ``param``."""
+    local, offsets, shape = local_region(param)
+    if init.kind == "zeros":
+        local.zero_()
+    elif init.kind == "ones":
+        local.fill_(1.0)
+    elif init.kind == "normal":
+        fill_normal_(local, offsets, shape, init.std, seed, init.key or name)
+    else:
+        raise ValueError(f"{name}: unknown initialisation {init.kind!r}")

@@ -1,7 +1,9 @@
 """PNG plots of a scaling-law fit: loss against compute, and iso-FLOP curves.
 
 Kept apart from the fits so that fitting needs scipy only and plotting matplotlib only
-(both in the ``analysis`` extra). The Agg backend: files, never a window.
+(both in the ``analysis`` extra). Each plot is its own ``Figure`` drawn on an Agg canvas:
+files, never a window, and no pyplot state (the backend of a program that imports this
+module stays its own).
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from pretrain.scaling import (
 )
 
 
-def _pyplot():
-    import matplotlib
+def _figure():
+    """A figure of its own, outside pyplot (no global backend, nothing left to close)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(figsize=(7.5, 5), dpi=120)
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
 
 
 def plot_loss_vs_compute(points: Sequence[RunPoint], compute: FitReport | None,
@@ -35,8 +38,7 @@ def plot_loss_vs_compute(points: Sequence[RunPoint], compute: FitReport | None,
                          path: Path) -> Path:
     """Runs, the L(C) fit with its bootstrap 95% band out to the target, the predicted
     loss there, and (when fitted) L(N, D) along its compute-optimal frontier."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
+    fig, ax = _figure()
     c = np.array([p.flops for p in points])
     hi = max(c.max(), target_flops or 0) * 2
     grid = np.logspace(np.log10(c.min() / 2), np.log10(hi), 200)
@@ -83,13 +85,11 @@ def plot_loss_vs_compute(points: Sequence[RunPoint], compute: FitReport | None,
 
 
 def _save(fig, ax, path: Path) -> Path:
-    """The finishing touches every plot shares: grid, legend, layout, PNG, close."""
-    plt = _pyplot()
+    """The finishing touches every plot shares: grid, legend, layout, PNG."""
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return path
 
 
@@ -97,10 +97,11 @@ def plot_isoflop(points: Sequence[RunPoint], chinchilla: FitReport | None, path:
     """Loss against N, one curve per compute budget (runs within 10% of the same C), with
     the vertex of a parabola in log N where a budget has 3+ runs (Hoffmann et al.'s
     approach 2), and the L(N, D) fit's prediction for each budget when there is one."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
+    from matplotlib import colormaps
+
+    fig, ax = _figure()
     groups = isoflop_groups(points)
-    cmap = plt.get_cmap("viridis")
+    cmap = colormaps["viridis"]
     n_all = np.array([p.n_params for p in points])
     n_grid = np.logspace(np.log10(n_all.min() / 2), np.log10(n_all.max() * 2), 200)
     singles = [g[0] for g in groups if len(g) == 1]

@@ -44,10 +44,6 @@ class TokenWindows:
         self._perm_epoch = -1
         self._perm: np.ndarray | None = None
 
-    @property
-    def vocab_size(self) -> int:
-        return int(self.index["vocab_size"])
-
     def _order(self, epoch: int) -> np.ndarray:
         if self._perm_epoch != epoch:
             rng = np.random.default_rng([self.seed, epoch])

@@ -301,9 +301,38 @@ def worker_env(workers: int) -> dict[str, str]:
     threads = max(1, (os.cpu_count() or 1) // workers)
     env["RAYON_NUM_THREADS"] = str(threads)
     env["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    # The workers run this very package (python -m pretrain.data.encode), not another
+    # installed copy: the encoding must be the one this process planned.
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
     return env
+
+
+def _progress_totals(files: list[Path]) -> tuple[int, int, int]:
+    """(bytes done, bytes skipped, tokens) summed over the workers' progress files; a file
+    not written yet, or caught while being rewritten, counts nothing this time."""
+    done = skipped = tokens = 0
+    for f in files:
+        try:
+            p = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        done += p["bytes"]
+        skipped += p["skipped_bytes"]
+        tokens += p["tokens"]
+    return done, skipped, tokens
+
+
+def _wait_logging_progress(procs: list[subprocess.Popen], files: list[Path], total: int
+                           ) -> None:
+    """Wait for every worker, logging their summed progress every 5 s."""
+    t0 = last = time.time()
+    while any(p.poll() is None for p in procs):
+        time.sleep(0.5)
+        if time.time() - last >= 5.0:
+            last = time.time()
+            log.info("%s", progress_line(f"encode ({len(procs)} workers)",
+                                         *_progress_totals(files), total, last - t0))
 
 
 def _run_worker_processes(staging: Path, workers: int) -> None:
@@ -318,24 +347,8 @@ def _run_worker_processes(staging: Path, workers: int) -> None:
     procs = [subprocess.Popen([sys.executable, "-m", "pretrain.data.encode", str(staging),
                                str(k), str(workers), "--progress", str(files[k]), "--quiet"],
                               env=env) for k in range(workers)]
-    t0 = last = time.time()
     try:
-        while any(p.poll() is None for p in procs):
-            time.sleep(0.5)
-            if time.time() - last >= 5.0:
-                last = time.time()
-                done = skipped = tokens = 0
-                for f in files:
-                    if f.exists():
-                        try:
-                            p = json.loads(f.read_text())
-                        except (OSError, ValueError):
-                            continue
-                        done += p["bytes"]
-                        skipped += p["skipped_bytes"]
-                        tokens += p["tokens"]
-                log.info("%s", progress_line(f"encode ({workers} workers)", done, skipped,
-                                             tokens, total, last - t0))
+        _wait_logging_progress(procs, files, total)
     finally:
         for p in procs:
             if p.poll() is None:

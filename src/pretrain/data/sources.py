@@ -128,15 +128,16 @@ def is_json_lines(path: str) -> bool:
 
 
 def check_json_field(path: str, field: str) -> None:
+    """The first record of a JSON Lines file has ``field``, or a DataError naming its keys."""
     with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                record = json.loads(line)
-                if not isinstance(record, dict) or field not in record:
-                    keys = list(record) if isinstance(record, dict) else type(record).__name__
-                    raise DataError(f"data.text_field={field!r} is not a field of the records "
-                                    f"in {path}; the first record has {keys}")
-                return
+        first = next((line for line in f if line.strip()), None)
+    if first is None:
+        return
+    record = json.loads(first)
+    if not isinstance(record, dict) or field not in record:
+        keys = list(record) if isinstance(record, dict) else type(record).__name__
+        raise DataError(f"data.text_field={field!r} is not a field of the records "
+                        f"in {path}; the first record has {keys}")
 
 
 def line_ranges(path: str, piece_bytes: int) -> list[dict]:
@@ -146,24 +147,20 @@ def line_ranges(path: str, piece_bytes: int) -> list[dict]:
     with open(path, "rb") as f:
         while bounds[-1] < size:
             target = bounds[-1] + piece_bytes
-            if target >= size:
-                bounds.append(size)
-                break
-            f.seek(target - 1)
-            pos = target - 1
-            while True:  # the first newline at or after target - 1
-                chunk = f.read(1 << 16)
-                if not chunk:
-                    pos = size
-                    break
-                nl = chunk.find(b"\n")
-                if nl >= 0:
-                    pos += nl + 1
-                    break
-                pos += len(chunk)
-            bounds.append(pos)
+            bounds.append(size if target >= size else _line_end(f, target - 1, size))
     return [{"kind": "lines", "file": path, "start": a, "end": b, "bytes": b - a}
             for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+
+
+def _line_end(f, pos: int, size: int) -> int:
+    """The offset just after the first newline at or after ``pos`` (``size`` if none)."""
+    f.seek(pos)
+    while chunk := f.read(1 << 16):
+        nl = chunk.find(b"\n")
+        if nl >= 0:
+            return pos + nl + 1
+        pos += len(chunk)
+    return size
 
 
 def parquet_pieces(path: str, piece_bytes: int, field: str) -> list[dict]:
@@ -237,30 +234,48 @@ def iter_documents(piece: dict, cfg: DataConfig) -> Iterator[str | None]:
 
 
 def _documents(piece: dict, cfg: DataConfig) -> Iterator[str | None]:
-    kind, field = piece["kind"], cfg.text_field
-    if kind == "texts":
-        for f in piece["files"]:
-            yield Path(f).read_text(encoding="utf-8", errors="replace")
-    elif kind == "lines":
-        yield from _json_lines(_byte_blocks(piece["file"], piece["start"], piece["end"]), field)
-    elif kind == "parquet":
-        import pyarrow.parquet as pq
+    reader = _READERS.get(piece["kind"])
+    if reader is None:
+        raise DataError(f"unknown piece kind {piece['kind']!r} in the plan; prepare it again")
+    return reader(piece, cfg)
 
-        batches = pq.ParquetFile(piece["file"]).iter_batches(
-            batch_size=1024, row_groups=piece["row_groups"], columns=[field], use_threads=False)
-        for batch in batches:
-            yield from batch.column(0).to_pylist()
-    elif kind == "file":
-        yield from _whole_file(piece["file"], piece["format"], field)
-    elif kind == "hub":
-        ds = load_hub(cfg).shard(num_shards=piece["num_shards"], index=piece["shard"])
-        for batch in ds.iter(batch_size=256):
-            if field not in batch:
-                raise DataError(f"data.text_field={field!r} is not a column of {cfg.source}; "
-                                f"columns are {list(batch)}")
-            yield from batch[field]
-    else:
-        raise DataError(f"unknown piece kind {kind!r} in the plan; prepare it again")
+
+def _texts(piece: dict, cfg: DataConfig) -> Iterator[str | None]:
+    for f in piece["files"]:
+        yield Path(f).read_text(encoding="utf-8", errors="replace")
+
+
+def _lines(piece: dict, cfg: DataConfig) -> Iterator[str | None]:
+    return _json_lines(_byte_blocks(piece["file"], piece["start"], piece["end"]),
+                       cfg.text_field)
+
+
+def _parquet(piece: dict, cfg: DataConfig) -> Iterator[str | None]:
+    import pyarrow.parquet as pq
+
+    batches = pq.ParquetFile(piece["file"]).iter_batches(
+        batch_size=1024, row_groups=piece["row_groups"], columns=[cfg.text_field],
+        use_threads=False)
+    for batch in batches:
+        yield from batch.column(0).to_pylist()
+
+
+def _file(piece: dict, cfg: DataConfig) -> Iterator[str | None]:
+    return _whole_file(piece["file"], piece["format"], cfg.text_field)
+
+
+def _hub(piece: dict, cfg: DataConfig) -> Iterator[str | None]:
+    field = cfg.text_field
+    ds = load_hub(cfg).shard(num_shards=piece["num_shards"], index=piece["shard"])
+    for batch in ds.iter(batch_size=256):
+        if field not in batch:
+            raise DataError(f"data.text_field={field!r} is not a column of {cfg.source}; "
+                            f"columns are {list(batch)}")
+        yield from batch[field]
+
+
+# How each piece kind (see the module docstring) is read.
+_READERS = {"texts": _texts, "lines": _lines, "parquet": _parquet, "file": _file, "hub": _hub}
 
 
 def _byte_blocks(path: str, start: int, end: int) -> Iterator[bytes]:
@@ -300,46 +315,61 @@ def _json_lines(blocks: Iterator[bytes], field: str) -> Iterator[str | None]:
 
 
 def _whole_file(path: str, fmt: str, field: str) -> Iterator[str | None]:
+    compressed = Path(path).suffix in COMPRESSED
+    if fmt == "json":  # compressed JSON Lines, or one JSON array (no byte ranges possible)
+        return _compressed_json_lines(path, field) if compressed else _json_array(path, field)
+    if fmt == "csv":
+        return _csv(path, field)
+    if fmt == "arrow":
+        return _arrow(path, field)
+    raise DataError(f"unknown local format data.source={fmt!r}")
+
+
+def _json_array(path: str, field: str) -> Iterator[str | None]:
+    with open(path, encoding="utf-8") as f:
+        for record in json.load(f):
+            yield record.get(field) if isinstance(record, dict) else None
+
+
+def _compressed_json_lines(path: str, field: str) -> Iterator[str | None]:
+    opener = COMPRESSED[Path(path).suffix]
+
+    def blocks() -> Iterator[bytes]:
+        with opener(path, "rb") as f:
+            while lines := f.readlines(BLOCK_BYTES):
+                yield b"".join(lines)
+
+    return _json_lines(blocks(), field)
+
+
+def _csv(path: str, field: str) -> Iterator[str | None]:
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    try:
+        reader = pcsv.open_csv(
+            path, read_options=pcsv.ReadOptions(use_threads=False),
+            convert_options=pcsv.ConvertOptions(include_columns=[field],
+                                                column_types={field: pa.string()}))
+    except (pa.ArrowInvalid, KeyError) as e:
+        raise DataError(f"could not read {path} as CSV with a {field!r} column: {e}") from e
+    for batch in reader:
+        yield from batch.column(0).to_pylist()
+
+
+def _arrow(path: str, field: str) -> Iterator[str | None]:
+    """An Arrow IPC file, in the stream format or the random-access file format."""
     import pyarrow as pa
 
-    opener = COMPRESSED.get(Path(path).suffix)
-    if fmt == "json" and opener is None:  # one JSON array (no byte ranges possible)
-        with open(path, encoding="utf-8") as f:
-            for record in json.load(f):
-                yield record.get(field) if isinstance(record, dict) else None
-    elif fmt == "json":  # compressed JSON Lines
-        def blocks() -> Iterator[bytes]:
-            with opener(path, "rb") as f:
-                while True:
-                    lines = f.readlines(BLOCK_BYTES)
-                    if not lines:
-                        return
-                    yield b"".join(lines)
-        yield from _json_lines(blocks(), field)
-    elif fmt == "csv":
-        import pyarrow.csv as pcsv
-
+    with pa.memory_map(path) as source:
         try:
-            reader = pcsv.open_csv(
-                path, read_options=pcsv.ReadOptions(use_threads=False),
-                convert_options=pcsv.ConvertOptions(include_columns=[field],
-                                                    column_types={field: pa.string()}))
-        except (pa.ArrowInvalid, KeyError) as e:
-            raise DataError(f"could not read {path} as CSV with a {field!r} column: {e}") from e
-        for batch in reader:
-            yield from batch.column(0).to_pylist()
-    elif fmt == "arrow":
-        with pa.memory_map(path) as source:
-            try:
-                reader = pa.ipc.open_stream(source)
-            except pa.ArrowInvalid:
-                reader = pa.ipc.open_file(source)
-            if field not in reader.schema.names:
-                raise DataError(f"data.text_field={field!r} is not a column of {path}; "
-                                f"columns are {reader.schema.names}")
-            batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
-                if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader
-            for batch in batches:
-                yield from batch.column(field).to_pylist()
-    else:
-        raise DataError(f"unknown local format data.source={fmt!r}")
+            reader = pa.ipc.open_stream(source)
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(source)
+        if field not in reader.schema.names:
+            raise DataError(f"data.text_field={field!r} is not a column of {path}; "
+                            f"columns are {reader.schema.names}")
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
+            if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader
+        for batch in batches:
+            yield from batch.column(field).to_pylist()

@@ -1,0 +1,137 @@
+"""Plan before you spend: per-GPU memory, verdict, time and GPU-hours for a recipe and layout.
+
+    python tools/plan.py +recipe=gpt3-6.7b --gpu h100-80gb --gpus 64
+    python tools/plan.py +recipe=gpt3-6.7b parallel.tp=8 parallel.pp=2 --gpus 64 --mfu 0.45
+    python tools/plan.py +recipe=gpt3-6.7b parallel=auto --gpus 256 --gpu a100-80gb --json
+    python tools/plan.py +recipe=tiny --gpu-file my_gpus/        # extra GPU types (YAML)
+    python tools/plan.py +recipe=gpt3-175b --simulate --rank 1023  # start one rank for real
+
+``--simulate`` starts rank R of the run on this CPU, on a fake process group of the run's
+world size: the real mesh, parallelisation, initial weights of that rank's shards and
+optimizer state, then one micro batch's forward and backward on fake tensors with torch's
+memory tracker. Its last line is one JSON object: what the rank holds, measured, next to
+the planner's prediction ("predicted").
+
+Overrides are Hydra's, exactly as train.py takes them. ``--gpus`` defaults to the layout's
+own size (tp x pp x dp); with ``parallel=auto`` it is required. ``--mfu`` defaults to the GPU
+type's (conf/gpu/*.yaml). Exit status: 0 fits, 1 does not fit, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pretrain.budget import BudgetError
+from pretrain.cli import compose_config
+from pretrain.hparams import apply_rules
+from pretrain.parallel.layout import layout_world_size
+from pretrain.planning.autolayout import LayoutError, resolve_auto
+from pretrain.planning.gpus import GpuError, get_gpu
+from pretrain.planning.report import build_plan, format_plan
+from pretrain.precision import resolve_auto_precision
+from pretrain.validate import ConfigError, check
+
+FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--gpu", default="h100-80gb", help="GPU type (conf/gpu/NAME.yaml)")
+    ap.add_argument("--gpus", type=int, default=None, help="number of GPUs")
+    ap.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation, 0-1")
+    ap.add_argument("--gpu-file", action="append", default=[],
+                    help="YAML file or directory of extra GPU types (repeatable)")
+    ap.add_argument("--top", type=int, default=5, help="candidates shown for parallel=auto")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--simulate", action="store_true",
+                    help="start one rank of the run on this CPU (fake process group)")
+    ap.add_argument("--rank", type=int, default=0, help="the rank --simulate starts")
+    ap.add_argument("--no-step", dest="step", action="store_false",
+                    help="--simulate without the fake-tensor forward/backward")
+    return ap.parse_known_args(argv)
+
+
+def fail(message: str) -> int:
+    print(f"plan: {message}", file=sys.stderr)
+    return BAD_INPUT
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse(sys.argv[1:] if argv is None else argv)
+    bad = [o for o in overrides if o.startswith("-")]
+    if bad:
+        return fail(f"unknown option(s) {' '.join(bad)}; see --help")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        return fail(f"--mfu={args.mfu} must be in (0, 1], e.g. 0.4")
+    try:
+        gpu = get_gpu(args.gpu, tuple(args.gpu_file))
+        cfg = compose_config(overrides)
+    except GpuError as e:
+        return fail(str(e))
+    except Exception as e:  # Hydra composition errors: unknown recipe, key or group
+        return fail(f"{type(e).__name__}: {e}")
+    par = cfg.parallel
+    if par.name == "auto":
+        if not args.gpus:
+            return fail("parallel=auto needs the number of GPUs: add --gpus N")
+        n = args.gpus
+    else:
+        n = args.gpus or layout_world_size(par)
+    if n < 1:
+        return fail(f"--gpus={n} must be a positive number of GPUs")
+    candidates = None
+    cfg, auto_precision = resolve_auto_precision(cfg, gpu)
+    try:
+        cfg, rules = apply_rules(cfg, n)  # LR and batch from their rules, for this layout
+        if par.name == "auto":
+            cfg, candidates = resolve_auto(cfg, n, gpu)
+            candidates = candidates[: args.top]
+        check(cfg, n)
+        plan = build_plan(cfg, n, gpu, args.mfu, candidates)
+    except (LayoutError, ConfigError, BudgetError) as e:
+        return fail(str(e))
+    if auto_precision:
+        plan["precision_auto"] = auto_precision
+    if rules:
+        plan["hparam_rules"] = rules
+    if args.simulate:
+        return run_simulation(cfg, n, args.rank, args.step, plan)
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return FITS if plan["fits"] else DOES_NOT_FIT
+
+
+def run_simulation(cfg, world_size: int, rank: int, step: bool, plan: dict) -> int:
+    from pretrain.planning.simulate import simulate
+
+    if not 0 <= rank < world_size:
+        return fail(f"--rank={rank} is not a rank of this {world_size}-GPU run: "
+                    f"use 0..{world_size - 1}")
+    print(f"simulating rank {rank} of {world_size} ({plan['layout']}) on this "
+          "CPU: mesh, parallelize, this rank's initial weights and optimizer state"
+          + (", then one micro batch on fake tensors" if step else ""), flush=True)
+    result = simulate(cfg, world_size, rank, step=step)
+    pred = result["predicted"]
+
+    def size(b: float) -> str:
+        return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+    print(f"rank {rank} {result['coordinate']}: stages {result['stages']}; parameters "
+          f"{size(result['local_param_bytes'])} (planner {size(pred['local_param_bytes'])}), "
+          f"gradients {size(result['local_grad_bytes'])}, optimizer state "
+          f"{size(result['local_optimizer_bytes'])}; initialised in "
+          f"{result['init_seconds']:.1f} s; peak host memory "
+          f"{size(result['peak_rss_bytes'])}", flush=True)
+    if "step_peak_bytes" in result:
+        print(f"one micro batch on fake tensors: step peak {size(result['step_peak_bytes'])} ("
+              + ", ".join(f"{k} {size(v)}" for k, v in result["step_peak_by_kind"].items() if v)
+              + ")", flush=True)
+    print(json.dumps(result), flush=True)
+    return FITS if plan["fits"] else DOES_NOT_FIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Fit scaling laws to a sweep's finished runs, predict a larger run, draw the plots.
+
+    python tools/scaling_law.py runs/sweeps/ladder-tiny                 # fit + plots
+    python tools/scaling_law.py runs/sweeps/isoflop-tiny runs/sweeps/ladder-tiny \\
+        --target-flops 1e15 --out runs/scaling
+    python tools/scaling_law.py --chinchilla 5.76e23 1e24               # no runs needed
+    python tools/scaling_law.py --hparams runs/sweeps/hparam-tiny       # lr(C), batch(C)
+
+``--hparams``: the best learning rate and batch of each compute budget of an LR x batch sweep
+(recipes/hparam-tiny.yaml), smoothed by a quadratic in (log lr, log batch) per budget, then
+lr = a C^b and batch = c C^d by least squares in log-log, with C = M x D in DeepSeek's
+convention (the plan's ``hparam_compute``); printed next to DeepSeek's published constants,
+with the override line that makes a recipe use the fitted laws. Writes ``hparams.json``.
+
+Otherwise it reads every run directory under the given folders that holds ``result.json`` (written only
+when a run finished its budget) and ``plan.json``; N is the plan's ``n_params``, D the
+tokens trained, C = 6 N D (``pretrain.scaling.run_compute``: the plan's ``compute``, the C
+of ``budget=flops``; not its ``total_flops``, the hardware work). Fits
+L(C) = a C^b + c (needs 3+ runs) and L(N, D) = E + A/N^alpha + B/D^beta (needs 6+ runs at
+different tokens per parameter: an iso-FLOP sweep, not a pure 20-tokens-per-param
+ladder), each with a Huber objective on log loss (Hoffmann et al. 2022) and a bootstrap
+over runs for the error bars. Writes ``fit.json``, ``loss_vs_compute.png`` and
+``isoflop.png`` into ``--out`` (default: ``<first folder>/scaling_law``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pretrain.scaling import (
+    CHINCHILLA,
+    FitReport,
+    RunPoint,
+    collect_runs,
+    compute_frontier,
+    isoflop_bracketed,
+    isoflop_groups,
+    isoflop_minimum,
+    report_chinchilla_law,
+    report_compute_law,
+)
+
+
+def print_chinchilla(budgets: list[float]) -> list[dict]:
+    """Compute-optimal N and D from the published fit (Hoffmann et al. 2022, approach 3)."""
+    law = CHINCHILLA
+    print(f"Chinchilla approach 3 (Hoffmann et al. 2022): L(N, D) = {law.E} + {law.A}/N^"
+          f"{law.alpha} + {law.B}/D^{law.beta}; optimum under C = 6ND")
+    rows = []
+    for c in budgets:
+        n, d = law.optimal(c)
+        row = {"flops": c, "n_opt": float(n), "d_opt": float(d),
+               "tokens_per_param": float(d / n), "loss": float(law.optimal_loss(c))}
+        rows.append(row)
+        print(f"  C = {c:.3g}: N = {n:.3g} params, D = {d:.3g} tokens "
+              f"({d / n:.1f} tokens/param), predicted loss {row['loss']:.3f}")
+    return rows
+
+
+def print_runs(points: list[RunPoint]) -> None:
+    print(f"{'run':<48} {'N':>10} {'D':>10} {'C':>10} {'loss':>7}")
+    for p in sorted(points, key=lambda p: p.flops):
+        name = p.name if len(p.name) <= 48 else "..." + p.name[-45:]
+        print(f"{name:<48} {p.n_params:>10.4g} {p.tokens:>10.4g} {p.flops:>10.4g} "
+              f"{p.loss:>7.4f}")
+
+
+def print_report(title: str, rep: FitReport) -> None:
+    print(f"{title}  (± bootstrap std over {len(rep.samples)} resamples of the runs, "
+          "[95% interval])")
+    for k, est in rep.constants.items():
+        print(f"  {k:>6} = {est}")
+    for k, est in rep.predictions.items():
+        print(f"  {k:>6} : {est}")
+    for w in rep.warnings:
+        print(f"  warning: {w}")
+
+
+def hparam_report(dirs: list[Path], out: Path | None) -> int:
+    """``--hparams``: fit lr(C) and batch(C) to a sweep, print them beside DeepSeek's."""
+    from pretrain.hparams import (
+        DEEPSEEK,
+        collect_sweep,
+        fit_hparam_laws,
+        group_by_compute,
+        override_line,
+    )
+
+    points = [p for d in dirs for p in collect_sweep(d)]
+    if not points:
+        print(f"no finished runs with hparam_compute in plan.json under "
+              f"{', '.join(map(str, dirs))}", file=sys.stderr)
+        return 1
+    groups = group_by_compute(points)
+    print(f"{len(points)} finished runs at {len(groups)} compute budgets "
+          "(C = M x D, DeepSeek non-embedding FLOPs)")
+    for g in groups:
+        print(f"  C = {g[0].compute:.4g}: {len(g)} runs")
+        for p in sorted(g, key=lambda p: (p.batch_tokens, p.lr)):
+            print(f"    batch {p.batch_tokens:>9,.0f} tokens  lr {p.lr:<9.3g} loss {p.loss:.4f}")
+    try:
+        laws, optima = fit_hparam_laws(points)
+    except ValueError as e:
+        print(f"\nnot fitted: {e}")
+        return 1
+    print("\nbest of each budget (quadratic in log lr, log batch where convex and inside the "
+          "grid, else the best run):")
+    for o in optima:
+        print(f"  C = {o.compute:.4g}: lr {o.lr:.4g}, batch {o.batch_tokens:,.0f} tokens, "
+              f"loss {o.loss:.4f} ({o.how}, {o.runs} runs; DeepSeek: lr "
+              f"{DEEPSEEK.lr(o.compute):.4g}, batch {DEEPSEEK.batch_tokens(o.compute):,.0f})")
+        for axis in o.edges:
+            print(f"    warning: the best {axis} is at the edge of the grid: the optimum may "
+                  f"lie beyond it; extend the sweep's {axis} values that way")
+    print(f"\n{'':>8} {'fitted':>22}   {'DeepSeek (Bi et al. 2024)':>26}")
+    print(f"{'lr':>8} {str(laws.lr):>22}   {str(DEEPSEEK.lr):>26}")
+    print(f"{'batch':>8} {str(laws.batch_tokens):>22}   {str(DEEPSEEK.batch_tokens):>26}  "
+          "(tokens)")
+    if len(optima) < 3:
+        print(f"warning: {len(optima)} budgets: the line goes through them exactly; "
+              "3 or more give a fit that can be checked")
+    line = override_line(laws)
+    print(f"\noverrides for a recipe:\n  {line}")
+    out = out or dirs[0] / "scaling_law"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hparams.json").write_text(json.dumps({
+        "lr": vars(laws.lr), "batch_tokens": vars(laws.batch_tokens),
+        "published": {"lr": vars(DEEPSEEK.lr), "batch_tokens": vars(DEEPSEEK.batch_tokens),
+                      "source": DEEPSEEK.source},
+        "optima": [vars(o) for o in optima], "runs": [vars(p) for p in points],
+        "override": line}, indent=2))
+    print(f"fit: {out / 'hparams.json'}")
+    return 0
+
+
+def fit_laws(points: list[RunPoint], target: float, bootstrap: int, seed: int, fit: dict
+             ) -> tuple[FitReport | None, FitReport | None]:
+    """Fit and print L(C) and L(N, D), each into ``fit`` when it could be fitted."""
+    compute = chinchilla = None
+    try:
+        compute = report_compute_law(points, target, bootstrap, seed)
+        print_report(f"\nL(C) = a C^b + c, fitted to the best run of each of "
+                     f"{len(compute_frontier(points))} budgets", compute)
+        fit["compute_law"] = compute.as_dict()
+    except ValueError as e:
+        print(f"\nL(C): not fitted: {e}")
+    try:
+        chinchilla = report_chinchilla_law(points, target, max(bootstrap // 2, 0), seed)
+        print_report("\nL(N, D) = E + A/N^alpha + B/D^beta", chinchilla)
+        fit["chinchilla_law"] = chinchilla.as_dict()
+    except ValueError as e:  # NotIdentifiable, or a fit that did not converge
+        print(f"\nL(N, D): not fitted: {e}")
+    return compute, chinchilla
+
+
+def report_isoflop(points: list[RunPoint], fit: dict) -> None:
+    """Warn where a budget's best run is at the edge of its sizes; print (and record in
+    ``fit``) each budget's parabola minimum."""
+    for g in isoflop_groups(points):
+        if len(g) >= 3 and not isoflop_bracketed(g):
+            side = "below" if min(g, key=lambda p: p.loss) is g[0] else "above"
+            print(f"\nwarning: at C = {g[0].flops:.3g} the best size is the "
+                  f"{'smallest' if side == 'below' else 'largest'} run: the iso-FLOP valley lies "
+                  f"{side} the sizes run ({g[0].n_params:.3g}..{g[-1].n_params:.3g}); "
+                  "extend the sweep that way")
+    minima = [(g, isoflop_minimum(g)) for g in isoflop_groups(points)]
+    minima = [(g, m) for g, m in minima if m is not None]
+    if minima:
+        print("\niso-FLOP minima (parabola in log N, approach 2):")
+        fit["isoflop_minima"] = []
+        for g, (n_opt, loss) in minima:
+            print(f"  C = {g[0].flops:.3g}: N_opt = {n_opt:.3g}, loss {loss:.4f}")
+            fit["isoflop_minima"].append({"flops": g[0].flops, "n_opt": n_opt, "loss": loss})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dirs", nargs="*", type=Path, help="folders holding finished runs")
+    ap.add_argument("--chinchilla", nargs="+", type=float, metavar="C",
+                    help="print compute-optimal N and D from the published Chinchilla fit")
+    ap.add_argument("--target-flops", type=float,
+                    help="budget C = 6ND to predict, as a plan's 'compute' (default: 10x the "
+                         "largest run)")
+    ap.add_argument("--out", type=Path, help="where fit.json and the PNGs go")
+    ap.add_argument("--bootstrap", type=int, default=200, help="resamples (0: none)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hparams", action="store_true",
+                    help="fit lr(C) and batch(C) to an LR x batch sweep instead")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+
+    if args.hparams:
+        if not args.dirs:
+            ap.error("--hparams needs one or more folders of runs")
+        return hparam_report(args.dirs, args.out)
+    if args.chinchilla:
+        print_chinchilla(args.chinchilla)
+        if not args.dirs:
+            return 0
+    if not args.dirs:
+        ap.error("give one or more folders of runs, or --chinchilla C")
+
+    points = [p for d in args.dirs for p in collect_runs(d)]
+    if not points:
+        print(f"no finished runs (result.json + plan.json) under {', '.join(map(str, args.dirs))}",
+              file=sys.stderr)
+        return 1
+    target = args.target_flops or 10 * max(p.flops for p in points)
+    out = args.out or args.dirs[0] / "scaling_law"
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{len(points)} finished runs (C = 6ND, the plan's 'compute')")
+    print_runs(points)
+
+    fit: dict = {"runs": [vars(p) for p in points], "target_flops": target}
+    compute, chinchilla = fit_laws(points, target, args.bootstrap, args.seed, fit)
+    report_isoflop(points, fit)
+
+    # the numbers first: a plot that cannot be drawn must not lose them
+    (out / "fit.json").write_text(json.dumps(fit, indent=2))
+    print(f"\nfit: {out / 'fit.json'}")
+    if not args.no_plots:
+        from pretrain.scaling_plot import plot_isoflop, plot_loss_vs_compute
+
+        paths = [plot_loss_vs_compute(points, compute, chinchilla, target,
+                                      out / "loss_vs_compute.png"),
+                 plot_isoflop(points, chinchilla, out / "isoflop.png")]
+        print("plots: " + ", ".join(map(str, paths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
