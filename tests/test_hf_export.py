@@ -109,19 +109,15 @@ def test_unsupported_architecture_and_mismatch_are_clear():
 
 
 def test_one_dtype_table_for_policies_planner_and_export():
-    """tools/export_hf.py's --dtype, the precision policy and the planner's bytes per element
+    """pretrain-export-hf's --dtype, the precision policy and the planner's bytes per element
     read one table: the export offers exactly its names, and the planner counts the bytes
     torch allocates for each."""
-    import importlib.util
-
     from pretrain.config import ParallelConfig, PrecisionConfig
     from pretrain.parallel.layout import resolve_layout
     from pretrain.planning.memory import activation_setup
     from pretrain.precision import DTYPES, dtype_bytes
+    from pretrain.tools import export_hf as tool
 
-    spec = importlib.util.spec_from_file_location("export_hf", REPO / "tools" / "export_hf.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     assert tool.DTYPES is DTYPES
     assert {n: dtype_bytes(n) for n in DTYPES} == {
         n: torch.empty(0, dtype=d).element_size() for n, d in DTYPES.items()}
