@@ -26,13 +26,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
+from helpers import compose_config
 
-from pretrain.config import register_configs, to_config
-from pretrain.naming import register_resolvers
 from pretrain.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
 COLLECTIVES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
                "reduce_scatter_tensor", "all_gather_object", "broadcast_object_list")
 PACKAGE = os.sep + "pretrain" + os.sep
@@ -79,9 +76,7 @@ def instrument(counts: Counts) -> None:
 
 def run(overrides: list[str], out: Path, name: str, sig: list[int] | None,
         counts: Counts) -> None:
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_config(compose("config", overrides=[*overrides, f"run_name={name}"]))
-    trainer = Trainer(cfg, out / name)
+    trainer = Trainer(compose_config([*overrides, f"run_name={name}"]), out / name)
     trainer.setup()
     rank = dist.get_rank()
     per_step: dict[int, dict[str, int]] = {}
@@ -118,8 +113,6 @@ def run(overrides: list[str], out: Path, name: str, sig: list[int] | None,
 
 def main() -> None:
     out, spec = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-    register_configs()
-    register_resolvers()
     counts = Counts()
     dist.init_process_group("gloo")  # the trainer joins the existing group
     instrument(counts)

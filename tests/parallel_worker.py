@@ -23,15 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
+from helpers import compose_config
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from pretrain.config import register_configs, to_config
-from pretrain.naming import register_resolvers
 from pretrain.trainer import Trainer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -108,9 +104,7 @@ def evaluate_with(trainer: Trainer, eval_batches: int) -> tuple[int, float]:
 
 def run_layout(overrides: list[str], out: Path, name: str,
                spec_eval_also: list[int]) -> None:
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_config(compose("config", overrides=[*overrides, "run_name=test"]))
-    trainer = Trainer(cfg, out / name)
+    trainer = Trainer(compose_config([*overrides, "run_name=test"]), out / name)
     trainer.setup()
     init = full_params(trainer)
     measured: dict[str, int] = {}
@@ -144,8 +138,6 @@ def run_layout(overrides: list[str], out: Path, name: str,
 
 def main() -> None:
     out, spec = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-    register_configs()
-    register_resolvers()
     for name, overrides in spec["layouts"].items():
         run_layout([*spec["common"], *overrides], out, name, spec.get("eval_also", []))
         if dist.is_initialized():

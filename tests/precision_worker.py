@@ -32,8 +32,6 @@ from torch.distributed.tensor import DTensor
 
 from pretrain.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 class Collect(logging.Handler):
     """The warnings of the 'pretrain' logger, kept."""
@@ -151,19 +149,12 @@ def run_steps(trainer: Trainer, inject: dict | None = None,
 
 
 def main() -> None:
-    from hydra import compose, initialize_config_dir
+    from helpers import compose_config
     from torch._dynamo.utils import counters
 
-    from pretrain.config import register_configs, to_config
-    from pretrain.naming import register_resolvers
-
     out, spec = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-    register_configs()
-    register_resolvers()
     for name, job in spec["jobs"].items():
-        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-            cfg = to_config(compose("config", overrides=[*spec["common"], *job["overrides"],
-                                                         "run_name=test"]))
+        cfg = compose_config([*spec["common"], *job["overrides"], "run_name=test"])
         counters.clear()
         torch._dynamo.reset()  # each job compiles afresh (stale caches of an earlier job's
         # blocks made inductor recurse without end when two compile jobs shared a process)

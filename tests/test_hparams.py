@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from pretrain.budget import BudgetError
 from pretrain.config import ModelConfig

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose_config
+from helpers import REPO, compose_config
 
 sys.path.insert(0, str(REPO / "tools"))
 

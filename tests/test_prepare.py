@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import DATA_NAME, REPO, TOKENIZER_VOCAB, make_data_config
+from helpers import DATA_NAME, REPO, TOKENIZER_VOCAB, make_data_config
 
 from pretrain.data import encode as enc
 from pretrain.data.prepare import (

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 pytest.importorskip("scipy", reason="the analysis extra: pip install -e '.[analysis]'")
 
