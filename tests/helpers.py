@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -89,6 +90,22 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
         HydraConfig.instance().cfg = None
 
 
+def compose_all(overrides: dict[str, list[str]]) -> dict[str, Config]:
+    """``compose_config`` of each entry: once here, not once per rank and run in a worker
+    (a composition costs about as much as training a nano model a few steps)."""
+    return {name: compose_config(o) for name, o in overrides.items()}
+
+
+def write_spec(path: Path, **spec: Any) -> Path:
+    """A worker's instructions (composed configs included), pickled; read_spec reads them."""
+    path.write_bytes(pickle.dumps(spec))
+    return path
+
+
+def read_spec(path: Path | str) -> dict[str, Any]:
+    return pickle.loads(Path(path).read_bytes())
+
+
 def problems(cfg: Config, world_size: int | None = None) -> list[str]:
     """Every problem validation reports for ``cfg`` (it must report at least one)."""
     with pytest.raises(ConfigError) as e:
@@ -161,16 +178,16 @@ def run_group(root: Path, common: list[str], nproc: int, layouts: dict[str, list
     one (which has already paid for importing torch); its records by name."""
     out = root / f"world{nproc}"
     out.mkdir()
+    configs = compose_all({name: [*common, *overrides, "run_name=test"]
+                           for name, overrides in layouts.items()})
     if nproc == 1:
         from parallel_worker import run_layout
 
         with one_thread():
-            for name, overrides in layouts.items():
-                run_layout([*common, *overrides], out, name, list(eval_also))
+            for name, cfg in configs.items():
+                run_layout(cfg, out, name, list(eval_also))
     else:
-        spec = out / "spec.json"
-        spec.write_text(json.dumps({"common": common, "layouts": layouts,
-                                    "eval_also": list(eval_also)}))
+        spec = write_spec(out / "spec.pkl", configs=configs, eval_also=list(eval_also))
         proc = run_script(HERE / "parallel_worker.py", str(out), str(spec), nproc=nproc,
                           cwd=root)
         assert proc.returncode == 0, failed(proc)

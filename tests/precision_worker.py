@@ -2,8 +2,8 @@
 optional non-finite gradient injected on one rank at one step.
 
 Run under ``torchrun --standalone --nproc_per_node=N tests/precision_worker.py OUT SPEC``
-(SPEC: a JSON file, {"common": [overrides], "jobs": {name: {"overrides": [...],
-"steps": null | n, "inject": null | {"step": k, "rank": r, "how": "forward" | "shard"}}}};
+(SPEC: helpers.write_spec's file, {"jobs": {name: {"config": Config, "steps": null | n,
+"inject": null | {"step": k, "rank": r, "how": "forward" | "shard"}}}};
 ``steps``: stop after n steps of the budget's schedule). Jobs run one after
 the other in the same processes (one start-up for all of them); every rank writes
 OUT/<name>.rank<r>.pt. The test module also calls ``run_steps`` in its own process.
@@ -20,7 +20,6 @@ compute finite gradients:
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -149,18 +148,17 @@ def run_steps(trainer: Trainer, inject: dict | None = None,
 
 
 def main() -> None:
-    from helpers import compose_config
+    from helpers import read_spec
     from torch._dynamo.utils import counters
 
-    out, spec = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+    out, spec = Path(sys.argv[1]), read_spec(sys.argv[2])
     for name, job in spec["jobs"].items():
-        cfg = compose_config([*spec["common"], *job["overrides"], "run_name=test"])
         counters.clear()
         torch._dynamo.reset()  # each job compiles afresh (stale caches of an earlier job's
         # blocks made inductor recurse without end when two compile jobs shared a process)
-        trainer = Trainer(cfg, out / name)
+        trainer = Trainer(job["config"], out / name)
         trainer.setup()
-        record = run_steps(trainer, job.get("inject"), steps=job.get("steps"))
+        record = run_steps(trainer, job["inject"], steps=job["steps"])
         torch.save(record, out / f"{name}.rank{dist.get_rank()}.pt")
         dist.barrier()
     dist.destroy_process_group()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import HERE, MARKOV_DATA, VOCAB, by_step, failed, run_script
+from helpers import HERE, MARKOV_DATA, VOCAB, by_step, compose_all, failed, run_script, write_spec
 
 STEPS, LOG_EVERY, CHECK_EVERY = 12, 6, 4
 SIGNAL_AFTER = 5  # rank 1 alone gets SIGUSR1 after this step
@@ -48,9 +48,12 @@ pytestmark = pytest.mark.slow
 def runs(tmp_path_factory, markov_root) -> dict[str, list[dict]]:
     """Every run's per-rank records, from one torchrun of tests/loop_worker.py."""
     root = tmp_path_factory.mktemp("loop")
-    spec = root / "spec.json"
     common = [*COMMON, f"data.root={markov_root}", f"runs_dir={root / 'runs'}"]
-    spec.write_text(json.dumps({"common": common, "runs": RUNS}))
+    configs = compose_all({name: [*common, *run["overrides"], f"run_name={name}"]
+                           for name, run in RUNS.items()})
+    spec = write_spec(root / "spec.pkl", runs={name: {"config": configs[name],
+                                                      "signal": run.get("signal")}
+                                               for name, run in RUNS.items()})
     proc = run_script(HERE / "loop_worker.py", str(root), str(spec), nproc=2, cwd=root)
     assert proc.returncode == 0, failed(proc)
     out = {name: [json.loads((root / f"{name}.rank{r}.json").read_text()) for r in (0, 1)]

@@ -58,14 +58,22 @@ uses ShardedGradScaler, which all-reduces it over the world too; the test checks
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import HERE, MARKOV_DATA, VOCAB, compose_config, one_thread, run_script
+from helpers import (
+    HERE,
+    MARKOV_DATA,
+    VOCAB,
+    compose_all,
+    compose_config,
+    one_thread,
+    run_script,
+    write_spec,
+)
 from precision_worker import block_output_dtype, run_steps
 
 from pretrain.trainer import Trainer
@@ -158,11 +166,12 @@ def dp2(env) -> dict[str, list[dict] | str]:
     root, common = env
     out = root / "dp2"
     out.mkdir()
-    spec = out / "spec.json"
-    jobs = {name: {"overrides": [*overrides, "parallel.micro_batch_size=4"], "steps": steps,
-                   "inject": inject}
-            for name, (overrides, steps, inject) in DP2_JOBS.items()}
-    spec.write_text(json.dumps({"common": common, "jobs": jobs}))
+    configs = compose_all({name: [*common, *overrides, "parallel.micro_batch_size=4",
+                                  "run_name=test"]
+                           for name, (overrides, _, _) in DP2_JOBS.items()})
+    spec = write_spec(out / "spec.pkl", jobs={
+        name: {"config": configs[name], "steps": steps, "inject": inject}
+        for name, (_, steps, inject) in DP2_JOBS.items()})
     proc = run_script(HERE / "precision_worker.py", str(out), str(spec), nproc=2, cwd=root)
     results: dict[str, list[dict] | str] = {}
     for name in DP2_JOBS:
