@@ -3,8 +3,9 @@
 Run under ``torchrun --standalone --nproc_per_node=N tests/parallel_worker.py OUT SPEC``
 (SPEC: helpers.write_spec's file, {"configs": {name: Config}, "eval_also": [eval_batches,
 ...]}: after training, evaluate again with each of those), or called in the test's process
-(helpers.run_group) for one process. Every layout of one world size runs in the same processes, one
-after the other, to pay the start-up (importing torch N times on a small CPU) once.
+(helpers.run_group) for one process. Every layout of one world size runs in the same
+processes, one after the other, to pay the start-up (importing torch N times on a small
+CPU) once.
 
 For each layout, rank 0 writes OUT/<name>.pt: per-step losses and grad norms, the
 validation loss and how many batches it averaged (also per ``eval_also`` value), the full
