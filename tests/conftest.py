@@ -1,4 +1,5 @@
 """Shared fixtures: in-process Hydra composition, a tiny local text corpus and its shards.
+The plain functions and constants behind them are in tests/helpers.py.
 
 Nothing here downloads: the hub is switched off for the whole session, the corpus is a few
 generated .txt files, and the tokenizer is a 300-token byte-level BPE trained on them.
@@ -7,7 +8,6 @@ generated .txt files, and the tokenizer is a 300-token byte-level BPE trained on
 from __future__ import annotations
 
 import os
-import random
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,69 +23,20 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 import pytest  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from helpers import (  # noqa: E402
+    CORPUS_FILES,
+    DATA_NAME,
+    compose_config,
+    make_data_config,
+    write_corpus,
+    write_markov_data,
+)
 
-from pretrain.config import Config, DataConfig, register_configs  # noqa: E402
+from pretrain.config import Config, register_configs  # noqa: E402
 from pretrain.naming import register_resolvers  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-CONF_DIR = REPO / "conf"
-RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
-# The recipes sized for a CPU; every other recipe is meant for GPUs (a new recipe counts as
-# one until it is listed here).
-CPU_RECIPES = {"tiny", "tiny-zero3", "llama-tiny", "nano-3d", "nano-zbv", "ladder-tiny",
-               "isoflop-tiny", "gpt2-124m-cpu", "hparam-tiny"}
-GPU_RECIPES = sorted(set(RECIPES) - CPU_RECIPES)
-
-# The tiny corpus: 10 documents (one per file) of short, very regular sentences, so a nano
-# model learns something in a few dozen steps. Paths are relative to the work directory.
-N_DOCS = 10
-CORPUS_FILES = [f"corpus/doc{i:02d}.txt" for i in range(N_DOCS)]
-TOKENIZER_VOCAB = 300
-DATA_NAME = "tinytext"
 
 register_configs()
 register_resolvers()
-
-
-def write_corpus(root: Path) -> list[str]:
-    """Write CORPUS_FILES under ``root`` (deterministic content); return their texts."""
-    rng = random.Random(0)
-    subjects = ["the cat", "a dog", "the bird", "my friend", "the teacher", "a child"]
-    verbs = ["sees", "likes", "finds", "wants", "holds", "draws"]
-    objects = ["a red ball", "the big tree", "some water", "a small house", "the green hat",
-               "an apple"]
-    texts = []
-    (root / "corpus").mkdir(parents=True, exist_ok=True)
-    for name in CORPUS_FILES:
-        lines = [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}."
-                 for _ in range(400)]
-        text = "\n".join(lines) + "\n"
-        (root / name).write_text(text)
-        texts.append(text)
-    return texts
-
-
-def make_data_config(root: Path | str, **overrides) -> DataConfig:
-    """The DataConfig of the tiny corpus (relative data_files: run from the work dir)."""
-    kwargs = dict(
-        name=DATA_NAME, source="text", data_files=list(CORPUS_FILES), tokenizer="bpe",
-        tokenizer_vocab_size=TOKENIZER_VOCAB, validation_fraction=0.1, num_proc=1,
-        root=str(root),
-    )
-    kwargs.update(overrides)
-    return DataConfig(**kwargs)
-
-
-def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Compose conf/config.yaml + overrides exactly as the tools do (pretrain.cli, the same
-    path train.py's config takes), then unset HydraConfig so tests stay independent."""
-    from pretrain.cli import compose_config as compose_like_the_tools
-
-    try:
-        return compose_like_the_tools(list(overrides), CONF_DIR)
-    finally:
-        HydraConfig.instance().cfg = None
 
 
 @pytest.fixture
@@ -131,3 +82,12 @@ def prepared_copy(prepared, tmp_path) -> Path:
     dst = tmp_path / "data" / DATA_NAME
     shutil.copytree(prepared, dst)
     return dst
+
+
+@pytest.fixture(scope="session")
+def markov_root(tmp_path_factory) -> Path:
+    """A data root holding the Markov-chain data as ``markov`` (overrides:
+    helpers.MARKOV_DATA + ``data.root=<this>``); read-only for tests."""
+    root = tmp_path_factory.mktemp("markov_data")
+    write_markov_data(root / "markov")
+    return root

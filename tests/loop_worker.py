@@ -3,8 +3,8 @@ costs in collectives and host syncs, step by step, and where each rank stops.
 
     torchrun --standalone --nproc_per_node=N tests/loop_worker.py OUT SPEC
 
-SPEC: a JSON file, {"common": [overrides], "runs": {name: {"overrides": [...],
-"signal": [step, rank] or null}}}. Every run is one Trainer + fit() in these processes. With
+SPEC: helpers.write_spec's file, {"runs": {name: {"config": Config, "signal": [step, rank]
+or null}}}. Every run is one Trainer + fit() in these processes. With
 ``signal``, that rank sends itself SIGUSR1 right after that step (the other ranks get none).
 
 Each rank writes OUT/<name>.rank<R>.json: fit()'s result, its share of each step's loss
@@ -26,13 +26,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
+from helpers import read_spec
 
-from pretrain.config import register_configs, to_config
-from pretrain.naming import register_resolvers
+from pretrain.config import Config
 from pretrain.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
 COLLECTIVES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
                "reduce_scatter_tensor", "all_gather_object", "broadcast_object_list")
 PACKAGE = os.sep + "pretrain" + os.sep
@@ -77,10 +75,7 @@ def instrument(counts: Counts) -> None:
         setattr(torch.Tensor, name, synced)
 
 
-def run(overrides: list[str], out: Path, name: str, sig: list[int] | None,
-        counts: Counts) -> None:
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_config(compose("config", overrides=[*overrides, f"run_name={name}"]))
+def run(cfg: Config, out: Path, name: str, sig: list[int] | None, counts: Counts) -> None:
     trainer = Trainer(cfg, out / name)
     trainer.setup()
     rank = dist.get_rank()
@@ -117,15 +112,12 @@ def run(overrides: list[str], out: Path, name: str, sig: list[int] | None,
 
 
 def main() -> None:
-    out, spec = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-    register_configs()
-    register_resolvers()
+    out, spec = Path(sys.argv[1]), read_spec(sys.argv[2])
     counts = Counts()
     dist.init_process_group("gloo")  # the trainer joins the existing group
     instrument(counts)
     for name, run_spec in spec["runs"].items():
-        run([*spec["common"], *run_spec["overrides"]], out, name, run_spec.get("signal"),
-            counts)
+        run(run_spec["config"], out, name, run_spec["signal"], counts)
         dist.barrier()
     dist.destroy_process_group()
 

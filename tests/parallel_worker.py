@@ -1,10 +1,11 @@
 """Train a few steps of one or more layouts in this process and dump what tests compare.
 
 Run under ``torchrun --standalone --nproc_per_node=N tests/parallel_worker.py OUT SPEC``
-(SPEC: a JSON file, {"common": [overrides], "layouts": {name: [overrides]}, "eval_also":
-[eval_batches, ...]}: after training, evaluate again with each of those), or as one
-process for the reference. Every layout of one world size runs in the same processes, one
-after the other, to pay the start-up (importing torch N times on a small CPU) once.
+(SPEC: helpers.write_spec's file, {"configs": {name: Config}, "eval_also": [eval_batches,
+...]}: after training, evaluate again with each of those), or called in the test's process
+(helpers.run_group) for one process. Every layout of one world size runs in the same
+processes, one after the other, to pay the start-up (importing torch N times on a small
+CPU) once.
 
 For each layout, rank 0 writes OUT/<name>.pt: per-step losses and grad norms, the
 validation loss and how many batches it averaged (also per ``eval_also`` value), the full
@@ -16,22 +17,18 @@ exist) and peak RSS.
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
+from helpers import read_spec
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from pretrain.config import register_configs, to_config
-from pretrain.naming import register_resolvers
+from pretrain.config import Config
 from pretrain.trainer import Trainer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -106,10 +103,7 @@ def evaluate_with(trainer: Trainer, eval_batches: int) -> tuple[int, float]:
         trainer.cfg.train.eval_batches = asked
 
 
-def run_layout(overrides: list[str], out: Path, name: str,
-               spec_eval_also: list[int]) -> None:
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_config(compose("config", overrides=[*overrides, "run_name=test"]))
+def run_layout(cfg: Config, out: Path, name: str, spec_eval_also: list[int]) -> None:
     trainer = Trainer(cfg, out / name)
     trainer.setup()
     init = full_params(trainer)
@@ -143,11 +137,9 @@ def run_layout(overrides: list[str], out: Path, name: str,
 
 
 def main() -> None:
-    out, spec = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-    register_configs()
-    register_resolvers()
-    for name, overrides in spec["layouts"].items():
-        run_layout([*spec["common"], *overrides], out, name, spec.get("eval_also", []))
+    out, spec = Path(sys.argv[1]), read_spec(sys.argv[2])
+    for name, cfg in spec["configs"].items():
+        run_layout(cfg, out, name, spec["eval_also"])
         if dist.is_initialized():
             dist.barrier()
     if dist.is_initialized():

@@ -2,8 +2,8 @@
 optional non-finite gradient injected on one rank at one step.
 
 Run under ``torchrun --standalone --nproc_per_node=N tests/precision_worker.py OUT SPEC``
-(SPEC: a JSON file, {"common": [overrides], "jobs": {name: {"overrides": [...],
-"steps": null | n, "inject": null | {"step": k, "rank": r, "how": "forward" | "shard"}}}};
+(SPEC: helpers.write_spec's file, {"jobs": {name: {"config": Config, "steps": null | n,
+"inject": null | {"step": k, "rank": r, "how": "forward" | "shard"}}}};
 ``steps``: stop after n steps of the budget's schedule). Jobs run one after
 the other in the same processes (one start-up for all of them); every rank writes
 OUT/<name>.rank<r>.pt. The test module also calls ``run_steps`` in its own process.
@@ -20,7 +20,6 @@ compute finite gradients:
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -31,8 +30,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from pretrain.trainer import Trainer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class Collect(logging.Handler):
@@ -89,9 +86,9 @@ def block_output_dtype(trainer: Trainer) -> torch.dtype:
 
 def run_steps(trainer: Trainer, inject: dict | None = None,
               snapshot_at: int | None = None, steps: int | None = None) -> dict:
-    """Train ``trainer`` (set up) ``steps`` steps (default: its budget); per step the loss, grad norm, loss scale
-    after the step, and whether this rank's local parameter shards and the full (gathered)
-    parameters changed. Also: skipped_steps, the warnings logged, the full parameters after
+    """Train ``trainer`` (set up) ``steps`` steps (default: its budget); per step the loss,
+    grad norm, loss scale after the step, and whether this rank's local parameter shards
+    and the full (gathered) parameters changed. Also: skipped_steps, the warnings logged, the full parameters after
     ``snapshot_at`` steps and at the end, and whether each block is compiled."""
     from torch._dynamo.utils import counters
 
@@ -151,25 +148,17 @@ def run_steps(trainer: Trainer, inject: dict | None = None,
 
 
 def main() -> None:
-    from hydra import compose, initialize_config_dir
+    from helpers import read_spec
     from torch._dynamo.utils import counters
 
-    from pretrain.config import register_configs, to_config
-    from pretrain.naming import register_resolvers
-
-    out, spec = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-    register_configs()
-    register_resolvers()
+    out, spec = Path(sys.argv[1]), read_spec(sys.argv[2])
     for name, job in spec["jobs"].items():
-        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-            cfg = to_config(compose("config", overrides=[*spec["common"], *job["overrides"],
-                                                         "run_name=test"]))
         counters.clear()
         torch._dynamo.reset()  # each job compiles afresh (stale caches of an earlier job's
         # blocks made inductor recurse without end when two compile jobs shared a process)
-        trainer = Trainer(cfg, out / name)
+        trainer = Trainer(job["config"], out / name)
         trainer.setup()
-        record = run_steps(trainer, job.get("inject"), steps=job.get("steps"))
+        record = run_steps(trainer, job["inject"], steps=job["steps"])
         torch.save(record, out / f"{name}.rank{dist.get_rank()}.pt")
         dist.barrier()
     dist.destroy_process_group()

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO
+from helpers import REPO, read_metrics
 
 from pretrain import device as device_mod
 from pretrain.cli import compose_config
@@ -241,8 +241,7 @@ def nano_run(compose, prepared, run_dir, precision: str):
     trainer = Trainer(cfg, run_dir)
     trainer.setup()
     trainer.fit()
-    return trainer, [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
-                     if '"mfu"' in x]
+    return trainer, [m for m in read_metrics(run_dir) if "mfu" in m]
 
 
 def test_bf16_named_on_a_cpu_without_it_warns_once_with_the_slowdown(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import REPO, compose_config
+from helpers import REPO, compose_config
 
 from pretrain.tools import bench_gpu
 

@@ -11,7 +11,7 @@ import sys
 import typing
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CORPUS_FILES, DATA_NAME, N_DOCS, TOKENIZER_VOCAB, make_data_config
+from helpers import CORPUS_FILES, DATA_NAME, N_DOCS, TOKENIZER_VOCAB, make_data_config
 
 from pretrain.data.loader import TokenWindows
 from pretrain.data.prepare import DataError, fingerprint, prepare

@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 
 import pytest
-from conftest import DATA_NAME, GPU_RECIPES, REPO, make_data_config
+from helpers import DATA_NAME, GPU_RECIPES, REPO, make_data_config
 
 from pretrain.budget import resolve_budget
 from pretrain.data.epochs import check_epochs, corpus_size

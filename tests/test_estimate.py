@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import one_thread
 from memory_probe import ActivationTracker, state_bytes
 
 from pretrain.config import Config, ModelConfig, ParallelConfig, PrecisionConfig
@@ -59,13 +60,11 @@ STATE = ("parameters", "gradients", "optimizer state")
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
+def single_thread():
     """Measure with one intra-op thread: on a shared 2-core machine OpenMP threads spinning
     against other processes make these small models several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 def make_cfg(model: dict, gbs: int = 8, **parallel) -> Config:

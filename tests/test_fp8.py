@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_parallel_layouts import VOCAB, run_group, write_markov_data
+from helpers import MARKOV_DATA, VOCAB, compose_config, run_group
 
-from pretrain.cli import compose_config
 from pretrain.fp8 import convert_to_fp8, is_fp8, summarize
 from pretrain.model import GPT
 from pretrain.precision import PrecisionError, resolve_policy
@@ -40,7 +39,7 @@ BLOCK_LINEARS = ["attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2"]
 COMMON = [
     "model=nano", f"model.vocab_size={VOCAB}", "model.seq_len=64", "model.attention=sdpa",
     "precision=fp8", "precision.fp8_allow_emulation=true", "precision.fp8_filter=all",
-    "data.name=markov", "data.auto_prepare=false", f"data.tokenizer_vocab_size={VOCAB}",
+    *MARKOV_DATA,
     "budget=steps", f"budget.steps={STEPS}", "train.global_batch_size=16",
     "parallel.micro_batch_size=8", "train.eval_batches=4", "train.eval_interval=1000",
     "train.sample_tokens=0", "logging=quiet", "optim.lr=3e-3", "schedule.warmup_steps=3",
@@ -48,10 +47,9 @@ COMMON = [
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict]:
+def runs(tmp_path_factory, markov_root) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("fp8")
-    write_markov_data(root / "data" / "markov")
-    common = [*COMMON, f"data.root={root / 'data'}", f"runs_dir={root / 'runs'}"]
+    common = [*COMMON, f"data.root={markov_root}", f"runs_dir={root / 'runs'}"]
     one = run_group(root, common, 1, {"fp8": ["parallel.dp=1"],
                                       "bf16": ["parallel.dp=1", "precision=bf16"]})
     two = run_group(root, common, 2, {"zero2": ["parallel=zero2", "parallel.dp=2"],

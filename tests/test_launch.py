@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose_config
+from helpers import REPO, compose_config
 
 from pretrain.tools import launch
 
@@ -405,7 +405,7 @@ def test_unprepared_data_is_prepared_by_jobs_the_training_job_waits_for(tmp_path
 
 def test_prepared_data_submits_training_alone(tmp_path, monkeypatch, capsys, prepared,
                                               work_dir):
-    from conftest import CORPUS_FILES, DATA_NAME, TOKENIZER_VOCAB
+    from helpers import CORPUS_FILES, DATA_NAME, TOKENIZER_VOCAB
 
     data = ["model.vocab_size=300", "data.source=text", f"data.name={DATA_NAME}",
             f"data.data_files=[{','.join(CORPUS_FILES)}]",

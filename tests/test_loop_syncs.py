@@ -15,22 +15,16 @@ made two more all-reduces (loss, stop) and two more host syncs.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from test_parallel_layouts import VOCAB, write_markov_data
+from helpers import HERE, MARKOV_DATA, VOCAB, by_step, compose_all, failed, run_script, write_spec
 
-HERE = Path(__file__).resolve().parent
 STEPS, LOG_EVERY, CHECK_EVERY = 12, 6, 4
 SIGNAL_AFTER = 5  # rank 1 alone gets SIGUSR1 after this step
 
 COMMON = [
     "model=nano", "model.n_layer=4", f"model.vocab_size={VOCAB}", "model.seq_len=32",
-    "model.attention=sdpa", "precision=fp32", "data.name=markov", "data.auto_prepare=false",
-    f"data.tokenizer_vocab_size={VOCAB}", "budget=steps", f"budget.steps={STEPS}",
+    "model.attention=sdpa", "precision=fp32", *MARKOV_DATA, "budget=steps", f"budget.steps={STEPS}",
     "train.global_batch_size=8", "parallel.micro_batch_size=2", "train.eval_batches=2",
     "train.eval_interval=1000", "train.sample_tokens=0", "logging=quiet",
     f"logging.log_interval={LOG_EVERY}", f"train.stop_check_interval={CHECK_EVERY}",
@@ -51,19 +45,17 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
+def runs(tmp_path_factory, markov_root) -> dict[str, list[dict]]:
     """Every run's per-rank records, from one torchrun of tests/loop_worker.py."""
     root = tmp_path_factory.mktemp("loop")
-    write_markov_data(root / "data" / "markov")
-    spec = root / "spec.json"
-    common = [*COMMON, f"data.root={root / 'data'}", f"runs_dir={root / 'runs'}"]
-    spec.write_text(json.dumps({"common": common, "runs": RUNS}))
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node=2", str(HERE / "loop_worker.py"), str(root), str(spec)]
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    common = [*COMMON, f"data.root={markov_root}", f"runs_dir={root / 'runs'}"]
+    configs = compose_all({name: [*common, *run["overrides"], f"run_name={name}"]
+                           for name, run in RUNS.items()})
+    spec = write_spec(root / "spec.pkl", runs={name: {"config": configs[name],
+                                                      "signal": run.get("signal")}
+                                               for name, run in RUNS.items()})
+    proc = run_script(HERE / "loop_worker.py", str(root), str(spec), nproc=2, cwd=root)
+    assert proc.returncode == 0, failed(proc)
     out = {name: [json.loads((root / f"{name}.rank{r}.json").read_text()) for r in (0, 1)]
            for name in RUNS}
     for name, ranks in out.items():
@@ -102,8 +94,7 @@ def test_logged_loss_is_the_mean_since_the_last_log(runs):
     per_step = r1["local_losses"]  # rank 1 holds the last stage
     assert len(per_step) == STEPS and r0["local_losses"] == [0.0] * STEPS
     assert r1["result"]["final_loss"] == pytest.approx(per_step[-1], rel=1e-6)
-    logged = {m["step"]: m["loss"] for m in map(json.loads, (
-        r0["run_dir"] / "metrics.jsonl").read_text().splitlines()) if "loss" in m}
+    logged = by_step(r0["run_dir"])
     assert sorted(logged) == [1, 6, 12]
     assert logged[1] == pytest.approx(per_step[0], rel=1e-6)
     assert logged[6] == pytest.approx(sum(per_step[1:6]) / 5, rel=1e-6)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from conftest import CONF_DIR
+from helpers import CONF_DIR
 from hydra import compose, initialize_config_dir
 
 from pretrain.config import Config

@@ -10,16 +10,12 @@ steps, EMA 0.98) the estimate's standard deviation over seeds is about 3%.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import MARKOV_DATA, REPO, VOCAB, by_step, failed, read_result, run_script
 from noise_problem import B_SIMPLE, SIGMA, D, Regressions, draw, w_star
 from two_ranks import run_on_two_ranks
 
@@ -28,7 +24,6 @@ from pretrain.parallel.grad_clip import global_grad_norm
 
 TOL = 0.10
 STEPS, EMA = 150, 0.98
-HERE = Path(__file__).resolve().parent
 
 
 def test_estimator_on_exact_per_sample_gradients():
@@ -133,18 +128,12 @@ def test_two_data_parallel_ranks(tmp_path):
 # -- real training runs ---------------------------------------------------------------------
 
 COMMON = [
-    "model=nano", "model.n_layer=2", "model.vocab_size=256", "model.seq_len=32",
-    "model.attention=sdpa", "precision=fp32", "data.name=markov", "data.auto_prepare=false",
-    "data.tokenizer_vocab_size=256", "budget=steps", "budget.steps=9",
+    "model=nano", "model.n_layer=2", f"model.vocab_size={VOCAB}", "model.seq_len=32",
+    "model.attention=sdpa", "precision=fp32", *MARKOV_DATA, "budget=steps", "budget.steps=9",
     "train.global_batch_size=8", "train.eval_batches=1", "train.eval_interval=1000",
     "train.sample_tokens=0", "logging=quiet", "logging.log_interval=3",
     "schedule.warmup_steps=2",
 ]
-
-
-def _logged(run_dir: Path) -> dict[int, float | None]:
-    lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {m["step"]: m.get("noise_scale") for m in lines if "loss" in m}
 
 
 @pytest.mark.slow
@@ -152,26 +141,15 @@ def _logged(run_dir: Path) -> dict[int, float | None]:
     ("dp2", 2, ["parallel.dp=2", "parallel.micro_batch_size=4"]),  # one micro batch: halves
     ("accum2", 1, ["parallel.micro_batch_size=4"]),  # one process, 2 micro batches
 ])
-def test_training_logs_noise_scale_at_every_logging_step(tmp_path, name, nproc, extra):
-    from test_parallel_layouts import VOCAB, write_markov_data
-
-    assert VOCAB == 256
-    write_markov_data(tmp_path / "data" / "markov")
-    overrides = [*COMMON, *extra, f"data.root={tmp_path / 'data'}",
+def test_training_logs_noise_scale_at_every_logging_step(tmp_path, markov_root, name, nproc,
+                                                        extra):
+    overrides = [*COMMON, *extra, f"data.root={markov_root}",
                  f"runs_dir={tmp_path / 'runs'}", f"run_name={name}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    train = str(HERE.parent / "train.py")
-    cmd = [sys.executable, train, *overrides] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", train, *overrides]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_script(REPO / "train.py", *overrides, nproc=nproc, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, failed(proc)
     run_dir = tmp_path / "runs" / name
-    logged = _logged(run_dir)
+    logged = by_step(run_dir, "noise_scale")
     assert sorted(logged) == [1, 3, 6, 9]
     for step, value in logged.items():
         assert value is not None and math.isfinite(value) and value > 0, (step, value)
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["noise_scale"] == pytest.approx(logged[9])
+    assert read_result(run_dir)["noise_scale"] == pytest.approx(logged[9])

@@ -8,21 +8,19 @@ metrics line per step, one result.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import CORPUS_FILES, REPO
+from helpers import CORPUS_FILES, REPO, launch_env, read_metrics, read_result
 
 RUN_LOCAL = str(REPO / "tools" / "run_local.py")
 
 
 def run_local(*args: str, cwd=REPO, check: bool = True) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     return subprocess.run([sys.executable, RUN_LOCAL, *args], cwd=cwd, capture_output=True,
-                          text=True, check=check, env=env, timeout=600)
+                          text=True, check=check, env=launch_env(), timeout=600)
 
 
 def test_run_local_counts_the_processes_a_layout_needs():
@@ -53,12 +51,11 @@ def test_two_process_run_writes_once_from_rank_0(work_dir, tmp_path):
     )
     # torchrun straight onto unprepared data: every rank stops before its process group,
     # naming the preparation command, and nothing is tokenised.
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     t0 = time.monotonic()
     bare = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(REPO / "train.py"), *args], cwd=work_dir, capture_output=True, text=True,
-        env=env, timeout=120)
+        env=launch_env(), timeout=120)
     assert bare.returncode != 0 and time.monotonic() - t0 < 60
     assert "tools/prepare_data.py" in bare.stdout + bare.stderr
     assert not (tmp_path / "data" / "launch").exists()
@@ -73,11 +70,11 @@ def test_two_process_run_writes_once_from_rank_0(work_dir, tmp_path):
         p.name for p in run.iterdir()}
     plan = json.loads((run / "plan.json").read_text())
     assert plan["layout"]["world_size"] == 2 and plan["layout"]["dp_mode"] == "zero3"
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]  # rank 0 only
-    assert [m["step"] for m in metrics if "val_loss" in m] == [0, 2, 3]
-    result = json.loads((run / "result.json").read_text())
-    assert result["steps"] == 3 and result["sample"]  # generation ran on the sharded model
+    rows = read_metrics(run)
+    assert [m["step"] for m in rows if "loss" in m] == [1, 2, 3]  # rank 0 only
+    assert [m["step"] for m in rows if "val_loss" in m] == [0, 2, 3]
+    done = read_result(run)
+    assert done["steps"] == 3 and done["sample"]  # generation ran on the sharded model
     log = (run / "train.log").read_text()
     assert log.count("plan: ") == 1 and log.count("step 3/3 | loss") == 1
     assert (proc.stdout + proc.stderr).count("step 3/3 | loss") == 1  # one voice on screen

@@ -3,8 +3,9 @@
 A 4-layer nano GPT (tied embeddings, learned positions, biases) trains 5 AdamW steps on the
 same global batches, once in one process (the reference) and once per layout under
 ``torchrun``. The runs of one world size share one set of processes
-(tests/parallel_worker.py), so the module costs four start-ups: 1, 2, 4 and 8 processes. Compared per step: the loss (1e-4, the
-project's bound; observed <= 5e-7), the global grad norm and the validation loss (over the
+(tests/parallel_worker.py, helpers.run_group), so the module costs three start-ups: 2, 4
+and 8 processes (the one-process runs use pytest's own). Compared per step: the loss (1e-4,
+the project's bound; observed <= 5e-7), the global grad norm and the validation loss (over the
 same 8 batches everywhere; pipelines evaluate whole steps, see EVAL_BATCHES); after
 training, every parameter, gathered from all shards and stages.
 
@@ -28,24 +29,19 @@ Initial parameters must be identical, bit for bit.
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import MARKOV_DATA, VOCAB, run_group
 
-HERE = Path(__file__).resolve().parent
 STEPS, LR = 5, 1e-3
 LOSS_ATOL = 1e-4
 PARAM_ATOL = LR / 4
 UPDATE_RTOL = 1e-3
 KEY_BIAS_ATOL = 2 * LR * STEPS
-VOCAB = 256
 # Every pipeline layout below evaluates whole steps of dp x microbatches = 8 batches (pp2:
 # 1 x 8; tp2 x pp2 x dp2: 2 x 4): with 8 every layout evaluates the same batches as one
 # process. A second evaluation asks for 3: one process and non-PP layouts evaluate 3 (DP
@@ -54,8 +50,7 @@ EVAL_BATCHES, FEWER_EVAL_BATCHES = 8, 3
 
 COMMON = [
     "model=nano", "model.n_layer=4", f"model.vocab_size={VOCAB}", "model.seq_len=64",
-    "model.attention=sdpa", "precision=fp32", "data.name=markov", "data.auto_prepare=false",
-    f"data.tokenizer_vocab_size={VOCAB}", "budget=steps", f"budget.steps={STEPS}",
+    "model.attention=sdpa", "precision=fp32", *MARKOV_DATA, "budget=steps", f"budget.steps={STEPS}",
     "train.global_batch_size=16", "parallel.micro_batch_size=2",
     f"train.eval_batches={EVAL_BATCHES}",
     "train.eval_interval=1000", "train.sample_tokens=0", "logging=quiet",
@@ -100,54 +95,10 @@ AC_VARIANTS = {
 pytestmark = pytest.mark.slow
 
 
-def write_markov_data(path: Path, seed: int = 0) -> None:
-    """A prepared-data directory (index.json + uint16 shards, as data/prepare.py writes)
-    holding a random sparse Markov chain: structure a model learns, made in milliseconds."""
-    path.mkdir(parents=True)
-    rng = np.random.default_rng(seed)
-    successors = rng.integers(0, VOCAB, size=(VOCAB, 4))
-    splits = {}
-    for split, n in (("train", 60_000), ("validation", 6_000)):
-        tokens = np.empty(n, dtype=np.uint16)
-        tokens[0] = 1
-        picks = rng.integers(0, 4, size=n)
-        for i in range(1, n):
-            tokens[i] = successors[tokens[i - 1], picks[i]]
-        tokens.tofile(path / f"{split}_000.bin")
-        splits[split] = {"documents": 1, "tokens": n,
-                         "shards": [{"file": f"{split}_000.bin", "tokens": n}]}
-    index = {"format": 1, "fingerprint": "markov", "source": "synthetic", "tokenizer": "none",
-             "vocab_size": VOCAB, "eos_id": 0, "dtype": "uint16", "splits": splits,
-             "max_token_id": VOCAB - 1}
-    (path / "index.json").write_text(json.dumps(index))
-
-
 @pytest.fixture(scope="session")
-def layout_env(tmp_path_factory) -> tuple[Path, list[str]]:
+def layout_env(tmp_path_factory, markov_root) -> tuple[Path, list[str]]:
     root = tmp_path_factory.mktemp("layouts")
-    write_markov_data(root / "data" / "markov")
-    return root, [*COMMON, f"data.root={root / 'data'}", f"runs_dir={root / 'runs'}"]
-
-
-def run_group(root: Path, common: list[str], nproc: int,
-              layouts: dict[str, list[str]]) -> dict[str, dict]:
-    """Run ``layouts`` one after the other in one set of ``nproc`` processes (torchrun, or
-    plain python for one process); results by name."""
-    out = root / f"world{nproc}"
-    out.mkdir()
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"common": common, "layouts": layouts,
-                                "eval_also": [FEWER_EVAL_BATCHES]}))
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [sys.executable, *(launcher if nproc > 1 else []), str(HERE / "parallel_worker.py"),
-           str(out), str(spec)]
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    # One thread per process, as torchrun gives each rank: on a busy 2-core machine an
-    # OpenMP team of 2 spin-waits for a core and a 10-second run takes minutes.
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in layouts}
+    return root, [*COMMON, f"data.root={markov_root}", f"runs_dir={root / 'runs'}"]
 
 
 @pytest.fixture(scope="session")
@@ -155,7 +106,7 @@ def reference(layout_env) -> dict[str, dict]:
     """One process: the plain run and its activation-checkpointing variants."""
     single = {"single": ["parallel.dp=1"]}
     single.update({name: ["parallel.dp=1", *extra] for name, extra in AC_VARIANTS.items()})
-    return run_group(*layout_env, 1, single)
+    return run_group(*layout_env, 1, single, [FEWER_EVAL_BATCHES])
 
 
 @pytest.fixture(scope="session")
@@ -165,7 +116,7 @@ def groups(layout_env) -> Callable[[int], dict[str, dict]]:
     @functools.cache
     def group(nproc: int) -> dict[str, dict]:
         layouts = {n: overrides for n, (procs, overrides) in LAYOUTS.items() if procs == nproc}
-        return run_group(*layout_env, nproc, layouts)
+        return run_group(*layout_env, nproc, layouts, [FEWER_EVAL_BATCHES])
 
     return group
 

@@ -8,20 +8,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from helpers import REPO, problems
 from hydra.errors import ConfigCompositionException
 
 from pretrain.trainer import resolve_plan
-from pretrain.validate import ConfigError, check
+from pretrain.validate import check
 
 # A layout that is sound on 8 processes: tp2 x pp2 x dp2, nano model, 2 microbatches.
 BASE = ["model=nano", "parallel=3d", "train.global_batch_size=16", "parallel.micro_batch_size=4"]
-
-
-def problems(cfg, world_size: int | None = None) -> list[str]:
-    with pytest.raises(ConfigError) as e:
-        check(cfg, world_size)
-    return e.value.problems
 
 
 def only_problem(compose, overrides: list[str], world_size: int | None = 8) -> str:

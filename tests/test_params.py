@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CONF_DIR
+from helpers import CONF_DIR
 from omegaconf import OmegaConf
 
 from pretrain.budget import count_params

@@ -58,24 +58,26 @@ uses ShardedGradScaler, which all-reduces it over the world too; the test checks
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config
+from helpers import (
+    HERE,
+    MARKOV_DATA,
+    VOCAB,
+    compose_all,
+    compose_config,
+    one_thread,
+    run_script,
+    write_spec,
+)
 from precision_worker import block_output_dtype, run_steps
-from test_parallel_layouts import VOCAB, write_markov_data
 
 from pretrain.trainer import Trainer
 
-HERE = Path(__file__).resolve().parent
 STEPS, LR = 50, 3e-3
 BF16_RTOL = 2**-10
 COMPILE_LOSS_ATOL = 1e-5
@@ -88,8 +90,7 @@ FP16_PP_ATOL = 1e-3  # fp16 pp2 (2 microbatches of 4) vs zero2 (4 per rank): obs
 
 COMMON = [
     "model=nano", f"model.vocab_size={VOCAB}", "model.seq_len=64", "model.attention=sdpa",
-    "data.name=markov", "data.auto_prepare=false", f"data.tokenizer_vocab_size={VOCAB}",
-    "train.device=cpu", "train.global_batch_size=8", "train.eval_interval=1000",
+    *MARKOV_DATA, "train.device=cpu", "train.global_batch_size=8", "train.eval_interval=1000",
     "train.sample_tokens=0", "logging=quiet", f"optim.lr={LR}", "schedule.warmup_steps=5",
     "budget=steps",
 ]
@@ -119,22 +120,9 @@ DP2_JOBS = {
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory) -> tuple[Path, list[str]]:
+def env(tmp_path_factory, markov_root) -> tuple[Path, list[str]]:
     root = tmp_path_factory.mktemp("precision")
-    write_markov_data(root / "data" / "markov")
-    return root, [*COMMON, f"data.root={root / 'data'}", f"runs_dir={root / 'runs'}"]
-
-
-@contextmanager
-def one_thread():
-    """One intra-op thread, as torchrun gives each rank: on a busy 2-core machine a team
-    of 2 spin-waits for a core."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return root, [*COMMON, f"data.root={markov_root}", f"runs_dir={root / 'runs'}"]
 
 
 def train(env, name: str, extra: list[str], steps: int = STEPS, **kwargs) -> dict:
@@ -178,17 +166,13 @@ def dp2(env) -> dict[str, list[dict] | str]:
     root, common = env
     out = root / "dp2"
     out.mkdir()
-    spec = out / "spec.json"
-    jobs = {name: {"overrides": [*overrides, "parallel.micro_batch_size=4"], "steps": steps,
-                   "inject": inject}
-            for name, (overrides, steps, inject) in DP2_JOBS.items()}
-    spec.write_text(json.dumps({"common": common, "jobs": jobs}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "precision_worker.py"), str(out), str(spec)]
-    env_vars = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    env_vars["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600,
-                          env=env_vars)
+    configs = compose_all({name: [*common, *overrides, "parallel.micro_batch_size=4",
+                                  "run_name=test"]
+                           for name, (overrides, _, _) in DP2_JOBS.items()})
+    spec = write_spec(out / "spec.pkl", jobs={
+        name: {"config": configs[name], "steps": steps, "inject": inject}
+        for name, (_, steps, inject) in DP2_JOBS.items()})
+    proc = run_script(HERE / "precision_worker.py", str(out), str(spec), nproc=2, cwd=root)
     results: dict[str, list[dict] | str] = {}
     for name in DP2_JOBS:
         files = [out / f"{name}.rank{r}.pt" for r in range(2)]

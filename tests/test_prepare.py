@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import DATA_NAME, REPO, TOKENIZER_VOCAB, make_data_config
+from helpers import DATA_NAME, REPO, TOKENIZER_VOCAB, make_data_config
 
 from pretrain.data import encode as enc
 from pretrain.data.prepare import (
@@ -197,7 +197,7 @@ def test_validation_rule_is_evenly_spaced_and_never_empty():
 def test_cli_stages_exit_codes_and_slurm_array_env(tmp_path, work_dir, monkeypatch):
     """The stage CLI as the Slurm chain calls it: merge before every piece is encoded is exit
     code 2 naming the pieces; the array task comes from SLURM_ARRAY_TASK_ID/MIN/COUNT."""
-    from conftest import CORPUS_FILES
+    from helpers import CORPUS_FILES
 
     monkeypatch.chdir(work_dir)
     cfg = small_config(tmp_path)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CPU_RECIPES, GPU_RECIPES, RECIPES, REPO
+from helpers import CPU_RECIPES, GPU_RECIPES, RECIPES, REPO
 
 from pretrain.budget import count_params, flops_per_token
 from pretrain.trainer import resolve_plan

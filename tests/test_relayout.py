@@ -4,14 +4,12 @@ Also: an exact (1e-5) resume at dp=2 itself, since the original layout continues
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import CORPUS_FILES, REPO, write_corpus
+from helpers import CORPUS_FILES, REPO, by_step, launch_env, write_corpus
 
 K = 4  # steps before the save
 RUN_LOCAL = str(REPO / "tools" / "run_local.py")
@@ -31,19 +29,9 @@ LAYOUTS = {
 
 
 def launch(work: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     return subprocess.run([sys.executable, RUN_LOCAL, *COMMON, f"data.root={work / 'data'}",
                            f"runs_dir={work / 'runs'}", *args], cwd=work, capture_output=True,
-                          text=True, env=env, timeout=600)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            out[row["step"]] = row["loss"]
-    return out
+                          text=True, env=launch_env(), timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +47,7 @@ def saved(tmp_path_factory) -> dict:
     assert (ckpt / "meta.json").exists()
     second = launch(work, *args)
     assert second.returncode == 0, second.stderr[-4000:]
-    return {"work": work, "ckpt": ckpt, "losses": losses(work / "runs" / "dp2")}
+    return {"work": work, "ckpt": ckpt, "losses": by_step(work / "runs" / "dp2")}
 
 
 def test_dp2_resume_matches_uninterrupted(saved, tmp_path):
@@ -67,7 +55,7 @@ def test_dp2_resume_matches_uninterrupted(saved, tmp_path):
     proc = launch(work, "parallel=zero3", "parallel.dp=2", "run_name=dp2-straight",
                   "checkpoint.enabled=false")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    straight = losses(work / "runs" / "dp2-straight")
+    straight = by_step(work / "runs" / "dp2-straight")
     assert sorted(straight) == sorted(saved["losses"]) == list(range(1, K + 3))
     for step, loss in straight.items():
         assert abs(saved["losses"][step] - loss) <= 1e-5, step
@@ -79,7 +67,7 @@ def test_resume_on_another_layout(saved, name):
     proc = launch(work, *LAYOUTS[name], f"run_name={name}",
                   f"checkpoint.resume_from={saved['ckpt']}")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    got = losses(work / "runs" / name)
+    got = by_step(work / "runs" / name)
     assert sorted(got) == [K + 1, K + 2]  # continued from the checkpoint's step
     for step in (K + 1, K + 2):
         assert abs(got[step] - saved["losses"][step]) <= 1e-4, (step, got, saved["losses"])

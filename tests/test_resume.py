@@ -4,7 +4,6 @@ ranks, rank 0 alone chooses the checkpoint (or finds the error) and every rank f
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CORPUS_FILES, REPO, compose_config, write_corpus
+from helpers import CORPUS_FILES, REPO, by_step, compose_config, read_result, write_corpus
 from omegaconf import OmegaConf
 from two_ranks import blind_to_checkpoints, run_on_two_ranks
 
@@ -44,15 +43,8 @@ def command(work: Path, run: str, *extra: str) -> list[str]:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    """Training loss per step; a step logged twice (killed after logging, redone after
-    resume) keeps its last value."""
-    out = {}
-    for path in sorted(run_dir.glob("metrics*.jsonl")):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if "loss" in row:
-                out[row["step"]] = row["loss"]
-    return out
+    """Training loss per step, from every metrics file of the run."""
+    return by_step(run_dir, pattern="metrics*.jsonl")
 
 
 def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -84,7 +76,7 @@ def test_exit_interval_requeues_until_done(work, straight):
     steps = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").iterdir())
     assert steps == [10, 20, 24]
     assert losses(run_dir) == straight  # bit-identical in fp32 on one process
-    assert json.loads((run_dir / "result.json").read_text())["steps"] == STEPS
+    assert read_result(run_dir)["steps"] == STEPS
 
 
 def test_signal_saves_and_resume_is_exact(work, straight):

@@ -23,7 +23,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from conftest import CORPUS_FILES, DATA_NAME, REPO, TOKENIZER_VOCAB
+from helpers import CORPUS_FILES, DATA_NAME, REPO, TOKENIZER_VOCAB, read_metrics, read_result
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -152,13 +152,6 @@ def sacct_states(jobs: list[str], env: dict[str, str], timeout: float = 30) -> d
         time.sleep(0.5)
 
 
-def read_metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 SUBMIT_STEPS = 6
 
 
@@ -183,7 +176,7 @@ def test_launch_submits_a_two_process_gloo_run(slurm, submitted):
     assert plan["layout"]["world_size"] == 2 and plan["layout"]["dp"] == 2
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, SUBMIT_STEPS + 1))
-    result = json.loads((run / "result.json").read_text())
+    result = read_result(run)
     assert result["steps"] == SUBMIT_STEPS
     assert result["final_val_loss"] < result["first_val_loss"]
     assert sacct_states([str(job)], slurm) == {str(job): "COMPLETED"}  # accounting works
@@ -246,7 +239,7 @@ def test_usr1_reaches_the_workers_and_the_job_requeues(slurm, tmp_path):
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
     assert "SIGUSR1: asking every rank" in log and f"requeueing job {job}" in log
     assert f"job {job} (restart 1)" in log and (run / "started.1").exists()
-    assert json.loads((run / "result.json").read_text()) == {"resumed_from": "step_0000003"}
+    assert read_result(run) == {"resumed_from": "step_0000003"}
 
 
 @pytest.mark.skipif(not trainer_checkpoints(), reason=NO_CHECKPOINTS)
@@ -255,7 +248,7 @@ def test_preemption_saves_requeues_and_resumes_to_the_same_loss(slurm, work_dir,
     steps, runs = 40, tmp_path / "runs"
     reference = submit(gloo_run(work_dir, runs, "reference", steps), work_dir, slurm)
     assert wait_job(reference, slurm)["JobState"] == "COMPLETED"
-    expected = json.loads((runs / "reference" / "result.json").read_text())["final_val_loss"]
+    expected = read_result(runs / "reference")["final_val_loss"]
 
     # wandb offline in this run: the requeued attempt must continue the first one's run
     job = submit([*gloo_run(work_dir, runs, "preempted", steps), "logging.wandb=offline"],
@@ -274,7 +267,7 @@ def test_preemption_saves_requeues_and_resumes_to_the_same_loss(slurm, work_dir,
     assert f"job {job} (restart 1)" in log
     saved = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert saved and saved[0] < f"step_{steps:07d}"  # the preemption save, before the end
-    result = json.loads((run / "result.json").read_text())
+    result = read_result(run)
     assert result["steps"] == steps
     assert result["final_val_loss"] == pytest.approx(expected, abs=1e-4)
     # one training run, one wandb run: both attempts wrote offline-run-<time>-<the same id>
@@ -306,7 +299,7 @@ def test_launch_prepares_the_data_in_jobs_then_trains(slurm, work_dir, tmp_path)
     assert json.loads(index.read_text())["splits"]["train"]
     # written by the merge job, before training started (which then only read it)
     assert index.stat().st_mtime <= datetime.fromisoformat(info["StartTime"]).timestamp() + 1
-    assert json.loads((run / "result.json").read_text())["steps"] == 2
+    assert read_result(run)["steps"] == 2
 
 
 def test_hydra_multirun_of_the_tiny_ladder_through_submitit(slurm, work_dir, prepared,
@@ -328,7 +321,7 @@ def test_hydra_multirun_of_the_tiny_ladder_through_submitit(slurm, work_dir, pre
     n_params = set()
     for width in widths:
         point = sweep / f"d{width}"
-        result = json.loads((point / "result.json").read_text())
+        result = read_result(point)
         plan = json.loads((point / "plan.json").read_text())
         assert result["steps"] == plan["steps"] and result["final_val_loss"] > 0
         n_params.add(plan["n_params"])

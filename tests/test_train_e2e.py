@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CORPUS_FILES, REPO, write_corpus
+from helpers import CORPUS_FILES, REPO, read_result, write_corpus
 
 from pretrain.naming import run_name
 
@@ -43,7 +43,7 @@ def e2e(tmp_path_factory) -> dict:
         out[attempt] = {
             "dir": run_dir,
             "metrics": (run_dir / "metrics.jsonl").read_text(),
-            "result": json.loads((run_dir / "result.json").read_text()),
+            "result": read_result(run_dir),
             "files": sorted(p.name for p in run_dir.iterdir()),
             "stdout": proc.stdout,
         }

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from conftest import CORPUS_FILES, RECIPES
+from helpers import CORPUS_FILES, RECIPES, problems
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from pretrain.attention import AttentionBackendError
 from pretrain.data.prepare import DataError
 from pretrain.trainer import Trainer, resolve_plan, run
-from pretrain.validate import ConfigError, check
-
-
-def problems(cfg) -> list[str]:
-    with pytest.raises(ConfigError) as e:
-        check(cfg)
-    return e.value.problems
+from pretrain.validate import check
 
 
 def test_unknown_recipe_lists_available(compose):
