@@ -881,61 +881,6 @@ class Trainer:
 
     # -- loop ----------------------------------------------------------------------------
 
-    def _step_metrics(self, loss: float, grad_norm: float, tokens_per_s: float) -> dict:
-        peak_mem = torch.tensor(float(peak_memory_bytes(self.device)), device=self.device)
-        dist_env.all_reduce(peak_mem, "max")  # the fullest rank is the one that matters
-        achieved = tokens_per_s * self.budget.flops_per_token
-        self.check_peak(achieved)
-        return {
-            "step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-            # per device: global throughput shared by world_size devices of that peak
-            "mfu": achieved / (self.world_size * self.peak_flops) if self.peak_flops else None,
-            "memory_gb": peak_mem.item() / 1e9,
-            "tokens": self.step * self.budget.global_batch_tokens,
-            "loss_scale": self.scaler.get_scale() if self.scaler else None,
-            "skipped_steps": self.skipped_steps,
-        }
-
-    def _reduce_window(self, window: LossWindow) -> tuple[float, float]:
-        """(mean loss over the window's counted steps, the last step's loss), both global:
-        one all-reduce and one host sync, on logging steps (every rank logs at the same
-        steps). Starts a new window."""
-        total, last = self.global_loss(torch.stack([window.total, window.last])).tolist()
-        mean = total / window.steps if window.steps else math.nan
-        window.reset()
-        return mean, last
-
-    def _save_due(self, sync_step: bool) -> bool:
-        """Whether a periodic checkpoint is due after this step. A step interval is decided
-        locally; a minute interval needs rank 0's clock (``CheckpointManager.due``
-        broadcasts it), so it is asked on stop-check steps only: such a save comes at most
-        ``train.stop_check_interval - 1`` steps late."""
-        every = self.cfg.checkpoint.interval_steps
-        if sync_step or (every and self.step % every == 0):
-            return self.ckpt.due(self.step)
-        return False
-
-    def _between_steps(self) -> tuple[str | None, bool]:
-        """After a step other than the last: (why every rank stops now, or None; whether a
-        periodic checkpoint is due). The agreement collectives (the stop request's
-        all-reduce, the async save's poll) run on stop-check steps only: every
-        ``train.stop_check_interval`` steps, on ``train.exit_interval`` steps, and on steps
-        with a checkpoint due (a stop then saves once, blocking). The steps are a function
-        of the step number, so every rank calls them at the same steps and stops at the
-        same step."""
-        train = self.cfg.train
-        exit_now = bool(train.exit_interval) and self.step % train.exit_interval == 0
-        sync_step = exit_now or self.step % train.stop_check_interval == 0
-        save_due = self._save_due(sync_step)
-        if not (sync_step or save_due):
-            return None, False
-        self.ckpt.poll()
-        stopped = self.stop.check(self.device)
-        if stopped is None and exit_now:
-            stopped = f"train.exit_interval={train.exit_interval}"
-        return stopped, save_due
-
     def fit(self) -> dict:
         """The run: evaluate the starting model, then step after step: train, log (on
         logging steps), evaluate (when due), stop on a request or save (when due), until
@@ -977,6 +922,31 @@ class Trainer:
                           **({"noise_scale": noise} if noise is not None else {})})
         clock.restart()
 
+    def _step_metrics(self, loss: float, grad_norm: float, tokens_per_s: float) -> dict:
+        peak_mem = torch.tensor(float(peak_memory_bytes(self.device)), device=self.device)
+        dist_env.all_reduce(peak_mem, "max")  # the fullest rank is the one that matters
+        achieved = tokens_per_s * self.budget.flops_per_token
+        self.check_peak(achieved)
+        return {
+            "step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+            # per device: global throughput shared by world_size devices of that peak
+            "mfu": achieved / (self.world_size * self.peak_flops) if self.peak_flops else None,
+            "memory_gb": peak_mem.item() / 1e9,
+            "tokens": self.step * self.budget.global_batch_tokens,
+            "loss_scale": self.scaler.get_scale() if self.scaler else None,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def _reduce_window(self, window: LossWindow) -> tuple[float, float]:
+        """(mean loss over the window's counted steps, the last step's loss), both global:
+        one all-reduce and one host sync, on logging steps (every rank logs at the same
+        steps). Starts a new window."""
+        total, last = self.global_loss(torch.stack([window.total, window.last])).tolist()
+        mean = total / window.steps if window.steps else math.nan
+        window.reset()
+        return mean, last
+
     def _eval_due(self) -> bool:
         """Every ``train.eval_interval`` steps, and after the last."""
         return self.step % self.cfg.train.eval_interval == 0 or self.step == self.budget.steps
@@ -1001,6 +971,36 @@ class Trainer:
         elif save_due:
             self.save_checkpoint()
         return stopped
+
+    def _between_steps(self) -> tuple[str | None, bool]:
+        """After a step other than the last: (why every rank stops now, or None; whether a
+        periodic checkpoint is due). The agreement collectives (the stop request's
+        all-reduce, the async save's poll) run on stop-check steps only: every
+        ``train.stop_check_interval`` steps, on ``train.exit_interval`` steps, and on steps
+        with a checkpoint due (a stop then saves once, blocking). The steps are a function
+        of the step number, so every rank calls them at the same steps and stops at the
+        same step."""
+        train = self.cfg.train
+        exit_now = bool(train.exit_interval) and self.step % train.exit_interval == 0
+        sync_step = exit_now or self.step % train.stop_check_interval == 0
+        save_due = self._save_due(sync_step)
+        if not (sync_step or save_due):
+            return None, False
+        self.ckpt.poll()
+        stopped = self.stop.check(self.device)
+        if stopped is None and exit_now:
+            stopped = f"train.exit_interval={train.exit_interval}"
+        return stopped, save_due
+
+    def _save_due(self, sync_step: bool) -> bool:
+        """Whether a periodic checkpoint is due after this step. A step interval is decided
+        locally; a minute interval needs rank 0's clock (``CheckpointManager.due``
+        broadcasts it), so it is asked on stop-check steps only: such a save comes at most
+        ``train.stop_check_interval - 1`` steps late."""
+        every = self.cfg.checkpoint.interval_steps
+        if sync_step or (every and self.step % every == 0):
+            return self.ckpt.due(self.step)
+        return False
 
     def _exit_stopped(self, stopped: str) -> dict:
         """A run stopped early, to be requeued. One process exits 75 itself. Under torchrun
