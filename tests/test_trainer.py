@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pretrain.steps import step_strategy
 from pretrain.trainer import Trainer
 
 
@@ -140,6 +141,8 @@ def eval_plan(eval_batches: int, dp: int, microbatches: int, pipeline: bool,
                             model=SimpleNamespace(seq_len=32))
     t.layout = SimpleNamespace(dp=dp, microbatches=microbatches, micro_batch_size=micro_batch)
     t.parallel = SimpleNamespace(schedule=object() if pipeline else None)
+    t.strategy = step_strategy(t.parallel, t.layout, None, None, None, loss=None,
+                               optimizer=None, small_seqs=None, grad_sq_norm=None)
     t.val_data = SimpleNamespace(n_windows=windows)
     work = []
     for rank in range(dp):

@@ -5,8 +5,10 @@ attention), join the process group and build the device mesh (when launched by t
 check the data is prepared (one process prepares it on first use; several processes never
 tokenise), build the model on the meta device, parallelise and
 materialise it, build optimizer and schedule, then loop: batch -> forward/backward
-(accumulation, or a pipeline schedule) -> clip -> step -> log -> eval. Rank 0 alone logs and
-writes files. Nothing here is specific to one recipe or one layout.
+-> clip -> step -> log -> eval. The forward/backward and the evaluation forwards belong to
+the step strategy chosen once at setup (src/pretrain/steps.py: gradient accumulation, or a
+pipeline schedule), so nothing below asks which layout runs. Rank 0 alone logs and writes
+files. Nothing here is specific to one recipe or one layout.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from torch.distributed.tensor import DTensor
 
 from pretrain.attention import resolve_backend
 from pretrain.budget import Budget, resolve_budget
@@ -51,7 +54,6 @@ from pretrain.device import (
 from pretrain.fp8 import after_optimizer_step, fp8_all_gather
 from pretrain.hparams import apply_rules, describe, hparam_compute
 from pretrain.initialization import local_region
-from pretrain.loss import cross_entropy
 from pretrain.metrics import MetricsLogger
 from pretrain.model import GPT, set_attention_backend
 from pretrain.noise_scale import SPIKE, NoiseScale, compare_batch
@@ -65,9 +67,9 @@ from pretrain.parallel.layout import (
     resolve_layout,
     world_size_from_env,
 )
-from pretrain.parallel.tensor_parallel import loss_context
 from pretrain.precision import Policy, choose_auto, resolve_auto_precision, resolve_policy
 from pretrain.preemption import EXIT_REQUEUE, StopRequest
+from pretrain.steps import ScaledLoss, step_strategy
 from pretrain.validate import check
 
 log = logging.getLogger("pretrain")
@@ -175,11 +177,6 @@ def build_model(cfg: Config, device: torch.device, attention: str, seed: int) ->
     return model
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor's value as a plain tensor (a loss under loss_parallel)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 class LossWindow:
     """The training loss since the last log line, kept on the device, so that steps between
     logs need neither an all-reduce nor a host sync for it: this rank's share summed over
@@ -189,6 +186,7 @@ class LossWindow:
     def __init__(self, device: torch.device):
         self.device = device
         self.last = torch.full((), math.nan, device=device)
+        self.final = math.nan  # the last step's global loss, as last reduced
         self.reset()
 
     def reset(self) -> None:
@@ -200,6 +198,26 @@ class LossWindow:
         if counted:
             self.total = self.total + self.last
             self.steps += 1
+
+
+class Throughput:
+    """Training steps and seconds since the last log line, for its tokens/s; time spent
+    evaluating is not training throughput and is left out (``paused``)."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+    def rate(self, tokens_per_step: int) -> float:
+        return self.steps * tokens_per_step / (time.perf_counter() - self.start)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.start += time.perf_counter() - t0
 
 
 class Trainer:
@@ -218,8 +236,11 @@ class Trainer:
         self.samples_seen = 0
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
-        self.pipeline_loss_scale: float | None = None
+        # the pipeline schedule's loss (fp16-scaled during its training steps): the
+        # pipeline split is built around it, before the step strategy exists
+        self.pipeline_loss = ScaledLoss()
         self.first_val_loss: float | None = None
+        self.last_val_loss: float | None = None
         self.exit_code = 0
         self.noise = NoiseScale(cfg.train.noise_scale_ema)
         # Sequences per DP rank in the small batch of the noise scale (None: not measured),
@@ -232,10 +253,22 @@ class Trainer:
     # -- setup ---------------------------------------------------------------------------
 
     def setup(self) -> None:
-        cfg, lay = self.cfg, self.layout
+        """Everything before the first step, in order: join the process group, say what
+        will run, read the data, build model, optimizer and step strategy, then continue
+        from a checkpoint (or start afresh) and open the metrics."""
+        self._join()
+        self._describe_plan()
+        self._load_data()
+        self._build_training()
+        self._start_run()
+
+    def _join(self) -> None:
+        """The process group and device mesh (several processes), this rank's place in
+        them, and rank 0 as the one voice of the log."""
+        lay = self.layout
         self.mesh = None
         if self.world_size > 1:
-            require_prepared(cfg)  # before the process group: every rank fails at once
+            require_prepared(self.cfg)  # before the process group: every rank fails at once
             self.device = dist_env.init_distributed(self.device)
             self.mesh = dist_env.build_mesh(lay, self.device)
         self.rank0 = dist_env.is_rank0()
@@ -246,30 +279,42 @@ class Trainer:
         if self.device.type == "cuda":
             # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 accumulate),
             # as torchtitan and Megatron-LM do; train.tf32=false keeps full fp32.
-            torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")
-        log.info("plan: %s", json.dumps(self.plan))
-        if "precision_auto" in self.plan:
-            log.info("precision=auto -> %s", self.plan["precision_auto"])
-        if "hparam_rules" in self.plan:
-            log.info(describe(self.plan["hparam_rules"]))
+            torch.set_float32_matmul_precision("high" if self.cfg.train.tf32 else "highest")
+
+    def _describe_plan(self) -> None:
+        """The plan, the decisions taken for ``auto`` settings and the run in one line."""
+        cfg, budget, plan = self.cfg, self.budget, self.plan
+        log.info("plan: %s", json.dumps(plan))
+        if "precision_auto" in plan:
+            log.info("precision=auto -> %s", plan["precision_auto"])
+        if "hparam_rules" in plan:
+            log.info(describe(plan["hparam_rules"]))
         self._describe_noise_scale()
         log.info(
             "model %s: %s params (%s non-embedding), %s FLOPs/token | budget %s -> %s tokens "
             "in %d steps of %s tokens | precision %s | attention %s%s | layout %s | device %s",
-            cfg.model.name, f"{self.budget.n_params:,}", f"{self.budget.n_params_non_embedding:,}",
-            f"{self.budget.flops_per_token:,}", self.budget.rule, f"{self.budget.tokens:,}",
-            self.budget.steps, f"{self.budget.global_batch_tokens:,}",
-            " ".join(filter(None, [self.plan["precision"], self.plan.get("fp8"),
-                                   "(auto)" if "precision_auto" in self.plan else None])),
-            self.plan["attention"], " | compile (per block)" if cfg.train.compile else "",
-            lay.describe(), self.device,
+            cfg.model.name, f"{budget.n_params:,}", f"{budget.n_params_non_embedding:,}",
+            f"{budget.flops_per_token:,}", budget.rule, f"{budget.tokens:,}",
+            budget.steps, f"{budget.global_batch_tokens:,}",
+            " ".join(filter(None, [plan["precision"], plan.get("fp8"),
+                                   "(auto)" if "precision_auto" in plan else None])),
+            plan["attention"], " | compile (per block)" if cfg.train.compile else "",
+            self.layout.describe(), self.device,
         )
+
+    def _load_data(self) -> None:
+        """The training and (when prepared) validation windows."""
+        cfg = self.cfg
         path = self._data()
         self.train_data = TokenWindows(path, "train", cfg.model.seq_len, seed=cfg.data.seed)
         self.val_data = (TokenWindows(path, "validation", cfg.model.seq_len, shuffle=False)
                          if "validation" in self.train_data.index["splits"] else None)
         if self.device.type == "cpu":
             keep_freed_memory()
+
+    def _build_training(self) -> None:
+        """Model, optimizer, schedule, loss scaler and the step strategy that drives them."""
+        cfg = self.cfg
         # Checkpoints are found before the model exists: a resumed run skips initialising.
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint, self.device)
         self.parallel = self._build_model(initialise=self.resume_path() is None)
@@ -280,6 +325,10 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.budget.steps,
                                          self.budget.global_batch_tokens)
         self.scaler = self._grad_scaler()
+        self.strategy = step_strategy(
+            self.parallel, self.layout, self.policy, self.device, self.scaler,
+            loss=self.pipeline_loss, optimizer=self.optimizer,
+            small_seqs=self.noise_small_seqs, grad_sq_norm=self._grad_sq_norm)
         self._log_startup_memory()
         # FSDP fp8 all-gathers: weight scales precomputed once per step, in one all-reduce
         self.fp8_scales = self.policy.fp8 and any(fp8_all_gather(p) for p in self.model_parts)
@@ -287,6 +336,11 @@ class Trainer:
         # Every rank continues from the same RNG state (rank 0 alone drew random numbers to
         # time the peak), so dropout masks agree wherever activations are replicated (TP).
         torch.manual_seed(cfg.train.seed)
+
+    def _start_run(self) -> None:
+        """The run directory (this attempt not stopped, the tokenizer beside the
+        checkpoints), the checkpoint resumed from, the stop request and the metrics."""
+        cfg = self.cfg
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / STOPPED).unlink(missing_ok=True)  # this attempt is not stopped
@@ -337,7 +391,7 @@ class Trainer:
         shards' values."""
         cfg = self.cfg
         pm = parallelize_gpt(cfg, self.layout, self.mesh, self.device, self.policy,
-                             self.plan["attention"], loss_fn=self._pipeline_loss)
+                             self.plan["attention"], loss_fn=self.pipeline_loss)
         t0 = time.perf_counter()
         materialize(pm, self.device, cfg.train.seed if initialise else None)
         if initialise:
@@ -345,12 +399,6 @@ class Trainer:
                      time.perf_counter() - t0, sum(local_region(p)[0].nbytes
                                                    for p in pm.parameters()) / 1e6)
         return pm
-
-    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The pipeline schedule's loss. The schedule runs backward on it itself, so fp16 loss
-        scaling multiplies it here, during training steps only (see forward_backward)."""
-        loss = cross_entropy(logits, targets)
-        return loss if self.pipeline_loss_scale is None else loss * self.pipeline_loss_scale
 
     def _grad_scaler(self):
         if not self.policy.loss_scaling:
@@ -560,49 +608,15 @@ class Trainer:
         return self._sum_over_dp(loss) / self.layout.dp
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Gradients of the mean loss over this rank's batch; returns that loss (zero on
-        pipeline ranks without the last stage). On a step that measures the noise scale
-        (``self.measuring``, set by train_step_local) it also keeps the squared norm of the
-        first micro batch's gradient (see noise_scale_support): a batch that is one micro
-        batch then runs as two halves, and DDP/ZeRO-2 reduce the first micro batch's
-        gradients at once instead of with the last's."""
-        pm, n, measure = self.parallel, self.micro_batches, self.measuring
-        with loss_context(self.layout.tp), self.policy.autocast(self.device):
-            if pm.schedule is not None:
-                losses: list[torch.Tensor] = []
-                if self.scaler:  # scale() also creates the scaler's state on first use
-                    self.scaler.scale(torch.ones((), device=self.device))
-                    self.pipeline_loss_scale = self.scaler.get_scale()
-                try:  # return_outputs=False: the last stage keeps no micro batch's logits
-                    pm.schedule.step(*([x] if pm.has_first_stage else []),
-                                     target=y if pm.has_last_stage else None, losses=losses,
-                                     return_outputs=False)
-                finally:
-                    scale, self.pipeline_loss_scale = self.pipeline_loss_scale or 1.0, None
-                if not pm.has_last_stage:
-                    return torch.zeros((), device=self.device)
-                return torch.stack([_local(loss.detach()) for loss in losses]).mean() / scale
-            model = pm.parts[0]
-            total = torch.zeros((), device=self.device)
-            skip_sync = self.mesh is not None and self.layout.dp > 1 and \
-                self.layout.dp_mode in ("ddp", "zero2")
-            chunks = list(zip(x.chunk(n), y.chunk(n), strict=True))
-            split = measure and n == 1  # two halves, weighted by their sizes
-            if split:
-                k = self.noise_small_seqs
-                chunks = [(x[:k], y[:k]), (x[k:], y[k:])]
-            for i, (xs, ys) in enumerate(chunks):
-                if skip_sync:  # reduce the gradients once, in the last microbatch's backward
-                    model.set_requires_gradient_sync(i == len(chunks) - 1 or (measure and i == 0))
-                weight = len(xs) / len(x) if split else 1 / n
-                loss = cross_entropy(model(xs), ys)
-                loss = loss * weight if split else loss / n
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-                total += _local(loss.detach())
-                if measure and i == 0:
-                    # the mean gradient of this micro batch: the loss was weighted
-                    self._noise_sq = (self._grad_sq_norm() / weight ** 2, None)
-            return total
+        """Gradients of the mean loss over this rank's batch, by the step strategy chosen at
+        setup; returns that loss (zero on pipeline ranks without the last stage). On a step
+        that measures the noise scale (``self.measuring``, set by train_step_local) it also
+        keeps the squared norm of the first micro batch's gradient (see
+        noise_scale_support and AccumulationStep)."""
+        loss, small_sq = self.strategy.forward_backward(x, y, self.measuring)
+        if small_sq is not None:
+            self._noise_sq = (small_sq, None)
+        return loss
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step over the global batch; returns (mean loss, grad norm), both
@@ -621,7 +635,6 @@ class Trainer:
         finite whenever the loss is not (a NaN or inf loss back-propagates into the
         gradients, and every rank's norm covers every gradient), so a non-finite step is
         skipped on every rank without reducing the loss."""
-        cfg = self.cfg
         self.parallel.train()
         x, y = self._local_batch()
         measure = self.noise_small_seqs is not None and self.logging_step(self.step + 1)
@@ -630,16 +643,32 @@ class Trainer:
             loss = self.forward_backward(x, y).detach()
         finally:
             self.measuring = False
+        grad_norm = self._clipped_grad_norm()
+        norm_value = grad_norm.item()  # global: every rank takes the same decision
+        if measure and self._noise_sq is not None:  # the whole step's raw (unclipped) norm
+            self._noise_sq = (self._noise_sq[0], grad_norm.detach().float() ** 2)
+        self._update(loss, norm_value)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.samples_seen += self.cfg.train.global_batch_size
+        self.step += 1
+        return loss, norm_value
+
+    def _clipped_grad_norm(self) -> torch.Tensor:
+        """The whole model's gradients made whole (tied embeddings summed, fp16 unscaled)
+        and clipped; returns their global norm before clipping, on the device."""
+        grad_clip = self.cfg.optim.grad_clip
         if self.parallel.tied is not None:
             self.parallel.tied.sync_grads()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.parallel.parameters(),
-                                   cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf,
-                                   self.pp_group, self.parallel.duplicate_params)
-        norm_value = grad_norm.item()  # global: every rank takes the same decision
-        if measure and self._noise_sq is not None:  # the whole step's raw (unclipped) norm
-            self._noise_sq = (self._noise_sq[0], grad_norm.detach().float() ** 2)
+        return clip_grad_norm(self.parallel.parameters(),
+                              grad_clip if grad_clip > 0 else math.inf,
+                              self.pp_group, self.parallel.duplicate_params)
+
+    def _update(self, loss: torch.Tensor, norm_value: float) -> None:
+        """The optimizer step, unless the gradients are not finite: fp16's scaler skips
+        such a step itself (and lowers the scale); otherwise it is skipped here."""
         if self.scaler:  # fp16: the scaler skips steps with inf/nan gradients itself
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
@@ -656,11 +685,6 @@ class Trainer:
             self.nonfinite_in_a_row = 0
         else:
             self._skip_nonfinite(loss, norm_value)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.samples_seen += cfg.train.global_batch_size
-        self.step += 1
-        return loss, norm_value
 
     def _skip_nonfinite(self, loss: torch.Tensor, grad_norm: float) -> None:
         """Every rank comes here at the same step (the grad norm is global), so the loss
@@ -687,13 +711,11 @@ class Trainer:
         return min(self._eval_batches_wanted(), self._val_batches_available())
 
     def _eval_batches_wanted(self) -> int:
-        """``train.eval_batches``; under pipeline parallelism rounded up to whole pipeline
-        steps over every DP rank (dp x microbatches batches a step): the pipeline computes
-        whole steps anyway, so every computed microbatch is a distinct batch that counts."""
-        n = self.cfg.train.eval_batches
-        if self.parallel.schedule is None:
-            return n
-        per_step = self.layout.dp * self.micro_batches
+        """``train.eval_batches``, rounded up to the batches one evaluation call computes
+        over every DP rank anyway (the step strategy's ``eval_round``: 1 under
+        accumulation; dp x microbatches under pipeline parallelism, whose every computed
+        microbatch is then a distinct batch that counts)."""
+        n, per_step = self.cfg.train.eval_batches, self.strategy.eval_round
         return math.ceil(n / per_step) * per_step
 
     def _val_batches_available(self) -> int:
@@ -717,19 +739,17 @@ class Trainer:
         elif count != asked:
             log.info("evaluation: %d validation batches (train.eval_batches=%d rounded up to "
                      "whole pipeline steps of dp x microbatches = %d batches, which the "
-                     "pipeline computes anyway)", count, asked,
-                     self.layout.dp * self.micro_batches)
+                     "pipeline computes anyway)", count, asked, self.strategy.eval_round)
 
     def _eval_assignment(self) -> list[tuple[int, float]]:
         """(validation batch, weight) pairs this DP rank evaluates: batch i of
         eval_batch_count() goes to rank i % dp; ranks pad with weight-0 repeats so all run
         the same number of forwards (FSDP and pipelines need every rank in every
-        collective), in whole pipeline steps. Under PP the count is whole pipeline steps
-        already, so there is no padding unless the split is smaller."""
-        n, dp = self.eval_batch_count(), self.layout.dp
-        rounds = math.ceil(n / dp)
-        if self.parallel.schedule is not None:
-            rounds = math.ceil(rounds / self.micro_batches) * self.micro_batches
+        collective), in whole evaluation calls of the step strategy (``eval_chunk``: whole
+        pipeline steps under PP). Under PP the count is whole pipeline steps already, so
+        there is no padding unless the split is smaller."""
+        n, dp, chunk = self.eval_batch_count(), self.layout.dp, self.strategy.eval_chunk
+        rounds = math.ceil(math.ceil(n / dp) / chunk) * chunk
         mine = [k * dp + self.dp_rank for k in range(rounds)]
         return [(i, 1.0) if i < n else (0, 0.0) for i in mine]
 
@@ -739,44 +759,25 @@ class Trainer:
         order), for every layout that evaluates the same number."""
         if self.val_data is None:
             return None
-        pm, mbs = self.parallel, self.layout.micro_batch_size
-        pm.train(False)
-        work = self._eval_assignment()
-        chunk = self.micro_batches if pm.schedule is not None else 1
+        self.parallel.train(False)
+        work, chunk = self._eval_assignment(), self.strategy.eval_chunk
         total = torch.zeros((), device=self.device)
         for j in range(0, len(work), chunk):
             part = work[j: j + chunk]
-            batches = [self.val_data.batch(i * mbs, mbs) for i, _ in part]
-            x = torch.cat([b[0] for b in batches]).to(self.device)
-            y = torch.cat([b[1] for b in batches]).to(self.device)
-            with loss_context(self.layout.tp), self.policy.autocast(self.device):
-                if pm.schedule is not None:
-                    losses: list[torch.Tensor] = []
-                    self._pipeline_eval(x, y, losses)
-                    if not pm.has_last_stage:
-                        continue
-                    per = [_local(loss.detach()) for loss in losses]
-                else:
-                    with torch.no_grad():
-                        per = [_local(cross_entropy(pm.parts[0](x), y))]
-            for (_, weight), loss in zip(part, per, strict=True):
+            losses = self.strategy.eval_losses(*self._val_batch([i for i, _ in part]))
+            if losses is None:  # a pipeline rank without the last stage
+                continue
+            for (_, weight), loss in zip(part, losses, strict=True):
                 total += weight * loss.float()
         return (self._sum_over_dp(total) / self.eval_batch_count()).item()
 
-    def _pipeline_eval(self, x: torch.Tensor, y: torch.Tensor, losses: list) -> None:
-        """One pipeline step of forwards; the per micro batch losses land in ``losses`` on
-        the last stage. Only the losses are needed, so the schedule returns no outputs."""
-        pm = self.parallel
-        args = [x] if pm.has_first_stage else []
-        target = y if pm.has_last_stage else None
-        if self.layout.pp_schedule != "zbv":
-            with torch.no_grad():
-                pm.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
-            return
-        # torch 2.13's eval() runs ZBV's backward actions and fails; take a full step and
-        # discard its gradients (evaluation runs between steps, when there are none).
-        pm.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        self.optimizer.zero_grad(set_to_none=True)
+    def _val_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validation batches ``indices`` (of micro_batch_size sequences), concatenated."""
+        mbs = self.layout.micro_batch_size
+        batches = [self.val_data.batch(i * mbs, mbs) for i in indices]
+        x = torch.cat([b[0] for b in batches]).to(self.device)
+        y = torch.cat([b[1] for b in batches]).to(self.device)
+        return x, y
 
     def sample(self) -> str | None:
         cfg = self.cfg.train
@@ -880,6 +881,47 @@ class Trainer:
 
     # -- loop ----------------------------------------------------------------------------
 
+    def fit(self) -> dict:
+        """The run: evaluate the starting model, then step after step: train, log (on
+        logging steps), evaluate (when due), stop on a request or save (when due), until
+        the budget is spent; then the final checkpoint, a sample and the result."""
+        self._describe_eval()
+        self._evaluate_at_start()
+        window, clock = LossWindow(self.device), Throughput()
+        stopped = None
+        while self.step < self.budget.steps and stopped is None:
+            loss, grad_norm = self.train_step_local()
+            window.add(loss, counted=math.isfinite(grad_norm))
+            clock.steps += 1
+            self.metrics.advance()
+            if self.logging_step(self.step):
+                self._log_step(window, grad_norm, clock)
+            if self._eval_due():
+                with clock.paused():  # eval time is not training throughput
+                    self._evaluate_and_log()
+            stopped = self._stop_or_save()
+        if stopped is not None:
+            return self._exit_stopped(stopped)
+        return self._finish(window.final)
+
+    def _evaluate_at_start(self) -> None:
+        """The untrained model's validation loss, logged at step 0; a resumed run measured
+        it before it stopped (its checkpoint holds it)."""
+        if self.step == 0:
+            self._evaluate_and_log()
+            self.first_val_loss = self.last_val_loss
+        self.last_val_loss = self.first_val_loss
+
+    def _log_step(self, window: LossWindow, grad_norm: float, clock: Throughput) -> None:
+        """The log line of a logging step: the mean loss since the last one, throughput,
+        and the noise scale (when measured and defined)."""
+        tps = clock.rate(self.budget.global_batch_tokens)
+        mean_loss, window.final = self._reduce_window(window)
+        noise = self._update_noise_scale()  # None: not measured, or not yet defined
+        self.metrics.log({**self._step_metrics(mean_loss, grad_norm, tps),
+                          **({"noise_scale": noise} if noise is not None else {})})
+        clock.restart()
+
     def _step_metrics(self, loss: float, grad_norm: float, tokens_per_s: float) -> dict:
         peak_mem = torch.tensor(float(peak_memory_bytes(self.device)), device=self.device)
         dist_env.all_reduce(peak_mem, "max")  # the fullest rank is the one that matters
@@ -905,15 +947,30 @@ class Trainer:
         window.reset()
         return mean, last
 
-    def _save_due(self, sync_step: bool) -> bool:
-        """Whether a periodic checkpoint is due after this step. A step interval is decided
-        locally; a minute interval needs rank 0's clock (``CheckpointManager.due``
-        broadcasts it), so it is asked on stop-check steps only: such a save comes at most
-        ``train.stop_check_interval - 1`` steps late."""
-        every = self.cfg.checkpoint.interval_steps
-        if sync_step or (every and self.step % every == 0):
-            return self.ckpt.due(self.step)
-        return False
+    def _eval_due(self) -> bool:
+        """Every ``train.eval_interval`` steps, and after the last."""
+        return self.step % self.cfg.train.eval_interval == 0 or self.step == self.budget.steps
+
+    def _evaluate_and_log(self) -> None:
+        self.last_val_loss = self.evaluate()
+        if self.last_val_loss is not None:
+            self.metrics.log({"step": self.step, "val_loss": self.last_val_loss,
+                              "tokens": self.step * self.budget.global_batch_tokens})
+
+    def _stop_or_save(self) -> str | None:
+        """After a step other than the last: why every rank stops now, having saved a
+        checkpoint (blocking), or None, having saved a periodic one if it is due."""
+        if self.step == self.budget.steps:  # the end of fit saves
+            return None
+        stopped, save_due = self._between_steps()
+        if stopped is not None:
+            log.warning("stopping at step %d (%s): saving a checkpoint, then exiting with "
+                        "status %d so the launcher requeues the run", self.step, stopped,
+                        EXIT_REQUEUE)
+            self.save_checkpoint(block=True)
+        elif save_due:
+            self.save_checkpoint()
+        return stopped
 
     def _between_steps(self) -> tuple[str | None, bool]:
         """After a step other than the last: (why every rank stops now, or None; whether a
@@ -935,65 +992,39 @@ class Trainer:
             stopped = f"train.exit_interval={train.exit_interval}"
         return stopped, save_due
 
-    def fit(self) -> dict:
-        cfg = self.cfg
-        steps = self.budget.steps
-        tokens_per_step = self.budget.global_batch_tokens
-        self._describe_eval()
-        if self.step == 0:  # a resumed run measured this before it stopped
-            self.first_val_loss = self.evaluate()
-            if self.first_val_loss is not None:
-                self.metrics.log({"step": 0, "val_loss": self.first_val_loss, "tokens": 0})
-        first_val = last_val = self.first_val_loss
-        t_last, steps_since = time.perf_counter(), 0
-        window, final_loss = LossWindow(self.device), math.nan
-        stopped = None
-        while self.step < steps:
-            loss, grad_norm = self.train_step_local()
-            window.add(loss, counted=math.isfinite(grad_norm))
-            steps_since += 1
-            self.metrics.advance()
-            is_last = self.step == steps
-            if self.logging_step(self.step):
-                tps = steps_since * tokens_per_step / (time.perf_counter() - t_last)
-                mean_loss, final_loss = self._reduce_window(window)
-                noise = self._update_noise_scale()  # None: not measured, or not yet defined
-                self.metrics.log({**self._step_metrics(mean_loss, grad_norm, tps),
-                                  **({"noise_scale": noise} if noise is not None else {})})
-                t_last, steps_since = time.perf_counter(), 0
-            if self.step % cfg.train.eval_interval == 0 or is_last:
-                t0 = time.perf_counter()
-                last_val = self.evaluate()
-                if last_val is not None:
-                    self.metrics.log({"step": self.step, "val_loss": last_val,
-                                      "tokens": self.step * tokens_per_step})
-                t_last += time.perf_counter() - t0  # eval time is not training throughput
-            stopped, save_due = (None, False) if is_last else self._between_steps()
-            if stopped is not None:
-                log.warning("stopping at step %d (%s): saving a checkpoint, then exiting with "
-                            "status %d so the launcher requeues the run", self.step, stopped,
-                            EXIT_REQUEUE)
-                self.save_checkpoint(block=True)
-                break
-            if save_due:
-                self.save_checkpoint()
-        if stopped is not None:
-            # One process exits 75 itself. Under torchrun a non-zero exit of one rank makes
-            # torchrun kill the others and return 1, so ranks exit 0 there and the launcher
-            # (tools/run_local.py, slurm/train.sbatch) reads stopped.json instead.
-            if self.rank0:
-                (self.run_dir / STOPPED).write_text(json.dumps(
-                    {"step": self.step, "reason": stopped, "exit_code": EXIT_REQUEUE}))
-            self.exit_code = 0 if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_REQUEUE
-            self.ckpt.close()
-            self.metrics.close()
-            return {"steps": self.step, "stopped": stopped}
+    def _save_due(self, sync_step: bool) -> bool:
+        """Whether a periodic checkpoint is due after this step. A step interval is decided
+        locally; a minute interval needs rank 0's clock (``CheckpointManager.due``
+        broadcasts it), so it is asked on stop-check steps only: such a save comes at most
+        ``train.stop_check_interval - 1`` steps late."""
+        every = self.cfg.checkpoint.interval_steps
+        if sync_step or (every and self.step % every == 0):
+            return self.ckpt.due(self.step)
+        return False
+
+    def _exit_stopped(self, stopped: str) -> dict:
+        """A run stopped early, to be requeued. One process exits 75 itself. Under torchrun
+        a non-zero exit of one rank makes torchrun kill the others and return 1, so ranks
+        exit 0 there and the launcher (tools/run_local.py, slurm/train.sbatch) reads
+        stopped.json instead."""
+        if self.rank0:
+            (self.run_dir / STOPPED).write_text(json.dumps(
+                {"step": self.step, "reason": stopped, "exit_code": EXIT_REQUEUE}))
+        self.exit_code = 0 if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_REQUEUE
+        self.ckpt.close()
+        self.metrics.close()
+        return {"steps": self.step, "stopped": stopped}
+
+    def _finish(self, final_loss: float) -> dict:
+        """The budget is spent: the final checkpoint, what the noise scale says of the
+        batch, a sample, and result.json."""
         if self.cfg.checkpoint.enabled:
             self.save_checkpoint(block=True)
         self.ckpt.close()
-        result = {"steps": self.step, "final_loss": final_loss, "first_val_loss": first_val,
-                  "final_val_loss": last_val, "tokens": self.step * tokens_per_step,
-                  "skipped_steps": self.skipped_steps,
+        tokens_per_step = self.budget.global_batch_tokens
+        result = {"steps": self.step, "final_loss": final_loss,
+                  "first_val_loss": self.first_val_loss, "final_val_loss": self.last_val_loss,
+                  "tokens": self.step * tokens_per_step, "skipped_steps": self.skipped_steps,
                   "val_batches": self.eval_batch_count() if self.val_data is not None else None,
                   "noise_scale": self.noise.value}
         if self.noise.value is not None:

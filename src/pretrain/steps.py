@@ -1,0 +1,197 @@
+"""How a training step runs its forwards and backwards, chosen once per run from the layout.
+
+Two strategies, as torchtitan separates ``forward_backward_step`` from
+``pp_forward_backward_step``: ``AccumulationStep`` runs this rank's whole model over the micro
+batches of its batch, accumulating gradients (and choosing when DDP / ZeRO-2 reduce them);
+``PipelineStep`` hands the batch to a ``torch.distributed.pipelining`` schedule, which runs
+every micro batch's forward and backward itself. Each also owns its evaluation forwards. The
+trainer picks one in ``setup`` (``step_strategy``) and never asks which it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from pretrain.loss import cross_entropy
+from pretrain.parallel.apply import ParallelModel
+from pretrain.parallel.layout import Layout
+from pretrain.parallel.tensor_parallel import loss_context
+from pretrain.precision import Policy
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as a plain tensor (a loss under loss_parallel)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class ScaledLoss:
+    """The pipeline schedule's loss function. The schedule runs backward on it itself, so
+    fp16 loss scaling multiplies it here, while ``scale`` is set: during training steps
+    only (``PipelineStep.forward_backward`` sets it). It exists before the model, which
+    the pipeline split builds around it."""
+
+    def __init__(self):
+        self.scale: float | None = None
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = cross_entropy(logits, targets)
+        return loss if self.scale is None else loss * self.scale
+
+
+class AccumulationStep:
+    """The whole model on this rank (no pipeline): micro batches one after another, their
+    gradients accumulated. DDP and ZeRO-2 (``defer_reduction``) reduce the gradients once,
+    in the last micro batch's backward.
+
+    On a step that measures the gradient noise scale it also returns the squared norm of
+    the first micro batch's mean gradient (see Trainer.noise_scale_support): a batch that
+    is one micro batch then runs as two halves (``small_seqs`` sequences first, each
+    weighted by its size), and DDP/ZeRO-2 reduce the first micro batch's gradients at once
+    instead of with the last's. Evaluation: one micro batch a forward, counted one by one
+    (``eval_chunk``, ``eval_round``: 1)."""
+
+    eval_chunk = 1
+    eval_round = 1
+
+    def __init__(self, parallel: ParallelModel, layout: Layout, policy: Policy,
+                 device: torch.device, scaler, small_seqs: int | None,
+                 grad_sq_norm: Callable[[], torch.Tensor]):
+        self.parallel, self.layout, self.policy = parallel, layout, policy
+        self.device, self.scaler = device, scaler
+        self.small_seqs, self.grad_sq_norm = small_seqs, grad_sq_norm
+
+    @property
+    def defer_reduction(self) -> bool:
+        """DDP and ZeRO-2 reduce gradients when told to (once a step); ZeRO-3 reduce-scatters
+        in every backward, one process has nothing to reduce."""
+        return self.layout.dp > 1 and self.layout.dp_mode in ("ddp", "zero2")
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.parallel.parts[0]
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Gradients of the mean loss over this rank's batch; returns (that loss, the first
+        micro batch's squared gradient norm when ``measure``, else None)."""
+        n = self.layout.microbatches
+        chunks, split = self._micro_batches(x, y, measure)
+        total = torch.zeros((), device=self.device)
+        small_sq = None
+        with loss_context(self.layout.tp), self.policy.autocast(self.device):
+            for i, (xs, ys) in enumerate(chunks):
+                self._sync_gradients(i == len(chunks) - 1 or (measure and i == 0))
+                weight = len(xs) / len(x) if split else 1 / n
+                loss = cross_entropy(self.model(xs), ys)
+                # an ordinary step divides by n: the same bits as before the halves existed
+                loss = loss * weight if split else loss / n
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                total += local(loss.detach())
+                if measure and i == 0:
+                    # the mean gradient of this micro batch: the loss was weighted
+                    small_sq = self.grad_sq_norm() / weight ** 2
+        return total, small_sq
+
+    def _micro_batches(self, x: torch.Tensor, y: torch.Tensor, measure: bool
+                       ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
+        """This rank's batch in micro batches, and whether they are the two halves of a
+        measuring step of one micro batch (weighted by their sizes then)."""
+        n = self.layout.microbatches
+        if measure and n == 1:
+            k = self.small_seqs
+            return [(x[:k], y[:k]), (x[k:], y[k:])], True
+        return list(zip(x.chunk(n), y.chunk(n), strict=True)), False
+
+    def _sync_gradients(self, reduce_now: bool) -> None:
+        """DDP / ZeRO-2: reduce the gradients in this backward only when ``reduce_now``."""
+        if self.defer_reduction:
+            self.model.set_requires_gradient_sync(reduce_now)
+
+    def eval_losses(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
+        """The loss of one validation micro batch, as a one-element list."""
+        with loss_context(self.layout.tp), self.policy.autocast(self.device), torch.no_grad():
+            return [local(cross_entropy(self.model(x), y))]
+
+
+class PipelineStep:
+    """This rank's pipeline stages, driven by the schedule: one ``schedule.step`` runs
+    every micro batch's forward and backward. The loss exists on the last stage only;
+    other ranks return zero. Evaluation runs whole pipeline steps of forwards
+    (``eval_chunk`` micro batches a call), and counts every micro batch they compute
+    (``eval_round`` = dp x microbatches batches over every DP rank)."""
+
+    def __init__(self, parallel: ParallelModel, layout: Layout, policy: Policy,
+                 device: torch.device, scaler, loss: ScaledLoss,
+                 optimizer: torch.optim.Optimizer):
+        self.parallel, self.layout, self.policy = parallel, layout, policy
+        self.device, self.scaler, self.loss = device, scaler, loss
+        self.optimizer = optimizer
+        self.eval_chunk = layout.microbatches
+        self.eval_round = layout.dp * layout.microbatches
+
+    def _args(self, x: torch.Tensor, y: torch.Tensor) -> tuple[list, torch.Tensor | None]:
+        """The schedule's inputs on this rank: the tokens on the first stage, the targets
+        on the last."""
+        pm = self.parallel
+        return [x] if pm.has_first_stage else [], y if pm.has_last_stage else None
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False
+                         ) -> tuple[torch.Tensor, None]:
+        """Gradients of the mean loss over this rank's batch; returns (that loss, zero on
+        ranks without the last stage; None: the noise scale is not measured under PP)."""
+        pm = self.parallel
+        losses: list[torch.Tensor] = []
+        args, target = self._args(x, y)
+        with loss_context(self.layout.tp), self.policy.autocast(self.device):
+            if self.scaler:  # scale() also creates the scaler's state on first use
+                self.scaler.scale(torch.ones((), device=self.device))
+                self.loss.scale = self.scaler.get_scale()
+            try:  # return_outputs=False: the last stage keeps no micro batch's logits
+                pm.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            finally:
+                scale, self.loss.scale = self.loss.scale or 1.0, None
+            if not pm.has_last_stage:
+                return torch.zeros((), device=self.device), None
+            return torch.stack([local(loss.detach()) for loss in losses]).mean() / scale, None
+
+    def eval_losses(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
+        """The losses of one pipeline step of validation micro batches, on the last stage;
+        None on the other ranks."""
+        losses: list[torch.Tensor] = []
+        with loss_context(self.layout.tp), self.policy.autocast(self.device):
+            self._eval_step(x, y, losses)
+            if not self.parallel.has_last_stage:
+                return None
+            return [local(loss.detach()) for loss in losses]
+
+    def _eval_step(self, x: torch.Tensor, y: torch.Tensor, losses: list) -> None:
+        """One pipeline step of forwards; the per micro batch losses land in ``losses`` on
+        the last stage. Only the losses are needed, so the schedule returns no outputs."""
+        schedule = self.parallel.schedule
+        args, target = self._args(x, y)
+        if self.layout.pp_schedule != "zbv":
+            with torch.no_grad():
+                schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+            return
+        # torch 2.13's eval() runs ZBV's backward actions and fails; take a full step and
+        # discard its gradients (evaluation runs between steps, when there are none).
+        schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def step_strategy(parallel: ParallelModel, layout: Layout, policy: Policy,
+                  device: torch.device, scaler, *, loss: ScaledLoss,
+                  optimizer: torch.optim.Optimizer, small_seqs: int | None,
+                  grad_sq_norm: Callable[[], torch.Tensor]
+                  ) -> AccumulationStep | PipelineStep:
+    """The run's step strategy: a pipeline schedule's, when the model was split into
+    stages, else gradient accumulation. Decided once, at setup. (``loss`` and
+    ``optimizer`` serve the pipeline, ``small_seqs`` and ``grad_sq_norm`` the noise scale
+    measured under accumulation.)"""
+    common = (parallel, layout, policy, device, scaler)
+    if parallel.schedule is not None:
+        return PipelineStep(*common, loss, optimizer)
+    return AccumulationStep(*common, small_seqs, grad_sq_norm)
