@@ -4,6 +4,8 @@ requeue logic run under bash with stand-ins for srun and scontrol."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -20,10 +22,24 @@ CONTAINER_VARS = ("CONTAINER_IMAGE", "APPTAINER_IMAGE", "CONTAINER_MOUNTS")
 
 
 def dry_run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in CONTAINER_VARS}
-    return subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), *args,
-                           "--dry-run"], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+    """``tools/launch.py ARGS --dry-run`` in ``cwd``, run as its ``main`` in this process (no
+    interpreter start-up each time; test_container_image_from_the_environment_and_clear_errors
+    runs the real command line), with the container variables unset."""
+    from hydra.core.hydra_config import HydraConfig
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.pop(k) for k in CONTAINER_VARS if k in os.environ}
+    try:
+        with contextlib.chdir(cwd), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):
+            try:
+                rc = launch.main([*args, "--dry-run"])
+            except SystemExit as e:  # argparse's own errors
+                rc = e.code
+    finally:
+        os.environ.update(saved)
+        HydraConfig.instance().cfg = None
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
 
 
 def test_gpt3_175b_on_1024_gpus_renders_a_valid_script(tmp_path):
