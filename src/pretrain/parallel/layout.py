@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass
 
 from pretrain.config import Config, ParallelConfig, PipelineSchedule
 
-SCHEDULES = tuple(PipelineSchedule)
 # Schedules that hold several stages per rank ("virtual" stages); the others hold one.
 MULTI_STAGE_SCHEDULES = (PipelineSchedule.interleaved_1f1b, PipelineSchedule.zbv)
 

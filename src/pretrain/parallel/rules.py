@@ -12,7 +12,7 @@ import math
 
 from pretrain.config import Config, ModelConfig, ParallelConfig
 from pretrain.model import ffn_dim, padded_vocab_size
-from pretrain.parallel.layout import MULTI_STAGE_SCHEDULES, SCHEDULES
+from pretrain.parallel.layout import MULTI_STAGE_SCHEDULES
 
 
 def world_problems(par: ParallelConfig, world_size: int) -> tuple[int | None, list[str]]:
@@ -97,7 +97,7 @@ def pipeline_problems(cfg: Config, dp: int) -> list[str]:
     multi-stage schedules need, and no torch.compile under ZB-V's split backward."""
     par, n_layer, gbs = cfg.parallel, cfg.model.n_layer, cfg.train.global_batch_size
     pp, vs, mbs = par.pp, par.virtual_stages, par.micro_batch_size
-    if pp == 1 or par.pp_schedule not in SCHEDULES:
+    if pp == 1:
         return []
     p = _schedule_problems(par)
     if n_layer % (pp * vs):
