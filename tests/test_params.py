@@ -43,6 +43,26 @@ def test_gpt2_presets_match_published_and_transformers(preset):
     assert counts.non_embedding == published - 50257 * d_model - 1024 * d_model
 
 
+# Llama 3.1 (Dubey et al. 2024, Table 3), counted by transformers' LlamaForCausalLM.
+LLAMA3 = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
+          "llama3-405b": 405_853_388_800}
+
+
+@pytest.mark.parametrize("preset", list(LLAMA3))
+def test_llama3_presets_match_transformers(preset):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = load_model_config(preset)
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(LlamaConfig(
+            hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+            num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+            num_key_value_heads=cfg.n_kv_head, vocab_size=cfg.vocab_size,
+            max_position_embeddings=cfg.seq_len, tie_word_embeddings=False))
+    assert sum(p.numel() for p in hf.parameters()) == LLAMA3[preset]
+    assert count_params(cfg).total == LLAMA3[preset]
+
+
 # Brown et al. 2020, Table 2.1, "n_params".
 GPT3 = {
     "gpt3-125m": 125e6, "gpt3-350m": 350e6, "gpt3-760m": 760e6, "gpt3-1.3b": 1.3e9,
