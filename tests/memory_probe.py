@@ -137,11 +137,10 @@ def _world(spec: dict) -> dict:
     for part in pm.parts:
         if part.tok_emb is not None:
             x = torch.randint(0, cfg.model.vocab_size, (b, s))
-        else:  # a later stage receives hidden states in the dtype the residual stream has
-            dtype = torch.bfloat16 if layout.dp > 1 else torch.float32
-            x = torch.randn(b, s, cfg.model.d_model, dtype=dtype, requires_grad=True)
-        with policy.autocast(device):
-            out = part(x)
+        else:  # a later stage receives the residual stream, in the compute dtype
+            x = torch.randn(b, s, cfg.model.d_model, dtype=policy.compute_dtype,
+                            requires_grad=True)
+        out = part(x)
         _local(out).float().sum().backward()
     optimizer = build_optimizer(torch.nn.ModuleList(pm.parts), cfg.optim, 1e-3, device)
     optimizer.step()

@@ -71,14 +71,16 @@ def poison_local_grad(trainer: Trainer) -> None:
 
 
 def block_output_dtype(trainer: Trainer) -> torch.dtype:
-    """The dtype a block's first Linear produces in a training forward (autocast or not)."""
+    """The dtype a block's first Linear produces in a training forward (no autocast: under
+    mixed precision FSDP2 gathers the weights in the compute dtype)."""
     seen: list[torch.dtype] = []
     block = next(iter(trainer.model.layers.values()))
     linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
     hook = linear.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
     x, _ = trainer._local_batch()
     trainer.parallel.train()
-    with trainer.policy.autocast(trainer.device), torch.no_grad():
+    assert not torch.is_autocast_enabled(trainer.device.type)
+    with torch.no_grad():
         trainer.model(x[:1])
     hook.remove()
     return seen[0]

@@ -5,12 +5,11 @@ Measured here (CPU, torch 2.13):
   and AdamW step, for dp=1, pp=2 (both stages), and on a fake process group (the real
   ``pretrain.parallel`` code, collectives as no-ops) for zero3 dp=4, tp=2 and tp2 x pp2 x dp2.
 - activation peak: ``memory_probe.ActivationTracker`` (exact live tensor bytes over one
-  forward + backward, gradients and autocast weight copies set aside) in bf16 autocast,
-  against ``activations + logits and loss + backward transient``.
-  On CPU norms run in bf16 (CUDA autocast runs them in fp32: the estimate's ``device="cuda"``
-  counts fp32 norm inputs and one bf16 copy of the norm output per Linear), SDPA is the
-  fused CPU flash kernel (no s x s scores, like flash-attn), RMSNorm is the composite
-  kernel (fp32 copies); the CUDA-only terms are covered by the GPT-3 tests below.
+  forward + backward, gradients set aside) with bf16 parameters and no autocast, as FSDP2's
+  mixed precision runs every layout (parallel/data_parallel.needs_wrapper), against
+  ``activations + logits and loss + backward transient``. SDPA is the fused CPU flash
+  kernel (no s x s scores, like flash-attn), RMSNorm is the composite kernel on CPU (fp32
+  copies); the CUDA-only terms are covered by the GPT-3 tests below.
 Published: Korthikanti et al. 2022 Table 2 for GPT-3 175B at sequence 2048; the GPT-3 175B
 layouts of Korthikanti et al. 2022 Table 3 / the MLPerf reference and Narayanan et al. 2021.
 """
@@ -21,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -100,7 +98,8 @@ def test_pipeline_last_stage_keeps_no_logits():
     cfg = make_cfg(NANO, gbs=16, pp=2, dp=1)
     layout = resolve_layout(cfg, 2)
     m = cfg.model
-    act = 4 * m.seq_len * layout.micro_batch_size * m.d_model  # fp32 residual stream (dp=1)
+    # bf16 residual stream: FSDP2 casts the parameters at dp=1 too (no autocast)
+    act = 2 * m.seq_len * layout.micro_batch_size * m.d_model
     assert layout.microbatches == 8
     last = rank_memory(cfg, layout, 1, device="cpu").parts["pipeline buffers"]
     first = rank_memory(cfg, layout, 0, device="cpu").parts["pipeline buffers"]
@@ -157,22 +156,22 @@ def test_state_bytes_sharded_layouts_match_local_shards():
                                                                    measured["pp_rank"]), name
 
 
-def measure_activations(cfg: Config, fsdp_like: bool) -> tuple[int, int]:
-    """(activation peak, autocast weight-copy bytes) of one forward + backward in bf16
-    autocast. ``fsdp_like``: parameters in bf16, as FSDP2's mixed precision gathers them."""
+def measure_activations(cfg: Config) -> int:
+    """Activation peak of one forward + backward with the parameters in bf16, as FSDP2's
+    mixed precision gathers them, and no autocast (as the trainer runs every layout)."""
     torch.manual_seed(0)
     model = GPT(cfg.model)
     set_attention_backend(model, cfg.model.attention)
-    if fsdp_like:
-        model.to(torch.bfloat16)
-        model.tie_weights()
+    model.to(torch.bfloat16)
+    model.tie_weights()
     apply_activation_checkpointing(model.layers, cfg.parallel.activation_checkpointing, 0)
     b, s, v = cfg.parallel.micro_batch_size, cfg.model.seq_len, cfg.model.vocab_size
     x, y = torch.randint(0, v, (b, s)), torch.randint(0, v, (b, s))
     tracker = ActivationTracker([*model.parameters(), *model.buffers()])
-    with tracker, torch.autocast("cpu", dtype=torch.bfloat16):  # backward too, as the trainer
+    with tracker:
         cross_entropy(model(x), y).backward()
-    return tracker.peak([p.grad for p in model.parameters()]), tracker.weight_copy_bytes()
+    assert tracker.weight_copy_bytes() == 0  # no autocast: no cached weight casts
+    return tracker.peak([p.grad for p in model.parameters()])
 
 
 CASES = [  # (model, checkpointing, attention, parameters as FSDP gathers them)
@@ -195,10 +194,8 @@ def test_activation_peak_within_25_percent(model, ac, attention, fsdp_like):
                    dp=2 if fsdp_like else 1, activation_checkpointing=ac)
     layout = resolve_layout(cfg, cfg.parallel.dp)
     rm = rank_memory(cfg, layout, 0, device="cpu")
-    measured, copies = measure_activations(cfg, fsdp_like)
+    measured = measure_activations(cfg)
     assert abs(rm.activation_peak / measured - 1) < 0.25, (rm.activation_peak, measured)
-    if not fsdp_like:  # autocast's bf16 copy of every Linear weight, cached for the step
-        assert copies == rm.parts["compute-dtype weight copies"]
 
 
 GPT3 = dict(s=2048, b=1, h=12288, a=96)  # Brown et al. 2020, Table 2.1
@@ -235,21 +232,20 @@ def test_itemised_layer_reproduces_korthikanti_with_megatron_kernels(t, sp, ac):
 
 def test_this_repo_gpt3_175b_layer_on_cuda():
     """What this repository's model stores per layer for GPT-3 175B at tp=8 + SP, selective,
-    on CUDA with bf16 autocast and dp = 1: 12 sbh, 2.8x Megatron's 4.25 sbh (fp32 norm
-    inputs, three bf16 copies of the gathered norm output for wq/wk/wv, the gathered MLP
-    input)."""
+    on CUDA in bf16 at dp = 1: 7.5 sbh against Megatron's 4.25 sbh. No autocast (FSDP2
+    casts the parameters on every layout), so the norm input is the bf16 residual stream,
+    SP-sharded, and one bf16 norm output serves wq/wk/wv; the difference left is DTensor
+    sequence parallelism saving the gathered (unsharded) norm outputs for the attention and
+    MLP inputs (2 + 2 sbh where Megatron keeps 2 x 2/8)."""
     cfg = make_cfg(dict(NANO, n_layer=96, n_head=96, d_model=12288, seq_len=2048,
                         vocab_size=50304), gbs=64, tp=8, pp=8, dp=1, micro_batch_size=1,
                    sequence_parallel=True, activation_checkpointing="selective")
     a = activation_setup(cfg, resolve_layout(cfg, 64), device="cuda")
-    assert layer_bytes(cfg.model, a, "selective") == pytest.approx(12 * SBH, rel=1e-3)
+    assert not a.autocast and a.residual_bytes == 2 and not a.norm_copies
+    assert layer_bytes(cfg.model, a, "selective") == pytest.approx(7.5 * SBH, rel=1e-3)
     terms = layer_terms(cfg.model, a)
-    assert terms["attention input (norm output)"] == 6 * SBH  # 3 copies, not sharded
-    assert terms["norm inputs (residual stream)"] == 2 * 4 * SBH / 8  # fp32, SP-sharded
-    # The same model on 8 data-parallel ranks (FSDP: bf16 residual) on CUDA still saves fp32
-    # norm inputs: autocast casts them to fp32 before the norm.
-    assert layer_terms(cfg.model, replace(a, residual_bytes=2))[
-        "norm inputs (residual stream)"] == terms["norm inputs (residual stream)"]
+    assert terms["attention input (norm output)"] == 2 * SBH  # one copy, gathered
+    assert terms["norm inputs (residual stream)"] == 2 * 2 * SBH / 8  # bf16, SP-sharded
 
 
 def test_inflight_microbatches_follow_the_schedules():
@@ -283,7 +279,11 @@ def test_megatron_gpt3_175b_layout_among_auto_candidates_1024_gpus():
     """Narayanan et al. 2021 (Megatron-LM, SC21) estimate GPT-3 175B on 1024 A100s at batch
     1536 (34 days); their Table 1 runs the GPT-3-width rows (145.6B, 310.1B) with tp=8 and
     pp=8 or 16 (recalled from the paper, not re-checked here). Both (8, 8, 16) and
-    (8, 16, 8) are among the top 5."""
-    _, cands = choose_layout(gpt3_175b(1536), 1024, "a100-80gb", top=5)
-    shapes = [(c.layout.tp, c.layout.pp, c.layout.dp) for c in cands]
+    (8, 16, 8) fit and are predicted within 5% of the fastest candidate (with bf16 norms and
+    residual stream the planner's best is tp=4, which fits now too: 4% faster by its model,
+    the TP all-gathers being the difference)."""
+    _, cands = choose_layout(gpt3_175b(1536), 1024, "a100-80gb", top=40)
+    best = min(c.cost.total for c in cands)
+    shapes = {(c.layout.tp, c.layout.pp, c.layout.dp) for c in cands
+              if c.fits and c.cost.total <= 1.05 * best}
     assert (8, 8, 16) in shapes and (8, 16, 8) in shapes, shapes

@@ -200,7 +200,7 @@ def assert_learns(losses: list[float]) -> None:
 
 def test_bf16_tracks_fp32_within_half_a_bf16_roundoff(fp32, bf16):
     assert fp32["block_dtype"] == torch.float32
-    assert bf16["block_dtype"] == torch.bfloat16  # autocast is on, in the blocks
+    assert bf16["block_dtype"] == torch.bfloat16  # FSDP2's bf16 weights, no autocast
     assert_learns(fp32["losses"])
     assert_learns(bf16["losses"])
     ref, got = np.array(fp32["losses"]), np.array(bf16["losses"])
@@ -285,7 +285,8 @@ def test_fp16_skips_an_overflowed_step_one_process(env):
     got = train(env, "fp16", ["precision=fp16"], steps=FP16_STEPS,
                 inject={"step": INJECT_AT, "rank": 0, "how": "forward"})
     assert got["block_dtype"] == torch.float16
-    assert_one_skipped_step(got, "GradScaler")
+    # one process under mixed precision is FSDP2 over a group of one: its sharded scaler
+    assert_one_skipped_step(got, "ShardedGradScaler")
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 from dataclasses import dataclass
@@ -46,11 +45,15 @@ class Policy:
         return "float8" if self.fp8 and not self.fp8_emulate else \
             str(self.compute_dtype).removeprefix("torch.")
 
-    def autocast(self, device: torch.device):
-        """Autocast to the compute dtype when it differs from the parameters' dtype."""
-        if self.compute_dtype == self.param_dtype:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=self.compute_dtype)
+    @property
+    def mixed(self) -> bool:
+        """Compute in a lower dtype than the parameters are held in. Then FSDP2's
+        ``MixedPrecisionPolicy`` does the casting on every layout, a single device
+        included (zero3 over a data-parallel group of one: parallel/data_parallel.py), as
+        torchtitan does under FSDP: parameters gathered in the compute dtype, activations
+        and the residual stream in it, norms upcast inside themselves (model.py), no
+        autocast anywhere."""
+        return self.compute_dtype != self.param_dtype
 
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
         return torch.amp.GradScaler(device.type) if self.loss_scaling else None

@@ -81,7 +81,7 @@ class AccumulationStep:
         chunks, split = self._micro_batches(x, y, measure)
         total = torch.zeros((), device=self.device)
         small_sq = None
-        with loss_context(self.layout.tp), self.policy.autocast(self.device):
+        with loss_context(self.layout.tp):
             for i, (xs, ys) in enumerate(chunks):
                 self._sync_gradients(i == len(chunks) - 1 or (measure and i == 0))
                 weight = len(xs) / len(x) if split else 1 / n
@@ -112,7 +112,7 @@ class AccumulationStep:
 
     def eval_losses(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
         """The loss of one validation micro batch, as a one-element list."""
-        with loss_context(self.layout.tp), self.policy.autocast(self.device), torch.no_grad():
+        with loss_context(self.layout.tp), torch.no_grad():
             return [local(cross_entropy(self.model(x), y))]
 
 
@@ -145,7 +145,7 @@ class PipelineStep:
         pm = self.parallel
         losses: list[torch.Tensor] = []
         args, target = self._args(x, y)
-        with loss_context(self.layout.tp), self.policy.autocast(self.device):
+        with loss_context(self.layout.tp):
             if self.scaler:  # scale() also creates the scaler's state on first use
                 self.scaler.scale(torch.ones((), device=self.device))
                 self.loss.scale = self.scaler.get_scale()
@@ -161,7 +161,7 @@ class PipelineStep:
         """The losses of one pipeline step of validation micro batches, on the last stage;
         None on the other ranks."""
         losses: list[torch.Tensor] = []
-        with loss_context(self.layout.tp), self.policy.autocast(self.device):
+        with loss_context(self.layout.tp):
             self._eval_step(x, y, losses)
             if not self.parallel.has_last_stage:
                 return None

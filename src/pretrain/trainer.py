@@ -269,6 +269,9 @@ class Trainer:
         self.mesh = None
         if self.world_size > 1:
             require_prepared(self.cfg)  # before the process group: every rank fails at once
+        # Mixed precision on one process too: FSDP2 over a DP group of one casts the
+        # parameters (parallel/data_parallel.needs_wrapper), so it needs a group and mesh.
+        if self.world_size > 1 or self.policy.mixed:
             self.device = dist_env.init_distributed(self.device)
             self.mesh = dist_env.build_mesh(lay, self.device)
         self.rank0 = dist_env.is_rank0()
@@ -794,11 +797,10 @@ class Trainer:
         model.eval()
         # Same seed on every rank: data-parallel replicas draw the same tokens in lockstep.
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
-        with self.policy.autocast(self.device):
-            out = model.generate(
-                torch.tensor([prompt], device=self.device), cfg.sample_tokens,
-                temperature=cfg.sample_temperature, top_k=cfg.sample_top_k, generator=gen,
-            )
+        out = model.generate(
+            torch.tensor([prompt], device=self.device), cfg.sample_tokens,
+            temperature=cfg.sample_temperature, top_k=cfg.sample_top_k, generator=gen,
+        )
         return tok.decode(out[0].tolist())
 
     # -- gradient noise scale ------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch.nn as nn
 from pretrain.config import Config
 from pretrain.model import GPT, set_attention_backend
 from pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
-from pretrain.parallel.data_parallel import apply_data_parallel
+from pretrain.parallel.data_parallel import apply_data_parallel, needs_wrapper
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.mesh import Meshes
 from pretrain.parallel.pipeline import build_schedule, split_model
@@ -93,7 +93,7 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
         apply_activation_checkpointing(part.layers, layout.activation_checkpointing,
                                        cfg.parallel.ac_every_n_layers,
                                        compiled=cfg.train.compile)
-        if mesh is not None and layout.dp > 1:
+        if mesh is not None and needs_wrapper(layout, policy.mixed):
             apply_data_parallel(part, list(part.layers.values()), mesh, layout, policy)
     pm = ParallelModel(parts=parts, stage_ids=stage_ids, n_stages=layout.n_stages)
     if mesh is not None:

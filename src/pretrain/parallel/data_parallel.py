@@ -6,7 +6,8 @@ as its backward is done, overlapping communication with compute. ZeRO-3 frees th
 parameters after forward; ZeRO-2 keeps them until backward (``reshard_after_forward=False``:
 one all-gather per step instead of two). HSDP shards within ``dp_shard`` and replicates
 across ``dp_replicate`` (a 2-D dp mesh). Parameters that are already DTensors on the TP mesh
-become 2-D (dp, tp) DTensors.
+become 2-D (dp, tp) DTensors. Under mixed precision the wrapper goes on at dp = 1 too
+(``needs_wrapper``): FSDP2's ``MixedPrecisionPolicy`` is the one place parameters are cast.
 """
 
 from __future__ import annotations
@@ -20,10 +21,21 @@ from pretrain.parallel.mesh import Meshes
 from pretrain.precision import Policy
 
 
+def needs_wrapper(layout: Layout, mixed: bool) -> bool:
+    """Whether a data-parallel wrapper goes on: with more than one DP rank, and under mixed
+    precision whatever the layout (a DP group of one then: its all-gather is the cast of
+    the parameters to the compute dtype, its reduce-scatter the cast of the gradients back).
+    This is how a bf16 run gets bf16 compute everywhere, one device included, without
+    autocast. ``mixed``: ``Policy.mixed`` (compute dtype below the parameter dtype); the
+    planner (planning/memory.py) asks the same question of a config."""
+    return layout.dp > 1 or mixed
+
+
 def mixed_precision(policy: Policy) -> MixedPrecisionPolicy:
     """Gather parameters in the compute dtype (half the traffic under bf16) and reduce
-    gradients in ``reduce_dtype``. Forward inputs are left alone: the trainer's autocast
-    decides activation dtypes, exactly as on one device."""
+    gradients in ``reduce_dtype``. Forward inputs are token ids, left alone; activations
+    then follow the bf16 weights (the embedding's output, so the residual stream, is in the
+    compute dtype), and norms upcast inside themselves (model.py)."""
     return MixedPrecisionPolicy(param_dtype=policy.compute_dtype,
                                 reduce_dtype=policy.reduce_dtype, cast_forward_inputs=False)
 

@@ -22,16 +22,21 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def init_distributed(device: torch.device, timeout_minutes: float = 30) -> torch.device:
-    """Join the process group torchrun/srun described in the environment; return this
-    rank's device (cuda:LOCAL_RANK on GPUs). NCCL on CUDA, gloo on CPU."""
+    """Join the process group torchrun/srun described in the environment (a group of one
+    without a launcher); return this rank's device (cuda:LOCAL_RANK on GPUs). NCCL on
+    CUDA, gloo on CPU."""
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        # One process started without a launcher (mixed precision on one device runs FSDP2
+        # over a group of one): an in-memory store, no port to open.
+        alone = "WORLD_SIZE" not in os.environ
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
             timeout=datetime.timedelta(minutes=timeout_minutes),
             device_id=device if device.type == "cuda" else None,
+            **({"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}),
         )
     return device
 

@@ -5,9 +5,8 @@ Parts (bytes per GPU, for the pipeline rank that needs the most):
 - parameters, gradients, optimizer state: exact local shard sizes (``params.py``; measured
   equal on CPU, tests/test_estimate.py). Gradients and AdamW's two moments take the parameter
   dtype; Adam also keeps a 4-byte step counter per tensor.
-- compute-dtype weight copies: with dp = 1 autocast caches a bf16 copy of every Linear
-  weight for the whole step (the trainer's autocast region spans forward and backward);
-  with FSDP2/replicate the bf16 unsharded parameters (mixed precision): every local
+- compute-dtype weight copies: under mixed precision FSDP2/replicate hold the bf16
+  unsharded parameters (at dp = 1 too: no autocast, see data_parallel.needs_wrapper): every local
   parameter for ddp and zero2 (zero2 keeps them from forward to backward), the root and two
   blocks (one running, one prefetched) for zero3, all of them for zero3 under a pipeline
   (torch's pipelining turns resharding after backward off until the last microbatch).
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 
 from pretrain.config import Config
 from pretrain.model import padded_vocab_size
+from pretrain.parallel.data_parallel import needs_wrapper
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.pipeline import stage_indices, stage_layers
 from pretrain.planning.activations import (
@@ -104,16 +104,15 @@ def activation_setup(cfg: Config, layout: Layout, device: str = "cuda") -> Activ
     """How activations are stored for this config and layout (see activations.py)."""
     prec = cfg.precision
     e = dtype_bytes(prec.compute_dtype)
-    autocast = prec.compute_dtype != prec.param_dtype
-    # FSDP2/replicate (dp > 1) cast parameters to the compute dtype: bf16 residual stream.
-    residual = e if layout.dp > 1 else dtype_bytes(prec.param_dtype)
-    norm_copies = autocast and (device == "cuda" or residual > e)
+    # No autocast on any layout: FSDP2 casts the parameters (data_parallel.needs_wrapper),
+    # so the residual stream is in the compute dtype and each norm's output is one tensor
+    # of that dtype, shared by the projections that read it (model.RMSNorm/LayerNorm).
     attention = "eager" if cfg.model.attention == "eager" else "fused"
     return ActivationSetup(
         micro_batch=layout.micro_batch_size, tp=layout.tp,
         sequence_parallel=layout.sequence_parallel and layout.tp > 1, attention=attention,
-        compute_bytes=e, residual_bytes=residual, norm_copies=norm_copies,
-        dropout=cfg.model.dropout, device=device, autocast=autocast,
+        compute_bytes=e, residual_bytes=e, norm_copies=False,
+        dropout=cfg.model.dropout, device=device, autocast=False,
     )
 
 
@@ -168,11 +167,8 @@ def _weights_and_grad_buffers(cfg: Config, layout: Layout, sp: StageParams
     prec = cfg.precision
     e, reduce_b = dtype_bytes(prec.compute_dtype), dtype_bytes(prec.reduce_dtype)
     biggest_block = max(sp.blocks, default=0)
-    if layout.dp == 1:  # no DP wrapper: autocast's weight cache, grads straight into .grad
-        if prec.compute_dtype == prec.param_dtype:
-            return 0.0, 0.0
-        cached = sp.matmul_unsharded - (sp.block_matmul if prec.fp8 else 0)
-        return e * cached, 0.0
+    if not needs_wrapper(layout, prec.compute_dtype != prec.param_dtype):
+        return 0.0, 0.0  # no DP wrapper: no copies, gradients straight into .grad
     if layout.dp_mode == "zero3" and layout.pp == 1:
         weights = e * (sp.root + 2 * biggest_block)
     else:
@@ -192,8 +188,11 @@ def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda")
     sp = rank_params(cfg.model, layout, pp_rank)
     a = activation_setup(cfg, layout, device)
     grads = pb * sp.local
-    if layout.tp > 1 and cfg.model.pos_emb == "learned" and 0 in stage_indices(layout, pp_rank):
+    wrapped = needs_wrapper(layout, prec.compute_dtype != prec.param_dtype)
+    if (layout.tp > 1 and not wrapped and cfg.model.pos_emb == "learned"
+            and 0 in stage_indices(layout, pp_rank)):
         # DTensor's embedding backward leaves the sharded position table a Replicate grad
+        # (a DP wrapper reduce-scatters it into its shard)
         pos = cfg.model.seq_len * cfg.model.d_model
         grads += pb * (pos - pos // layout.tp)
     weights, buffers = _weights_and_grad_buffers(cfg, layout, sp)

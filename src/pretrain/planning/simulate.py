@@ -99,14 +99,14 @@ def _build(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str
 
 def _stage_input(part: GPT, cfg: Config, layout: Layout, policy: Policy) -> torch.Tensor:
     """One micro batch as this stage receives it: token ids on the first stage, else the
-    residual stream (sequence-sharded under SP; in the compute dtype when FSDP/replicate
-    cast the parameters, as the pipeline would send it)."""
+    residual stream (sequence-sharded under SP; in the compute dtype: FSDP2 or replicate
+    casts the parameters under mixed precision, as the pipeline would send it)."""
     b, s = layout.micro_batch_size, cfg.model.seq_len
     if part.tok_emb is not None:
         return torch.randint(0, cfg.model.vocab_size, (b, s))
     if layout.sequence_parallel and layout.tp > 1:
         s //= layout.tp
-    dtype = policy.compute_dtype if layout.dp > 1 else policy.param_dtype
+    dtype = policy.compute_dtype  # FSDP2 casts the parameters: the stream is in it
     return torch.randn(b, s, cfg.model.d_model, dtype=dtype, requires_grad=True)
 
 
@@ -114,7 +114,7 @@ def _forward_backward(part: GPT, x: torch.Tensor, cfg: Config, layout: Layout,
                       policy: Policy) -> None:
     """One micro batch through one stage and back: the real loss on the last stage, a sum
     of the output (standing in for the next stage's gradient) elsewhere."""
-    with loss_context(layout.tp), policy.autocast(torch.device("cpu")):
+    with loss_context(layout.tp):
         out = part(x)
         if part.lm_head is not None:
             targets = torch.randint(0, cfg.model.vocab_size,

@@ -64,7 +64,8 @@ def plain_step(mode: str, trainer, cfg):
             x, y = data.batch(pos[0], mbs)
             pos[0] += mbs
             x, y = x.to(device), y.to(device)
-            with policy.autocast(device):
+            # a plain loop has no FSDP2 to cast its weights: autocast, as nanoGPT does
+            with torch.autocast(device.type, dtype=policy.compute_dtype, enabled=policy.mixed):
                 out = model(x)
                 logits = out if mode == "plain" else out.logits
                 loss = cross_entropy(logits, y) / accum
