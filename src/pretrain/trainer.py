@@ -59,6 +59,7 @@ from pretrain.model import GPT, set_attention_backend
 from pretrain.noise_scale import SPIKE, NoiseScale, compare_batch
 from pretrain.optim import build_optimizer, build_scheduler, scaled_lr
 from pretrain.parallel import mesh as dist_env
+from pretrain.parallel.activation_checkpoint import describe as describe_checkpointing
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
 from pretrain.parallel.grad_clip import clip_grad_norm, global_grad_norm
 from pretrain.parallel.layout import (
@@ -113,6 +114,8 @@ def resolve_plan(cfg: Config, world_size: int | None = None
         "precision": cfg.precision.name,
         "compile": cfg.train.compile,
         "layout": resolve_layout(cfg, world_size).as_dict(),
+        "activation_checkpointing": describe_checkpointing(
+            cfg.model, cfg.parallel.activation_checkpointing, cfg.parallel.ac_every_n_layers),
         "model": cfg.model.name,
         "data": cfg.data.name,
         **check_epochs(cfg.data, budget.tokens),

@@ -1,49 +1,114 @@
 """Activation checkpointing: trade recomputation in backward for activation memory.
 
 ``full`` checkpoints every transformer block: only block inputs are kept, the block runs its
-forward twice. ``selective`` follows Korthikanti et al. 2022: by default it recomputes only
-the attention core (softmax(QK^T)V, whose activations grow with seq^2 but cost few FLOPs);
-with ``parallel.ac_every_n_layers=n`` it instead checkpoints every n-th block whole. Both are
-``torch.utils.checkpoint`` (non-reentrant), so results are bit-identical to no checkpointing.
+forward twice. ``selective`` is op-level selective checkpointing, as torchtitan's
+``selective_ac_option="op"``: a ``torch.utils.checkpoint`` policy
+(``create_selective_checkpoint_contexts``) keeps the outputs of the expensive ops (the
+attention kernel, the matmuls, the sequence-parallel reduce-scatters) and recomputes the
+cheap elementwise ones (norms, rotary embeddings, activations, residual adds, casts). Like
+torchtitan it saves every other matmul of a block only (``recomputed_linears``: wk, wo and the
+MLP's second Linear are recomputed), which is where most of the memory goes. Under sequence
+parallelism the all-gathered Linear inputs are not kept either: backward gathers them again,
+as Megatron-LM does. With ``parallel.ac_every_n_layers=n`` selective instead checkpoints every
+n-th block whole. All are non-reentrant ``torch.utils.checkpoint``: results are bit-identical
+to no checkpointing.
+
+Checkpointing goes on before ``torch.compile`` (torchtitan's order), so each block compiles
+with ``fullgraph=True`` around its checkpoint region, the policy applied by the compiler's
+partitioner.
 """
 
 from __future__ import annotations
 
-import functools
+from collections import defaultdict
 
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from pretrain.model import Attention
+from pretrain.config import ModelConfig
+
+# A block's Linears in the order its forward runs them (model.Block: attention, then MLP).
+LINEAR_ORDER = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
-def checkpoint_blocks(layers: nn.ModuleDict, every_n: int = 1) -> None:
-    """Wrap the blocks whose global index i has (i + 1) % every_n == 0 (all when 1)."""
+def _save_list() -> set:
+    """Ops whose outputs the selective policy keeps (besides every other matmul)."""
+    ops = {
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        # fp8: the amax of a tensor, cheap to keep, a reduction to recompute
+        torch.ops.aten.abs.default,
+        torch.ops.aten.max.default,
+    }
+    for name in ("_scaled_dot_product_cudnn_attention", "_flash_attention_forward"):
+        if hasattr(torch.ops.aten, name):
+            ops.add(getattr(torch.ops.aten, name).default)
+    if hasattr(torch.ops, "flash_attn") and hasattr(torch.ops.flash_attn, "_flash_attn_forward"):
+        ops.add(torch.ops.flash_attn._flash_attn_forward.default)
+    return ops
+
+
+def block_linears(cfg: ModelConfig) -> list[str]:
+    """This model's block Linears in forward order (no w3 without SwiGLU)."""
+    return [n for n in LINEAR_ORDER if n != "w3" or cfg.mlp == "swiglu"]
+
+
+def recomputed_linears(cfg: ModelConfig) -> list[str]:
+    """The Linears whose outputs selective checkpointing recomputes: the 2nd, 4th, ...
+    matmul of a block (torchtitan's rule). The policy below counts matmuls at run time;
+    the planner (planning/activations.py) reads this list: tests compare the two."""
+    return block_linears(cfg)[1::2]
+
+
+def describe(cfg: ModelConfig, mode: str, every_n: int) -> str:
+    """What ``parallel.activation_checkpointing`` does for this model, for plans and logs."""
+    if mode == "selective" and every_n > 0:
+        return f"selective: every {every_n}th block checkpointed whole"
+    if mode == "selective":
+        return ("selective (op-level): matmul, attention and reduce-scatter outputs saved, "
+                "elementwise ops and " + ", ".join(recomputed_linears(cfg)) + " recomputed")
+    return {"full": "full: each block recomputed in backward"}.get(mode, mode)
+
+
+def _policy(save: set):
+    counts: dict[str, int] = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in MATMULS:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            keep = counts[key] % 2 == 1
+        else:
+            keep = func in save
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_policy(_save_list()))
+
+
+def checkpoint_blocks(layers: nn.ModuleDict, every_n: int = 1, selective: bool = False) -> None:
+    """Wrap the blocks whose global index i has (i + 1) % every_n == 0 (all when 1);
+    ``selective``: with the op-level policy (a fresh matmul count per block and pass)."""
     for key in list(layers.keys()):
         if (int(key) + 1) % every_n == 0:
-            layers[key] = checkpoint_wrapper(layers[key])
+            kwargs = {"context_fn": _selective_context} if selective else {}
+            layers[key] = checkpoint_wrapper(layers[key], **kwargs)
 
 
-def checkpoint_attention_core(layers: nn.ModuleDict, compiled: bool = False) -> None:
-    """Recompute softmax(QK^T)V in backward. In a compiled block the checkpointed kernel
-    runs eagerly (one graph before it, one after): it is a single fused SDPA/flash call,
-    which compile would not change, and a checkpoint traced inside a compiled block whose
-    weights are DTensors fails in torch 2.13 (see parallel/apply.py)."""
-    for module in layers.modules():
-        if isinstance(module, Attention):
-            kernel = functools.partial(checkpoint, module.kernel, use_reentrant=False)
-            module.kernel = torch.compiler.disable(kernel) if compiled else kernel
-
-
-def apply_activation_checkpointing(layers: nn.ModuleDict, mode: str, every_n: int,
-                                   compiled: bool = False) -> None:
-    """``compiled``: the blocks are already compiled (``Module.compile``); full and
-    every-n checkpointing then wrap the compiled blocks."""
+def apply_activation_checkpointing(layers: nn.ModuleDict, mode: str, every_n: int) -> None:
+    """Before compile: the compiled block then holds the checkpoint region."""
     if mode == "full":
         checkpoint_blocks(layers)
     elif mode == "selective" and every_n > 0:
         checkpoint_blocks(layers, every_n)
     elif mode == "selective":
-        checkpoint_attention_core(layers, compiled)
+        checkpoint_blocks(layers, selective=True)
+

@@ -1,7 +1,7 @@
 """Turn a meta-device GPT into this rank's share of the model, in the order that composes:
 
-fp8 conversion -> pipeline split -> tensor (+ sequence) parallel -> compile (per block) ->
-activation checkpointing -> FSDP2 / replicate, all on the meta device (no memory), then
+fp8 conversion -> pipeline split -> tensor (+ sequence) parallel -> activation checkpointing
+-> compile (per block, fullgraph) -> FSDP2 / replicate, all on the meta device (no memory), then
 materialise: allocate the local shards and initialise them (each rank draws only its own
 shards' values, which are those of the same elements in one process: see initialization.py).
 """
@@ -84,15 +84,14 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
     for part in parts:
         if mesh is not None and layout.tp > 1:
             apply_tensor_parallel(part, mesh.tp, layout.sequence_parallel, fp8_tensorwise=fp8_tp)
+        # Checkpointing, then compile (torchtitan's order): each block compiles as one
+        # graph with its checkpoint region inside (fullgraph=True: a graph break is an
+        # error, not a silent slowdown), the selective policy applied by the partitioner.
+        apply_activation_checkpointing(part.layers, layout.activation_checkpointing,
+                                       cfg.parallel.ac_every_n_layers)
         if cfg.train.compile:  # regional: each block once, the same code for all of them
             for block in part.layers.values():
-                block.compile()
-        # After compile: a checkpoint wrapper around the compiled block. The other order
-        # (torchtitan's) fails under TP in torch 2.13: AOTAutograd saves the DTensor's
-        # DeviceMesh for backward ("expected all tensors_saved_with_vc_check to be Tensors").
-        apply_activation_checkpointing(part.layers, layout.activation_checkpointing,
-                                       cfg.parallel.ac_every_n_layers,
-                                       compiled=cfg.train.compile)
+                block.compile(fullgraph=True)
         if mesh is not None and needs_wrapper(layout, policy.mixed):
             apply_data_parallel(part, list(part.layers.values()), mesh, layout, policy)
     pm = ParallelModel(parts=parts, stage_ids=stage_ids, n_stages=layout.n_stages)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pretrain.config import ModelConfig
 from pretrain.loss import chunk_rows, is_chunked
 from pretrain.model import ffn_dim, padded_vocab_size
+from pretrain.parallel.activation_checkpoint import block_linears, recomputed_linears
 
 
 @dataclass(frozen=True)
@@ -121,12 +122,44 @@ def attention_core_terms(m: ModelConfig, a: ActivationSetup) -> dict[str, float]
     raise ValueError(f"unknown attention accounting {a.attention!r}")
 
 
+def linear_out_features(m: ModelConfig, name: str) -> int:
+    """Output width of block Linear ``name`` (``wo`` and ``w2`` project back to d_model)."""
+    hd = m.d_model // m.n_head
+    return {"wq": m.n_head * hd, "wk": (m.n_kv_head or m.n_head) * hd,
+            "wv": (m.n_kv_head or m.n_head) * hd, "w1": ffn_dim(m), "w3": ffn_dim(m)
+            }.get(name, m.d_model)
+
+
+def op_selective_terms(m: ModelConfig, a: ActivationSetup) -> dict[str, float]:
+    """What op-level selective checkpointing keeps of one block
+    (parallel/activation_checkpoint.py): the block input, the outputs of every other
+    matmul (``recomputed_linears`` names the rest), the fused attention kernel's output
+    and log-sum-exp, and under sequence parallelism the two reduce-scatter outputs. The
+    row-parallel matmuls (wo, w2) output the full sequence before their reduction."""
+    s, b, h, t, e = m.seq_len, a.micro_batch, m.d_model, a.tp, a.compute_bytes
+    sb, seq_div = s * b, (t if a.sequence_parallel else 1)
+    recomputed = set(recomputed_linears(m))
+    saved = [n for n in block_linears(m) if n not in recomputed]
+    terms = {"block input (residual stream)": a.residual_bytes * sb * h / seq_div}
+    terms["saved matmul outputs (" + " ".join(saved) + ")"] = sum(
+        e * sb * linear_out_features(m, n) / (1 if n in ("wo", "w2") else t) for n in saved)
+    if a.attention == "fused":
+        terms["attention output"] = e * sb * m.n_head * (h // m.n_head) / t
+        terms.update(attention_core_terms(m, a))
+    if a.sequence_parallel:
+        terms["reduce-scatter outputs"] = 2 * e * sb * h / t
+    return terms
+
+
 def layer_bytes(m: ModelConfig, a: ActivationSetup, checkpointing: str) -> float:
-    """Saved bytes of one block for one microbatch under ``checkpointing``:
-    none, selective (attention core recomputed) or full (block input only)."""
+    """Saved bytes of one block for one microbatch under ``checkpointing``: none,
+    selective (this repository's op-level policy; Korthikanti et al.'s, the attention core
+    recomputed, for the paper's ``megatron`` accounting) or full (block input only)."""
     if checkpointing == "full":
         return a.residual_bytes * m.seq_len * a.micro_batch * m.d_model / (
             a.tp if a.sequence_parallel else 1)
+    if checkpointing == "selective" and a.attention != "megatron":
+        return sum(op_selective_terms(m, a).values())
     terms = layer_terms(m, a)
     if checkpointing == "selective":
         for key in attention_core_terms(m, a):

@@ -5,7 +5,8 @@ Stated assumptions (an idealised model for ranking layouts, not a promise of thr
 - Compute runs at the GPU's dense peak for the compute dtype (fp8: the block Linear FLOPs at
   the fp8 peak). Hardware FLOPs are model FLOPs (``budget.flops_per_token``: 6 N + 12 L h s
   per token) plus recomputation: full checkpointing re-runs each block's forward (a third of
-  its FLOPs), selective re-runs the attention core forward (4 L h s per token).
+  its FLOPs), op-level selective re-runs every other block Linear's forward
+  (parallel/activation_checkpoint.recomputed_linears).
 - Tensor parallel: per block and microbatch, 2 all-reduces forward and 2 backward of the
   block's activations (b s h in the compute dtype), or the same volume as reduce-scatter +
   all-gather with sequence parallelism (Korthikanti et al. 2022, section 4.2.2); full
@@ -41,6 +42,7 @@ from dataclasses import asdict, dataclass
 
 from pretrain.budget import Budget
 from pretrain.config import Config
+from pretrain.parallel.activation_checkpoint import recomputed_linears
 from pretrain.parallel.layout import Layout
 from pretrain.planning.gpus import GpuSpec
 from pretrain.planning.params import inventory, rank_params
@@ -84,6 +86,18 @@ def _alpha(gpu: GpuSpec, ranks_in_group_span: int) -> float:
     return LATENCY_NODE_S if ranks_in_group_span <= gpu.gpus_per_node else LATENCY_NETWORK_S
 
 
+def _selective_recompute(cfg: Config, block_fwd: float) -> float:
+    """Forward FLOPs per token that selective checkpointing re-runs: whole blocks every
+    ``ac_every_n_layers``, else the op-level policy's recomputed Linears
+    (parallel/activation_checkpoint.recomputed_linears; elementwise ops not counted)."""
+    m, every = cfg.model, cfg.parallel.ac_every_n_layers
+    if every > 0:
+        return block_fwd * (m.n_layer // every) / m.n_layer
+    names = set(recomputed_linears(m))
+    return sum(2 * math.prod(q.shape) for q in inventory(m) if q.layer is not None
+               and q.matmul and q.name.split(".")[-2] in names)
+
+
 def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> StepCost:
     m, prec = cfg.model, cfg.precision
     t, p, d, mb = layout.tp, layout.pp, layout.dp, layout.microbatches
@@ -99,8 +113,8 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
                        and q.matmul)  # the whole model's block Linear parameters
     attn_fwd = 4 * m.n_layer * m.d_model * m.seq_len  # per token, forward only
     block_fwd = 2 * layer_matmul + attn_fwd
-    extra = {"full": block_fwd, "selective": attn_fwd, "none": 0}[
-        layout.activation_checkpointing] * tokens / world
+    extra = {"full": block_fwd, "selective": _selective_recompute(cfg, block_fwd),
+             "none": 0}[layout.activation_checkpointing] * tokens / world
     compute = model_flops / peak
     if prec.fp8 and gpu.peak_flops("float8"):
         linear = 6 * layer_matmul * tokens / world
@@ -111,7 +125,11 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
     tp_comm = 0.0
     if t > 1:
         act = e * layout.micro_batch_size * m.seq_len * m.d_model
-        per_block = (6 if layout.activation_checkpointing == "full" else 4)
+        # recomputation repeats forward collectives: both under full, the SP all-gathers
+        # (not the saved reduce-scatters) under op-level selective
+        ac = layout.activation_checkpointing
+        per_block = 6 if ac == "full" else (
+            5 if ac == "selective" and layout.sequence_parallel else 4)
         blocks = m.n_layer // p
         volume = blocks * mb * per_block * 2 * (t - 1) / t * act
         volume += mb * 2 * 2 * (t - 1) / t * act  # vocab-parallel embedding and head

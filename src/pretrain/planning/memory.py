@@ -43,7 +43,6 @@ from pretrain.parallel.layout import Layout
 from pretrain.parallel.pipeline import stage_indices, stage_layers
 from pretrain.planning.activations import (
     ActivationSetup,
-    attention_core_terms,
     backward_working_bytes,
     head_and_loss,
     inflight_chunks,
@@ -137,10 +136,9 @@ def _activations(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: int
     saved += chunks * 8 * m.seq_len * a.micro_batch if 0 in stages else 0.0  # token ids
     head, loss_transient = (head_and_loss(m, a) if layout.n_stages - 1 in stages else (0.0, 0.0))
     work = backward_working_bytes(m, a)
-    if ac == "full" or (ac == "selective" and every > 0):
-        work += layer_bytes(m, a, "none")  # one block recomputed during its backward
-    elif ac == "selective":
-        work += sum(attention_core_terms(m, a).values())  # one attention core recomputed
+    if ac in ("full", "selective"):  # one block recomputed during its backward
+        work += layer_bytes(m, a, "none") - (layer_bytes(m, a, "selective")
+                                             if ac == "selective" and every == 0 else 0)
     return saved, head, max(loss_transient, work)
 
 

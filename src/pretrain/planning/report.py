@@ -10,6 +10,7 @@ from pretrain.config import Config
 from pretrain.data.epochs import check_epochs
 from pretrain.model import padded_vocab_size
 from pretrain.optim import scaled_lr
+from pretrain.parallel.activation_checkpoint import describe as describe_checkpointing
 from pretrain.parallel.layout import Layout, resolve_layout
 from pretrain.parallel.rules import layout_problems
 from pretrain.planning.autolayout import (
@@ -77,12 +78,9 @@ def _vocab_note(cfg: Config) -> list[str]:
 
 
 def _selective_note(cfg: Config, layout: Layout) -> list[str]:
-    if layout.activation_checkpointing != "selective" or cfg.model.attention == "eager" or \
-            cfg.parallel.ac_every_n_layers:
+    if layout.activation_checkpointing != "selective":
         return []
-    return ["selective recompute only drops the attention core's log-sum-exp here: flash and "
-            "SDPA never store the s x s scores that Korthikanti et al. recompute; use full, or "
-            "parallel.ac_every_n_layers=n to checkpoint every n-th block whole"]
+    return [describe_checkpointing(cfg.model, "selective", cfg.parallel.ac_every_n_layers)]
 
 
 def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, mfu: float | None = None,
