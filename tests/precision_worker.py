@@ -140,9 +140,9 @@ def run_steps(trainer: Trainer, inject: dict | None = None,
         "skipped_steps": trainer.skipped_steps, "warnings": handler.messages,
         "snapshot": snapshot, "final": full_params(trainer),
         "scaler": type(trainer.scaler).__name__,
-        # a checkpointed block is a wrapper around the compiled block (parallel/apply.py)
-        "compiled": [getattr(getattr(b, "_checkpoint_wrapped_module", b),
-                             "_compiled_call_impl", None) is not None
+        # the compiled module is the block as registered: under activation checkpointing
+        # the checkpoint wrapper, compiled with its region inside (parallel/apply.py)
+        "compiled": [getattr(b, "_compiled_call_impl", None) is not None
                      for b in trainer.model.layers.values()],
         "root_compiled": getattr(trainer.model, "_compiled_call_impl", None) is not None,
         "dynamo": {"frames": dict(counters["frames"]), "stats": dict(counters["stats"])},

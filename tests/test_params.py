@@ -95,9 +95,22 @@ def test_untied_padded_vocab_counts():
     tied = load_model_config("nano")
     tied.vocab_size, tied.pad_vocab_to = 300, 64
     untied_counts, tied_counts = count_params(cfg), count_params(tied)
-    assert untied_counts.total - tied_counts.total == 320 * 64
-    # non-embedding excludes the token (320 x 64) and position (64 x 64) tables only.
-    assert untied_counts.non_embedding == untied_counts.total - 320 * 64 - 64 * 64
+    # n_params leaves the 20 padded rows out (said apart as padding); the head's 300 real
+    # rows count, and its padded rows are padding too
+    assert untied_counts.total - tied_counts.total == 300 * 64
+    assert (tied_counts.padding, untied_counts.padding) == (20 * 64, 2 * 20 * 64)
+    # non-embedding excludes the token (300 x 64) and position (64 x 64) tables only.
+    assert untied_counts.non_embedding == untied_counts.total - 300 * 64 - 64 * 64
+    # the head's GEMM computes its padded rows: hardware FLOPs count them
+    assert untied_counts.matmul == untied_counts.non_embedding + 20 * 64
+
+
+def test_gpt2_124m_padded_to_128_still_reads_the_published_count():
+    cfg = load_model_config("gpt2-124m")
+    assert cfg.pad_vocab_to == 128
+    counts = count_params(cfg)
+    assert counts.total == 124_439_808
+    assert counts.padding == (50304 - 50257) * 768
 
 
 # -- the planner's per-rank parameters come from the rules the real code applies -----------

@@ -219,8 +219,8 @@ def test_bf16_tracks_fp32_within_half_a_bf16_roundoff(fp32, bf16):
 def test_compile_compiles_each_block_once(compiled):
     assert compiled["compiled"] == [True, True]  # every block went through torch.compile
     assert not compiled["root_compiled"]  # regional: embeddings and head stay eager
-    frames, stats = compiled["dynamo"]["frames"], compiled["dynamo"]["stats"]
-    assert frames.get("ok", 0) >= 1, compiled["dynamo"]
+    stats = compiled["dynamo"]["stats"]
+    assert stats.get("calls_captured", 0) > 0, compiled["dynamo"]  # fullgraph: one capture
     # One graph serves both blocks (the same code; weights are inputs, not constants):
     # compile time does not grow with depth.
     assert stats.get("unique_graphs") == 1, compiled["dynamo"]
@@ -246,7 +246,7 @@ def test_compile_composes_with_sharding_and_activation_checkpointing(fp32, dp2, 
     ref_losses = fp32["losses"][:DP2_STEPS]
     for got in ranks:
         assert got["compiled"] == [True, True]
-        assert got["dynamo"]["frames"].get("ok", 0) >= 1, got["dynamo"]
+        assert got["dynamo"]["stats"].get("calls_captured", 0) > 0, got["dynamo"]
         diff = np.abs(np.array(got["losses"]) - np.array(ref_losses))
         assert np.all(diff <= LOSS_ATOL_DP2), diff
         np.testing.assert_allclose(got["grad_norms"], fp32["grad_norms"][:DP2_STEPS],

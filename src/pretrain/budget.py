@@ -2,14 +2,18 @@
 
 Conventions (stated once, used everywhere: plan, logs, MFU, scaling-law fits):
 
-- ``n_params``: every trainable parameter, counted once (tied matrices once), including
-  vocabulary padding. For GPT-2 this is the published count of the released checkpoints.
+- ``n_params``: every trainable parameter, counted once (tied matrices once), without the
+  rows that pad the vocabulary to ``model.pad_vocab_to`` (they are never a target and carry
+  no signal); those are ``n_params_padding``, said apart in the plan and the log. For GPT-2
+  this is the published count of the released checkpoints (124,439,808 for gpt2-124m,
+  whose 50,304 padded rows add 36,096 more).
 - ``n_params_non_embedding``: minus the token and position embedding tables (Kaplan et al.
   2020). With tied embeddings the output matrix is the embedding table and is excluded too.
 - ``flops_per_token``: training FLOPs per token, 6 * N_matmul + 12 * L * d_attn * T
   (PaLM, Chowdhery et al. 2022, appendix B): N_matmul counts the parameters that take part in
   matrix multiplies (everything except the position table and an untied input embedding,
-  whose lookups cost nothing; the output head counts whether tied or not), and the second
+  whose lookups cost nothing; the output head counts whether tied or not, padded rows
+  included: the GEMM computes them), and the second
   term is the attention scores and values (forward + backward, no causal discount).
 - Scaling rules use N = n_params (Hoffmann et al. 2022) unless ``budget.param_count`` is
   ``non_embedding`` (Kaplan et al.), and compute C = 6 * N * D (``scaling.run_compute``;
@@ -30,21 +34,25 @@ from pretrain.scaling import compute_tokens, run_compute
 
 @dataclass(frozen=True)
 class ParamCounts:
-    total: int
+    total: int  # without the vocabulary padding
     non_embedding: int
-    matmul: int
+    matmul: int  # with it (hardware work)
+    padding: int = 0  # parameters in the padded vocabulary rows (embedding, untied head)
 
 
 def count_params(cfg: ModelConfig) -> ParamCounts:
     """Exact counts, from the module itself built on the meta device (no memory used)."""
     with torch.device("meta"):
         model = GPT(cfg)
-    total = sum(p.numel() for p in model.parameters())
+    stored = sum(p.numel() for p in model.parameters())
     tok = model.tok_emb.weight.numel()
     pos = model.pos_emb.weight.numel() if model.pos_emb is not None else 0
-    non_embedding = total - tok - pos
-    matmul = total - pos - (0 if cfg.tie_embeddings else tok)
-    return ParamCounts(total=total, non_embedding=non_embedding, matmul=matmul)
+    pad_rows = model.tok_emb.weight.shape[0] - cfg.vocab_size
+    padding = pad_rows * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+    non_embedding = stored - tok - pos - (0 if cfg.tie_embeddings else padding // 2)
+    matmul = stored - pos - (0 if cfg.tie_embeddings else tok)
+    return ParamCounts(total=stored - padding, non_embedding=non_embedding, matmul=matmul,
+                       padding=padding)
 
 
 def flops_per_token(cfg: ModelConfig, counts: ParamCounts | None = None) -> int:
@@ -57,6 +65,7 @@ def flops_per_token(cfg: ModelConfig, counts: ParamCounts | None = None) -> int:
 class Budget:
     n_params: int
     n_params_non_embedding: int
+    n_params_padding: int  # padded vocabulary rows, stored and computed, not in n_params
     tokens: int
     steps: int
     global_batch_tokens: int
@@ -110,6 +119,7 @@ def resolve_budget(model: ModelConfig, budget: BudgetConfig, global_batch_size: 
     return Budget(
         n_params=counts.total,
         n_params_non_embedding=counts.non_embedding,
+        n_params_padding=counts.padding,
         tokens=steps * batch_tokens,
         steps=steps,
         global_batch_tokens=batch_tokens,

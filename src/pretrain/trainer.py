@@ -297,9 +297,11 @@ class Trainer:
             log.info(describe(plan["hparam_rules"]))
         self._describe_noise_scale()
         log.info(
-            "model %s: %s params (%s non-embedding), %s FLOPs/token | budget %s -> %s tokens "
+            "model %s: %s params (%s non-embedding%s), %s FLOPs/token | budget %s -> %s tokens "
             "in %d steps of %s tokens | precision %s | attention %s%s | layout %s | device %s",
             cfg.model.name, f"{budget.n_params:,}", f"{budget.n_params_non_embedding:,}",
+            f"; + {budget.n_params_padding:,} in the vocabulary padded to "
+            f"{cfg.model.pad_vocab_to}" if budget.n_params_padding else "",
             f"{budget.flops_per_token:,}", budget.rule, f"{budget.tokens:,}",
             budget.steps, f"{budget.global_batch_tokens:,}",
             " ".join(filter(None, [plan["precision"], plan.get("fp8"),
