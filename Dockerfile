@@ -63,5 +63,8 @@ RUN pip install --no-deps -e . \
  && python -c "import torch, flash_attn, torchao, pretrain; \
 print('torch', torch.__version__, 'flash-attn', flash_attn.__version__, 'torchao', torchao.__version__)"
 
+# Allocator segments that grow in place (less fragmentation at high memory use), as
+# slurm/train.sbatch sets it; a run's environment may override it.
+ENV PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 ENTRYPOINT ["python", "train.py"]
 CMD []

@@ -173,3 +173,25 @@ def test_auto_on_cpu_resolves_to_sdpa(dtype):
 def test_unknown_backend_lists_choices():
     with pytest.raises(AttentionBackendError, match=r"model.attention='xformers'.*sdpa.*eager"):
         resolve_backend("xformers", CPU, torch.float32)
+
+
+@pytest.mark.parametrize("cc,first", [((9, 0), "CUDNN_ATTENTION"), ((10, 0), "CUDNN_ATTENTION"),
+                                      ((8, 0), "FLASH_ATTENTION"), ((8, 9), "FLASH_ATTENTION")])
+def test_sdpa_priority_puts_cudnn_first_on_hopper_and_newer(monkeypatch, cc, first):
+    from pretrain.attention import sdpa_priority
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+    order = sdpa_priority(torch.device("cuda", 0))
+    assert order[0].name == first and order[-1].name == "MATH"
+    assert sdpa_priority(torch.device("cpu")) is None
+
+
+def test_sdpa_with_a_backend_priority_computes_the_same():
+    from torch.nn.attention import SDPBackend
+
+    from pretrain.attention import sdpa_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 16, 4, 8, generator=g) for _ in range(3))
+    order = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+    torch.testing.assert_close(sdpa_attention(q, k, v, backends=order), sdpa_attention(q, k, v))

@@ -160,3 +160,17 @@ def test_flash_attn_builds_against_the_installed_torch(dockerfile):
     assert "--no-build-isolation" in run and "MAX_JOBS=" in run
     # its build requirements are installed first, since build isolation is off
     assert run.index("ninja") < run.index("flash-attn==")
+
+
+def test_gpu_environment_sets_the_allocator_and_the_flight_recorder():
+    """expandable_segments in the image and the sbatch job (parallel=auto's headroom assumes
+    it); the NCCL flight recorder dumps into the run directory when a collective times out."""
+    from helpers import REPO
+
+    parser = DockerfileParser(str(REPO / "Dockerfile"))
+    assert parser.envs.get("PYTORCH_CUDA_ALLOC_CONF") == "expandable_segments:True"
+    sbatch = (REPO / "slurm" / "train.sbatch").read_text()
+    for line in ("PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}",
+                 "TORCH_NCCL_TRACE_BUFFER_SIZE=", "TORCH_NCCL_DUMP_ON_TIMEOUT=${",
+                 "TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-${RUN_DIR:-.}/"):
+        assert f"export {line}" in sbatch, line

@@ -7,11 +7,14 @@ uses natively, with k and v possibly having fewer (grouped) heads, and returns
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pretrain.config import AttentionBackend
 
@@ -41,8 +44,9 @@ def flash_attn_usable(device: torch.device) -> tuple[bool, str]:
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
     """Turn ``model.attention`` into the backend that will run, or raise naming the fix.
 
-    ``auto`` prefers flash-attn (CUDA, fp16/bf16 compute), else SDPA, which is itself a fused
-    kernel (flash or memory-efficient) on GPUs and a fused CPU kernel otherwise.
+    ``auto`` prefers flash-attn (CUDA before Hopper, fp16/bf16 compute), else SDPA, which is
+    itself a fused kernel (cuDNN, flash or memory-efficient: ``sdpa_priority``) on GPUs and a
+    fused CPU kernel otherwise.
     """
     if requested not in BACKENDS:
         raise AttentionBackendError(
@@ -63,8 +67,31 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) ->
         return "flash"
     if requested == "auto":
         ok, _ = flash_attn_usable(device)
-        return "flash" if ok and dtype in (torch.float16, torch.bfloat16) else "sdpa"
+        # Hopper and newer: SDPA with cuDNN first (sdpa_priority) outruns flash-attn 2
+        hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+        return "flash" if ok and not hopper and dtype in (torch.float16, torch.bfloat16) \
+            else "sdpa"
     return requested
+
+
+def sdpa_priority(device: torch.device | None) -> tuple[SDPBackend, ...] | None:
+    """The order SDPA tries its CUDA kernels in: cuDNN first on compute capability 9.0+
+    (Hopper, Blackwell), as torchtitan does, where cuDNN's attention is the fastest; torch's
+    own order (flash, memory-efficient, math) elsewhere. None off CUDA (torch's default)."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    order = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+    if torch.cuda.get_device_capability(device) >= (9, 0):
+        return (SDPBackend.CUDNN_ATTENTION, *order)
+    return order
+
+
+def kernel(backend: str, device: torch.device | None = None):
+    """The attention function for ``backend`` on ``device`` (SDPA with its kernel priority
+    bound in, decided once here rather than on every call)."""
+    priority = sdpa_priority(device) if backend == "sdpa" else None
+    return functools.partial(sdpa_attention, backends=priority) if priority else \
+        KERNELS[backend]
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -86,11 +113,13 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     return (probs @ v).transpose(1, 2)
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0):
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                   backends: tuple[SDPBackend, ...] | None = None):
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
-    )
+    with sdpa_kernel(list(backends), set_priority=True) if backends else nullcontext():
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+        )
     return out.transpose(1, 2)
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.attention import KERNELS
+from pretrain.attention import KERNELS, kernel
 from pretrain.config import ModelConfig
 from pretrain.initialization import Init, init_parameters
 
@@ -209,7 +209,10 @@ class GPT(nn.Module):
         return tokens
 
 
-def set_attention_backend(model: nn.Module, backend: str) -> None:
+def set_attention_backend(model: nn.Module, backend: str,
+                          device: torch.device | None = None) -> None:
+    """Every attention layer runs ``backend`` (on ``device``: SDPA's kernel priority)."""
+    fn = kernel(backend, device)
     for module in model.modules():
         if isinstance(module, Attention):
-            module.kernel = KERNELS[backend]
+            module.kernel = fn

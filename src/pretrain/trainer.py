@@ -176,7 +176,7 @@ def build_model(cfg: Config, device: torch.device, attention: str, seed: int) ->
     model.to_empty(device=device)
     model.tie_weights()
     model.init_weights(seed)
-    set_attention_backend(model, attention)
+    set_attention_backend(model, attention, device)
     return model
 
 

@@ -110,7 +110,7 @@ def parallelize_gpt(cfg: Config, layout: Layout, mesh: Meshes | None, device: to
     meta device and parallelised: nothing allocated yet (see ``materialize``)."""
     with torch.device("meta"):
         model = GPT(cfg.model)
-    set_attention_backend(model, attention)
+    set_attention_backend(model, attention, device)
     return parallelize(model, cfg, layout, mesh, device, policy, loss_fn)
 
 
