@@ -11,14 +11,14 @@ from pretrain.steps import step_strategy
 from pretrain.trainer import Trainer
 
 
-def nano_trainer(compose, prepared, run_dir, micro_batch: int) -> Trainer:
+def nano_trainer(compose, prepared, run_dir, micro_batch: int, extra: tuple = ()) -> Trainer:
     cfg = compose([
         "model=nano", "model.vocab_size=300", "model.seq_len=32", "precision=fp32",
         "model.attention=eager", "data.name=tinytext", f"data.root={prepared.parent}",
         "data.auto_prepare=false", "data.tokenizer_vocab_size=300",
         "train.global_batch_size=8",
         f"parallel.micro_batch_size={micro_batch}", "budget=steps", "budget.steps=3",
-        "schedule.warmup_steps=1", "logging=quiet", "train.eval_batches=2",
+        "schedule.warmup_steps=1", "logging=quiet", "train.eval_batches=2", *extra,
     ])
     trainer = Trainer(cfg, run_dir)
     trainer.setup()
@@ -179,3 +179,46 @@ def test_eval_capped_at_the_validation_split(caplog):
         t._describe_eval()
     assert "each evaluation averages those 5" in caplog.text
     assert "train.eval_batches=3, 8 in whole pipeline steps" in caplog.text
+
+
+def test_a_fused_optimizer_skips_nonfinite_steps_on_the_device(compose, prepared, tmp_path):
+    """With a fused AdamW (the GPU default) the skip is decided on the device, no host sync:
+    parameters and optimizer state (moments and step counts) stay exactly as they were,
+    and the counts are read, and warned about, at the next step that syncs anyway."""
+    trainer = nano_trainer(compose, prepared, tmp_path / "fused", micro_batch=8,
+                           extra=("optim.fused=true",))
+    assert trainer.optimizer.defaults["fused"]
+    trainer.train_step_local()
+    params = [p.detach().clone() for p in trainer.model.parameters()]
+    state = {(i, k): v.clone() for i, p in enumerate(trainer.model.parameters())
+             for k, v in trainer.optimizer.state[p].items()}
+    real = trainer.forward_backward
+
+    def poisoned(x, y):
+        loss = real(x, y)
+        next(iter(trainer.model.parameters())).grad.view(-1)[0] = float("inf")
+        return loss
+
+    trainer.forward_backward = poisoned
+    syncs = []
+    orig_item = torch.Tensor.item
+    torch.Tensor.item = lambda t: syncs.append(1) or orig_item(t)
+    try:
+        _, norm = trainer.train_step_local()
+    finally:
+        torch.Tensor.item = orig_item
+    assert syncs == [] and not torch.isfinite(norm)
+    assert trainer.skipped_steps == 0  # not read yet
+    for p, q in zip(trainer.model.parameters(), params, strict=True):
+        assert torch.equal(p, q)
+    after = {(i, k): v for i, p in enumerate(trainer.model.parameters())
+             for k, v in trainer.optimizer.state[p].items()}
+    assert all(torch.equal(after[k], v) for k, v in state.items())
+    trainer._check_nonfinite()
+    assert trainer.skipped_steps == trainer.nonfinite_in_a_row == 1
+    trainer.forward_backward = real
+    trainer.train_step_local()
+    trainer._check_nonfinite()
+    assert trainer.skipped_steps == 1 and trainer.nonfinite_in_a_row == 0
+    assert any(not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), params,
+                                                     strict=True))

@@ -57,6 +57,7 @@ from pretrain.initialization import local_region
 from pretrain.metrics import MetricsLogger
 from pretrain.model import GPT, set_attention_backend
 from pretrain.noise_scale import SPIKE, NoiseScale, compare_batch
+from pretrain.nonfinite import NonFiniteSteps, device_skip_supported, step_unless
 from pretrain.optim import build_optimizer, build_scheduler, scaled_lr
 from pretrain.parallel import mesh as dist_env
 from pretrain.parallel.activation_checkpoint import describe as describe_checkpointing
@@ -194,13 +195,13 @@ class LossWindow:
 
     def reset(self) -> None:
         self.total = torch.zeros((), device=self.device)
-        self.steps = 0
+        self.counted = torch.zeros((), device=self.device)  # steps taken, on the device
 
-    def add(self, loss: torch.Tensor, counted: bool) -> None:
+    def add(self, loss: torch.Tensor, counted: torch.Tensor) -> None:
+        """``counted``: a device bool, so that no step reads it on the host."""
         self.last = loss.float()
-        if counted:
-            self.total = self.total + self.last
-            self.steps += 1
+        self.total = self.total + torch.where(counted, self.last, 0.0)
+        self.counted = self.counted + counted.float()
 
 
 class Throughput:
@@ -333,6 +334,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.budget.steps,
                                          self.budget.global_batch_tokens)
         self.scaler = self._grad_scaler()
+        self.skips = NonFiniteSteps(self.device, self.skipped_steps)
         self.strategy = step_strategy(
             self.parallel, self.layout, self.policy, self.device, self.scaler,
             loss=self.pipeline_loss, optimizer=self.optimizer,
@@ -487,6 +489,7 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.skips = NonFiniteSteps(self.device, self.skipped_steps)
         self.first_val_loss = state.get("first_val_loss")
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state.get("scaler"):
@@ -632,17 +635,19 @@ class Trainer:
         sync each step: for tests and tools that want every step's loss. fit() calls
         train_step_local and reduces the loss on logging steps only."""
         loss, norm = self.train_step_local()
-        return self.global_loss(loss).item(), norm
+        self._check_nonfinite()
+        return self.global_loss(loss).item(), norm.item()
 
-    def train_step_local(self) -> tuple[torch.Tensor, float]:
+    def train_step_local(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the global batch; returns (this rank's share of the loss,
-        a detached device tensor, not reduced: see global_loss; the global grad norm).
+        a detached device tensor, not reduced: see global_loss; the global grad norm, on the
+        device).
 
-        The only host sync is the grad norm's, which every rank needs to take the same
-        decision: it is reduced over the whole model inside clip_grad_norm, and it is not
-        finite whenever the loss is not (a NaN or inf loss back-propagates into the
-        gradients, and every rank's norm covers every gradient), so a non-finite step is
-        skipped on every rank without reducing the loss."""
+        No host sync with a fused optimizer (the GPU default): the grad norm is reduced over
+        the whole model inside clip_grad_norm, and it is not finite whenever the loss is not
+        (a NaN or inf loss back-propagates into the gradients, and every rank's norm covers
+        every gradient), so every rank skips a non-finite step on the device
+        (pretrain/nonfinite.py). A non-fused optimizer reads the decision on the host."""
         self.parallel.train()
         x, y = self._local_batch()
         measure = self.noise_small_seqs is not None and self.logging_step(self.step + 1)
@@ -651,16 +656,15 @@ class Trainer:
             loss = self.forward_backward(x, y).detach()
         finally:
             self.measuring = False
-        grad_norm = self._clipped_grad_norm()
-        norm_value = grad_norm.item()  # global: every rank takes the same decision
+        grad_norm = self._clipped_grad_norm().detach()
         if measure and self._noise_sq is not None:  # the whole step's raw (unclipped) norm
-            self._noise_sq = (self._noise_sq[0], grad_norm.detach().float() ** 2)
-        self._update(loss, norm_value)
+            self._noise_sq = (self._noise_sq[0], grad_norm.float() ** 2)
+        self._update(grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.samples_seen += self.cfg.train.global_batch_size
         self.step += 1
-        return loss, norm_value
+        return loss, grad_norm
 
     def _clipped_grad_norm(self) -> torch.Tensor:
         """The whole model's gradients made whole (tied embeddings summed, fp16 unscaled)
@@ -674,9 +678,10 @@ class Trainer:
                               grad_clip if grad_clip > 0 else math.inf,
                               self.pp_group, self.parallel.duplicate_params)
 
-    def _update(self, loss: torch.Tensor, norm_value: float) -> None:
+    def _update(self, grad_norm: torch.Tensor) -> None:
         """The optimizer step, unless the gradients are not finite: fp16's scaler skips
-        such a step itself (and lowers the scale); otherwise it is skipped here."""
+        such a step itself (and lowers the scale); otherwise a fused optimizer skips it on
+        the device, and a non-fused one here, after reading the decision."""
         if self.scaler:  # fp16: the scaler skips steps with inf/nan gradients itself
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
@@ -686,28 +691,31 @@ class Trainer:
                 log.warning("step %d: fp16 gradients overflowed (inf/nan), step skipped on "
                             "every rank; loss scale %g -> %g (%d skipped in all)",
                             self.step + 1, scale, self.scaler.get_scale(), self.skipped_steps)
-        elif math.isfinite(norm_value):
+            return
+        finite = torch.isfinite(grad_norm)
+        if device_skip_supported(self.optimizer):
+            step_unless(self.optimizer, finite)
+        elif finite.item():
             self.optimizer.step()
-            if self.fp8_scales:
-                after_optimizer_step(self.model_parts)
-            self.nonfinite_in_a_row = 0
-        else:
-            self._skip_nonfinite(loss, norm_value)
+        self.skips.add(finite)
+        if self.fp8_scales:
+            after_optimizer_step(self.model_parts)
+        if not device_skip_supported(self.optimizer) and not finite.item():
+            self._check_nonfinite()  # read on the host already: warn at once
 
-    def _skip_nonfinite(self, loss: torch.Tensor, grad_norm: float) -> None:
-        """Every rank comes here at the same step (the grad norm is global), so the loss
-        can be reduced for the warning."""
-        self.skipped_steps += 1
-        self.nonfinite_in_a_row += 1
+    def _check_nonfinite(self) -> None:
+        """Read the device-side skip counts (a host sync: on steps that sync anyway), warn
+        about skipped steps, and stop after ``train.max_nonfinite_steps`` in a row."""
+        if self.scaler:  # fp16: counted by the scaler's path, on the host
+            return
         limit = self.cfg.train.max_nonfinite_steps
-        log.warning("step %d: loss %s, grad norm %s: not finite, step skipped (%d in a row, "
-                    "%d in all)", self.step + 1, self.global_loss(loss).item(), grad_norm,
-                    self.nonfinite_in_a_row, self.skipped_steps)
-        if self.nonfinite_in_a_row >= limit:
+        longest = self.skips.settle(self.step, limit)
+        self.skipped_steps, self.nonfinite_in_a_row = self.skips.skipped, self.skips.in_a_row
+        if longest >= limit:
             self.optimizer.zero_grad(set_to_none=True)
             last = self.ckpt.latest() if self.cfg.checkpoint.enabled else None
             raise FloatingPointError(
-                f"{self.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient "
+                f"{longest} steps in a row had a non-finite loss or gradient "
                 f"(train.max_nonfinite_steps={limit}); stopping. The last good checkpoint "
                 f"{last or '(none saved)'} is intact: lower optim.lr, raise warmup, or use "
                 "bf16 instead of fp16, then resume.")
@@ -898,7 +906,7 @@ class Trainer:
         stopped = None
         while self.step < self.budget.steps and stopped is None:
             loss, grad_norm = self.train_step_local()
-            window.add(loss, counted=math.isfinite(grad_norm))
+            window.add(loss, counted=torch.isfinite(grad_norm))
             clock.steps += 1
             self.metrics.advance()
             if self.logging_step(self.step):
@@ -919,13 +927,14 @@ class Trainer:
             self.first_val_loss = self.last_val_loss
         self.last_val_loss = self.first_val_loss
 
-    def _log_step(self, window: LossWindow, grad_norm: float, clock: Throughput) -> None:
+    def _log_step(self, window: LossWindow, grad_norm: torch.Tensor, clock: Throughput) -> None:
         """The log line of a logging step: the mean loss since the last one, throughput,
         and the noise scale (when measured and defined)."""
         tps = clock.rate(self.budget.global_batch_tokens)
+        self._check_nonfinite()
         mean_loss, window.final = self._reduce_window(window)
         noise = self._update_noise_scale()  # None: not measured, or not yet defined
-        self.metrics.log({**self._step_metrics(mean_loss, grad_norm, tps),
+        self.metrics.log({**self._step_metrics(mean_loss, grad_norm.item(), tps),
                           **({"noise_scale": noise} if noise is not None else {})})
         clock.restart()
 
@@ -949,8 +958,11 @@ class Trainer:
         """(mean loss over the window's counted steps, the last step's loss), both global:
         one all-reduce and one host sync, on logging steps (every rank logs at the same
         steps). Starts a new window."""
-        total, last = self.global_loss(torch.stack([window.total, window.last])).tolist()
-        mean = total / window.steps if window.steps else math.nan
+        # every rank counted the same steps (the skip decision is global): not reduced
+        total, last, counted = torch.cat([
+            self.global_loss(torch.stack([window.total, window.last])),
+            window.counted[None]]).tolist()
+        mean = total / counted if counted else math.nan
         window.reset()
         return mean, last
 
@@ -994,6 +1006,7 @@ class Trainer:
         if not (sync_step or save_due):
             return None, False
         self.ckpt.poll()
+        self._check_nonfinite()
         stopped = self.stop.check(self.device)
         if stopped is None and exit_now:
             stopped = f"train.exit_interval={train.exit_interval}"
@@ -1025,6 +1038,7 @@ class Trainer:
     def _finish(self, final_loss: float) -> dict:
         """The budget is spent: the final checkpoint, what the noise scale says of the
         batch, a sample, and result.json."""
+        self._check_nonfinite()
         if self.cfg.checkpoint.enabled:
             self.save_checkpoint(block=True)
         self.ckpt.close()
