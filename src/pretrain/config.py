@@ -288,6 +288,9 @@ class TrainConfig:
     # step. A stop is acted on up to this many - 1 steps late: keep that many steps plus a
     # save inside the signal's lead time (cluster.signal_seconds). 1: every step.
     stop_check_interval: int = 10
+    # Python's GC off during training, one collection every this many steps on every rank
+    # (an automatic one stalls a single rank and with it every collective); 0: automatic.
+    gc_interval: int = 50
     # A step whose loss or gradient is not finite is skipped (no update); this many in a
     # row stop the run with the last good checkpoint intact.
     max_nonfinite_steps: int = 5

@@ -52,6 +52,7 @@ from pretrain.device import (
     pick_device,
 )
 from pretrain.fp8 import after_optimizer_step, fp8_all_gather
+from pretrain.garbage import GarbageCollection
 from pretrain.hparams import apply_rules, describe, hparam_compute
 from pretrain.initialization import local_region
 from pretrain.metrics import MetricsLogger
@@ -133,6 +134,10 @@ def resolve_plan(cfg: Config, world_size: int | None = None
         plan["precision_auto"] = auto_precision
     if policy.fp8:
         plan["fp8"] = cfg.precision.fp8_recipe + (" (emulated)" if policy.fp8_emulate else "")
+        if not cfg.train.compile and not policy.fp8_emulate:
+            log.warning("precision=fp8 with train.compile=false: torchao's float8 casts run "
+                        "as separate eager kernels, usually slower than bf16; set "
+                        "train.compile=true (torchao's and torchtitan's advice)")
     if device.type == "cuda":
         plan["tf32"] = cfg.train.tf32
     return plan, budget, device, policy
@@ -904,20 +909,30 @@ class Trainer:
         self._evaluate_at_start()
         window, clock = LossWindow(self.device), Throughput()
         stopped = None
-        while self.step < self.budget.steps and stopped is None:
-            loss, grad_norm = self.train_step_local()
-            window.add(loss, counted=torch.isfinite(grad_norm))
-            clock.steps += 1
-            self.metrics.advance()
-            if self.logging_step(self.step):
-                self._log_step(window, grad_norm, clock)
-            if self._eval_due():
-                with clock.paused():  # eval time is not training throughput
-                    self._evaluate_and_log()
-            stopped = self._stop_or_save()
+        collector = GarbageCollection(self.cfg.train.gc_interval)
+        try:
+            while self.step < self.budget.steps and stopped is None:
+                stopped = self._train_one(window, clock, collector)
+        finally:
+            collector.close()
         if stopped is not None:
             return self._exit_stopped(stopped)
         return self._finish(window.final)
+
+    def _train_one(self, window: LossWindow, clock: Throughput,
+                   collector: GarbageCollection) -> str | None:
+        """One step of fit's loop: train, log, evaluate, collect garbage, stop or save."""
+        loss, grad_norm = self.train_step_local()
+        window.add(loss, counted=torch.isfinite(grad_norm))
+        clock.steps += 1
+        self.metrics.advance()
+        if self.logging_step(self.step):
+            self._log_step(window, grad_norm, clock)
+        if self._eval_due():
+            with clock.paused():  # eval time is not training throughput
+                self._evaluate_and_log()
+        collector.step(self.step)
+        return self._stop_or_save()
 
     def _evaluate_at_start(self) -> None:
         """The untrained model's validation loss, logged at step 0; a resumed run measured
