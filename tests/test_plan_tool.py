@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from pretrain.planning.gpus import get_gpu, gpu_for_device_name, load_gpus
 from pretrain.tools import plan as plan_tool
@@ -140,3 +141,33 @@ def test_default_gpu_count_is_the_layouts_world_size(plan_main, capsys, monkeypa
     p = json.loads(out)
     assert p["gpus"] == p["layout_fields"]["world_size"] == 8
     assert layout_world_size(cfg.parallel) == declared_world_size(cfg) == 8
+
+
+@pytest.mark.parametrize("device_name,gpu", [
+    ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA H100 NVL", "h100-nvl"), ("NVIDIA H100 96GB HBM3", "h100-96gb"),
+    ("NVIDIA H200", "h200-141gb"), ("NVIDIA GH200 480GB", "gh200-96gb"),
+    ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+    ("NVIDIA A100 80GB PCIe", "a100-80gb"), ("NVIDIA L40S", "l40s"), ("NVIDIA A10G", "a10g"),
+    ("NVIDIA B200", None), ("Tesla V100-SXM2-16GB", None)])
+def test_gpu_names_match_exactly_one_type(device_name, gpu):
+    """Whole words: the GH200 is not an H200 and the H100 PCIe not the SXM part; an unknown
+    GPU matches nothing (never another type's peaks)."""
+    from pretrain.planning.gpus import gpu_for_device_name
+
+    spec = gpu_for_device_name(device_name)
+    assert (spec.name if spec else None) == gpu
+
+
+def test_a_run_and_the_plan_take_mfu_against_the_same_peak():
+    """fp8 runs included: the compute dtype's (bf16) peak, in the log and in the plan."""
+    from pretrain.planning.gpus import get_gpu
+    from pretrain.precision import load_preset, resolve_policy
+
+    gpu = get_gpu("h100-80gb")
+    for name in ("bf16", "fp16", "fp32", "fp8"):
+        prec = load_preset(name)
+        prec.fp8_allow_emulation = True
+        policy = resolve_policy(prec, torch.device("cpu"))
+        assert gpu.mfu_peak(policy.peak_dtype) == gpu.mfu_peak(prec.compute_dtype)
+    assert gpu.mfu_peak("bfloat16") == 989e12 and gpu.mfu_peak("float32") == 67e12

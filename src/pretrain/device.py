@@ -70,12 +70,13 @@ def pick_device(requested: str) -> torch.device:
 
 
 def gpu_peak_flops(device: torch.device, dtype: str) -> float | None:
-    """Dense datasheet peak of this GPU for ``dtype``, from the one GPU table (conf/gpu/,
-    see pretrain.planning.gpus); None for a GPU the table does not know."""
+    """The MFU denominator of this GPU for compute dtype ``dtype``, from the one GPU table
+    (conf/gpu/, see pretrain.planning.gpus: ``GpuSpec.mfu_peak``, the planner's rule too);
+    None for a GPU the table does not know."""
     from pretrain.planning.gpus import gpu_for_device_name
 
     spec = gpu_for_device_name(torch.cuda.get_device_name(device))
-    return spec.peak_flops(dtype) if spec is not None else None
+    return spec.mfu_peak(dtype) if spec is not None else None
 
 
 # The three operand layouts of a Linear's matmuls: forward x @ W^T, input gradient g @ W,

@@ -41,9 +41,9 @@ class Policy:
 
     @property
     def peak_dtype(self) -> str:
-        """The key of the datasheet peak that bounds this policy's matmuls (for MFU)."""
-        return "float8" if self.fp8 and not self.fp8_emulate else \
-            str(self.compute_dtype).removeprefix("torch.")
+        """The compute dtype's name, whose datasheet peak is the MFU denominator
+        (``GpuSpec.mfu_peak``: bf16 for fp8 runs too, the same rule as the planner's)."""
+        return str(self.compute_dtype).removeprefix("torch.")
 
     @property
     def mixed(self) -> bool:

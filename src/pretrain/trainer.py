@@ -429,7 +429,7 @@ class Trainer:
         """Denominator of MFU, per device: datasheet peak on a GPU, a measured large matmul
         on a CPU (one process's share of it when several share the CPU)."""
         dtype = self.policy.compute_dtype
-        if self.device.type == "cuda":  # fp8: the fp8 dense peak (not all matmuls are fp8)
+        if self.device.type == "cuda":  # the compute dtype's peak (bf16 for fp8): mfu_peak
             return gpu_peak_flops(self.device, self.policy.peak_dtype)
         key = (dtype, torch.get_num_threads())
         if key not in _CPU_PEAKS:  # once per process: several runs in one (bench, tests)

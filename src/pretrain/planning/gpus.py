@@ -38,7 +38,8 @@ class GpuSpec:
     network_gbps: float
     gpus_per_node: int = 8
     default_mfu: float = 0.4
-    # Substrings of torch.cuda.get_device_name(); all must appear for a full match.
+    # Words of torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3"), all of which must
+    # appear as whole words (case-insensitive): "H200" is not a word of "NVIDIA GH200 480GB".
     match: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -49,6 +50,12 @@ class GpuSpec:
         """Dense peak in FLOP/s for ``dtype`` (bfloat16, float16, float8, float32), or None."""
         value = self.peak_tflops.get(dtype)
         return None if value is None else float(value) * 1e12
+
+    def mfu_peak(self, compute_dtype: str) -> float | None:
+        """The MFU denominator, the one rule for a run's log and the plan: the dense peak
+        of the compute dtype (bf16 for an fp8 run too: fp8 speeds up some matmuls, MFU
+        stays comparable across precisions, as torchtitan reports it), fp32's for fp32."""
+        return self.peak_flops(compute_dtype) or self.peak_flops("bfloat16")
 
 
 def _load_file(path: Path) -> GpuSpec:
@@ -108,14 +115,13 @@ def get_gpu(name: str, extra: tuple[str, ...] = ()) -> GpuSpec:
 
 
 def gpu_for_device_name(device_name: str) -> GpuSpec | None:
-    """The table entry for a CUDA device name ("NVIDIA H100 80GB HBM3"): the type whose
-    ``match`` substrings all appear, else the one whose first substring appears."""
-    specs = [s for s in load_gpus().values() if s.match]
-    full = [s for s in specs if all(m in device_name for m in s.match)]
-    if full:
-        return max(full, key=lambda s: len(s.match))
-    loose = [s for s in specs if s.match[0] in device_name]
-    return loose[0] if loose else None
+    """The table entry for a CUDA device name ("NVIDIA H100 80GB HBM3"): of the types whose
+    ``match`` words all appear as words of the name, the most specific (most words); None
+    when none does: an unknown GPU is never given another one's peaks or memory."""
+    words = set(device_name.upper().replace("-", " ").split())
+    full = [s for s in load_gpus().values()
+            if s.match and all(m.upper() in words for m in s.match)]
+    return max(full, key=lambda s: len(s.match)) if full else None
 
 
 def local_gpu(device_type: str, world_size: int = 1) -> GpuSpec:
