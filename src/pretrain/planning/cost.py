@@ -3,7 +3,8 @@
 Stated assumptions (an idealised model for ranking layouts, not a promise of throughput):
 
 - Compute runs at the GPU's dense peak for the compute dtype (fp8: the block Linear FLOPs at
-  the fp8 peak). Hardware FLOPs are model FLOPs (``budget.flops_per_token``: 6 N + 12 L h s
+  the fp8 peak) times its calibrated ``kernel_efficiency`` (conf/gpu/, fitted on measured
+  runs: docs/benchmarks.md), eager blocks at ``EAGER_SPEED`` of compiled ones. Hardware FLOPs are model FLOPs (``budget.flops_per_token``: 6 N + 12 L h s
   per token) plus recomputation: full checkpointing re-runs each block's forward (a third of
   its FLOPs), op-level selective re-runs every other block Linear's forward
   (parallel/activation_checkpoint.recomputed_linears).
@@ -86,6 +87,17 @@ def _alpha(gpu: GpuSpec, ranks_in_group_span: int) -> float:
     return LATENCY_NODE_S if ranks_in_group_span <= gpu.gpus_per_node else LATENCY_NETWORK_S
 
 
+# Eager blocks against compiled ones: torchtitan's Llama 3.1 8B on 8 H100 (FSDP, selective
+# AC), 5,762 tokens/s eager against 6,667 compiled (benchmarks/llama3_h100_202412_torchtitan.md).
+EAGER_SPEED = 5762 / 6667
+
+
+def kernel_slowdown(cfg: Config, gpu: GpuSpec) -> float:
+    """How much longer than at the dense peak the kernels take: 1 / (the GPU type's
+    calibrated ``kernel_efficiency``), and eager blocks ``EAGER_SPEED`` of compiled ones."""
+    return 1 / gpu.kernel_efficiency / (1.0 if cfg.train.compile else EAGER_SPEED)
+
+
 def _selective_recompute(cfg: Config, block_fwd: float) -> float:
     """Forward FLOPs per token that selective checkpointing re-runs: whole blocks every
     ``ac_every_n_layers``, else the op-level policy's recomputed Linears
@@ -120,6 +132,8 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
         linear = 6 * layer_matmul * tokens / world
         compute -= linear / peak - linear / gpu.peak_flops("float8")
     recompute = extra / peak
+    slow = kernel_slowdown(cfg, gpu)
+    compute, recompute = compute * slow, recompute * slow
 
     # Tensor parallel collectives.
     tp_comm = 0.0

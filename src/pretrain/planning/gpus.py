@@ -22,7 +22,7 @@ GIB = 1024**3
 CONF_GPU_DIR = Path(__file__).resolve().parents[3] / "conf" / "gpu"
 ENV_VAR = "PRETRAIN_GPU_TABLE"
 KEYS = ("name", "match", "memory_gib", "peak_tflops", "nvlink_gbps", "network_gbps",
-        "gpus_per_node", "default_mfu")
+        "gpus_per_node", "default_mfu", "kernel_efficiency")
 
 
 class GpuError(ValueError):
@@ -38,6 +38,9 @@ class GpuSpec:
     network_gbps: float
     gpus_per_node: int = 8
     default_mfu: float = 0.4
+    # Fraction of the dense peak this project's compiled kernels reach, calibrated on
+    # measured runs (docs/benchmarks.md): the cost model's compute runs at peak x this.
+    kernel_efficiency: float = 1.0
     # Words of torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3"), all of which must
     # appear as whole words (case-insensitive): "H200" is not a word of "NVIDIA GH200 480GB".
     match: tuple[str, ...] = field(default_factory=tuple)

@@ -50,6 +50,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--simulate", action="store_true",
                     help="start one rank of the run on this CPU (fake process group)")
     ap.add_argument("--rank", type=int, default=0, help="the rank --simulate starts")
+    ap.add_argument("--published", action="store_true",
+                    help="the planner against published runs (torchtitan, Megatron-LM): a "
+                         "markdown table of tokens/s and memory, published and predicted")
     ap.add_argument("--no-step", dest="step", action="store_false",
                     help="--simulate without the fake-tensor forward/backward")
     return ap.parse_known_args(argv)
@@ -65,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
         return fail(f"unknown option(s) {' '.join(bad)}; see --help")
+    if args.published:
+        from pretrain.planning.published import RUNS, compare, markdown
+
+        print(markdown([compare(run) for run in RUNS]))
+        return FITS
     if args.mfu is not None and not 0 < args.mfu <= 1:
         return fail(f"--mfu={args.mfu} must be in (0, 1], e.g. 0.4")
     try:
