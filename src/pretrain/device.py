@@ -178,9 +178,18 @@ def peak_rss_bytes() -> int:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """Peak bytes held by tensors (CUDA: the caching allocator's allocated peak; CPU: the
+    process's peak RSS)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return peak_rss_bytes()
+
+
+def peak_reserved_bytes(device: torch.device) -> int | None:
+    """CUDA: peak bytes the caching allocator reserved from the driver, what the planner
+    and torchtitan report as a GPU's memory (allocated plus the allocator's cache and
+    fragmentation); None elsewhere."""
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
 
 
 def keep_freed_memory() -> None:

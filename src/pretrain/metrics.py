@@ -40,7 +40,8 @@ def format_metrics(m: dict[str, Any]) -> str:
     fmt = {
         "loss": "loss {:.4f}", "val_loss": "val_loss {:.4f}", "lr": "lr {:.2e}",
         "grad_norm": "gnorm {:.3f}", "tokens_per_s": "{:,.0f} tok/s", "mfu": "MFU {:.1%}",
-        "memory_gb": "mem {:.2f} GB", "loss_scale": "scale {:g}",
+        "memory_gb": "mem {:.2f} GB", "memory_reserved_gb": "reserved {:.2f} GB",
+        "loss_scale": "scale {:g}",
         "noise_scale": "noise scale {:,.0f} tok",
     }
     for key, f in fmt.items():

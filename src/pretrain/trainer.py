@@ -48,6 +48,7 @@ from pretrain.device import (
     keep_freed_memory,
     measure_matmul_flops,
     peak_memory_bytes,
+    peak_reserved_bytes,
     peak_rss_bytes,
     pick_device,
 )
@@ -954,8 +955,11 @@ class Trainer:
         clock.restart()
 
     def _step_metrics(self, loss: float, grad_norm: float, tokens_per_s: float) -> dict:
-        peak_mem = torch.tensor(float(peak_memory_bytes(self.device)), device=self.device)
+        reserved = peak_reserved_bytes(self.device)
+        peak_mem = torch.tensor([float(peak_memory_bytes(self.device)), float(reserved or 0)],
+                                device=self.device)
         dist_env.all_reduce(peak_mem, "max")  # the fullest rank is the one that matters
+        peak_mem, reserved_max = peak_mem.tolist()
         achieved = tokens_per_s * self.budget.flops_per_token
         self.check_peak(achieved)
         return {
@@ -963,7 +967,8 @@ class Trainer:
             "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
             # per device: global throughput shared by world_size devices of that peak
             "mfu": achieved / (self.world_size * self.peak_flops) if self.peak_flops else None,
-            "memory_gb": peak_mem.item() / 1e9,
+            "memory_gb": peak_mem / 1e9,  # allocated (CUDA) or peak RSS (CPU)
+            "memory_reserved_gb": reserved_max / 1e9 if reserved is not None else None,
             "tokens": self.step * self.budget.global_batch_tokens,
             "loss_scale": self.scaler.get_scale() if self.scaler else None,
             "skipped_steps": self.skipped_steps,
