@@ -41,6 +41,7 @@ from pretrain.checkpoint import (
 from pretrain.config import Config
 from pretrain.data.epochs import check_epochs
 from pretrain.data.loader import TokenWindows
+from pretrain.data.prefetch import Prefetcher
 from pretrain.data.prepare import DataError, data_dir, load_index, needs_preparation, prepare
 from pretrain.device import (
     cpu_native_matmul,
@@ -324,6 +325,9 @@ class Trainer:
         self.train_data = TokenWindows(path, "train", cfg.model.seq_len, seed=cfg.data.seed)
         self.val_data = (TokenWindows(path, "validation", cfg.model.seq_len, shuffle=False)
                          if "validation" in self.train_data.index["splits"] else None)
+        # the next batches read on a thread while a step runs, pinned for async copies
+        self.prefetch = Prefetcher(self.train_data, self.layout.local_batch_size,
+                                   cfg.train.global_batch_size, pin=self.device.type == "cuda")
         if self.device.type == "cpu":
             keep_freed_memory()
 
@@ -606,7 +610,7 @@ class Trainer:
         """This DP rank's slice of the global batch: samples are read by global index, so
         the union over ranks is exactly the batch one process would read."""
         n = self.layout.local_batch_size
-        x, y = self.train_data.batch(self.samples_seen + self.dp_rank * n, n)
+        x, y = self.prefetch.get(self.samples_seen + self.dp_rank * n)  # read ahead
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
@@ -1103,4 +1107,6 @@ def run(cfg: Config, run_dir: Path) -> dict | None:
     finally:
         if getattr(trainer, "stop", None) is not None:
             trainer.stop.restore()
+        if getattr(trainer, "prefetch", None) is not None:
+            trainer.prefetch.close()
         dist_env.destroy()
