@@ -28,7 +28,21 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from pretrain.config import Config
+from pretrain.parallel import pipeline
 from pretrain.trainer import Trainer
+
+# The most receive-info entries (each a chunk's buffers) one stage held at once, this run.
+RECV_PEAK = {"entries": 0}
+_made = pipeline._MadeOnUse.__missing__
+
+
+def _count_made(self, chunk):
+    value = _made(self, chunk)
+    RECV_PEAK["entries"] = max(RECV_PEAK["entries"], len(self))
+    return value
+
+
+pipeline._MadeOnUse.__missing__ = _count_made
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -78,6 +92,7 @@ def memory(trainer: Trainer) -> dict[str, int]:
         "optimizer": opt_bytes,
         "block_params": sum(local_bytes(p) for p in blocks),
         "pipeline_outputs": pipeline_outputs(trainer),
+        "pipeline_recv_peak": RECV_PEAK["entries"],
     }
 
 

@@ -196,6 +196,26 @@ def test_pipeline_keeps_no_microbatch_outputs(groups, name):
     assert [m["pipeline_outputs"] for m in ranks] == [0] * len(ranks)
 
 
+@pytest.mark.parametrize("name", PIPELINE_LAYOUTS)
+def test_pipeline_receive_buffers_are_bounded_by_the_microbatches_in_flight(groups, name):
+    """parallel/pipeline.BoundedStage: a stage holds receive buffers only for the microbatches
+    in flight (torch's PipelineStage keeps one per microbatch of the step: 8 here), at most
+    what the planner counts (planning/activations.inflight_chunks)."""
+    from pretrain.cli import compose_config
+    from pretrain.parallel.layout import resolve_layout
+    from pretrain.planning.activations import inflight_chunks
+
+    processes, overrides = LAYOUTS[name]
+    layout = resolve_layout(compose_config([*COMMON, *overrides]), processes)
+    ranks = groups(processes)[name]["memory"]
+    for rank, m in enumerate(ranks):
+        pp_rank = rank // (layout.world_size // layout.pp)
+        bound = inflight_chunks(layout.pp_schedule, layout.pp, layout.virtual_stages,
+                                layout.microbatches, pp_rank)
+        assert m["pipeline_recv_peak"] <= bound, (rank, m, bound)
+        assert m["pipeline_recv_peak"] < layout.microbatches, (rank, m, layout.microbatches)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_eval_counts_every_batch_it_computes(reference, groups, name):
     """eval_batches=3 after training. A pipeline computes a whole step (8 batches) and now

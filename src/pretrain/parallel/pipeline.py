@@ -23,9 +23,56 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining._utils import _make_tensor_from_meta
+from torch.distributed.pipelining.stage import _RecvInfo
 
 from pretrain.model import GPT
 from pretrain.parallel.layout import Layout
+
+
+class _MadeOnUse(dict):
+    """chunk -> receive infos, made (buffers allocated) the first time a chunk is used."""
+
+    def __init__(self, make: Callable[[], tuple]):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, chunk: int) -> tuple:
+        value = self[chunk] = self.make()
+        return value
+
+
+class BoundedStage(PipelineStage):
+    """torch's ``PipelineStage`` holding receive buffers for the microbatches in flight only.
+
+    torch 2.13 allocates, up front, an activation buffer (non-first stages) and a gradient
+    buffer (non-last stages) for every microbatch of the step and keeps them all: at the
+    280-512 microbatches of the large published layouts that is tens of GiB. Megatron-LM
+    holds buffers only for the microbatches in flight. Here a chunk's buffers are made when
+    its receive is posted and dropped after its backward (autograd keeps whatever it saved
+    of them), so at most the schedule's in-flight count exists (planning/memory.py counts
+    that). Everything else is torch's own."""
+
+    def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+        if self.is_first:
+            return super()._setup_forward_recv_info(num_microbatches, has_backward)
+        metas, source = self._stage_meta.inputs, self.stage_index - 1
+        name = f"recv_for_{self.stage_index}_from_{source}"
+        self.args_recv_info = _MadeOnUse(lambda: tuple(
+            _RecvInfo(input_name=name, source=source, tensor_meta=meta,
+                      buffer=_make_tensor_from_meta(meta, self.device))
+            for meta in metas))
+
+    def _setup_backward_recv_info(self, num_microbatches: int) -> None:
+        self.chunks = num_microbatches
+        self.grad_recv_info = _MadeOnUse(lambda: self._create_grad_recv_info(self.act_send_info))
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        self.grad_recv_info.pop(bwd_chunk_id, None)
+        if not self.is_first:
+            self.args_recv_info.pop(bwd_chunk_id, None)
+        return out
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -85,7 +132,7 @@ def build_schedule(
     microbatches (``scale_grads``), so with a mean loss per microbatch they equal those of
     one mean over the local batch, as without a pipeline."""
     group = pp_mesh.get_group()
-    stages = [PipelineStage(part, sid, layout.n_stages, device, group=group)
+    stages = [BoundedStage(part, sid, layout.n_stages, device, group=group)
               for part, sid in zip(parts, stage_ids, strict=True)]
     cls = SCHEDULE_CLASSES[layout.pp_schedule]
     if layout.pp_schedule in ("gpipe", "1f1b"):

@@ -17,9 +17,11 @@ Parts (bytes per GPU, for the pipeline rank that needs the most):
   ``reduce_dtype`` accumulator for every local parameter (``FSDPParam.
   to_accumulated_grad_if_needed``).
 - activations in flight, logits and loss, the backward transient: ``activations.py``.
-- pipeline buffers: torch 2.13's ``PipelineStage`` allocates a receive buffer per microbatch
-  (activations into non-first stages, gradients into non-last stages) and keeps the input
-  gradient on each activation buffer until the next step. The last stage keeps no
+- pipeline buffers: a receive buffer per microbatch in flight (activations into non-first
+  stages, gradients into non-last stages, and the input gradient on each activation buffer):
+  ``parallel/pipeline.BoundedStage`` makes them when a receive is posted and drops them after
+  the microbatch's backward, where torch 2.13's ``PipelineStage`` keeps one per microbatch
+  of the step. The last stage keeps no
   microbatch outputs: the trainer calls ``schedule.step(..., return_outputs=False)``, so
   each microbatch's logits are freed after its backward (with torch's default
   ``return_outputs=True`` every microbatch's logits would stay until the next step:
@@ -149,11 +151,15 @@ def _pipeline_buffers(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: 
     act = a.residual_bytes * m.seq_len * a.micro_batch * m.d_model / (
         layout.tp if a.sequence_parallel else 1)
     total = 0.0
-    for s in stage_indices(layout, pp_rank):
+    stages = stage_indices(layout, pp_rank)
+    # parallel/pipeline.BoundedStage: buffers for the microbatches in flight, not all
+    live = inflight_chunks(layout.pp_schedule, layout.pp, layout.virtual_stages,
+                           layout.microbatches, pp_rank) / len(stages)
+    for s in stages:
         if s != 0:  # activation receive buffer and the input gradient left on it
-            total += 2 * layout.microbatches * act
+            total += 2 * live * act
         if s != layout.n_stages - 1:  # gradient receive buffer
-            total += layout.microbatches * act
+            total += live * act
         elif KEEPS_PIPELINE_OUTPUTS:  # every microbatch's logits
             total += (layout.microbatches * a.compute_bytes * m.seq_len * a.micro_batch
                       * padded_vocab_size(m) / layout.tp)
