@@ -186,6 +186,10 @@ def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict
         cfg = replace(cfg, model=replace(cfg.model, attention="sdpa"))
     if cfg.precision.fp8:  # the same Float8Linear modules and shards, emulated on the CPU
         cfg = replace(cfg, precision=replace(cfg.precision, fp8_allow_emulation=True))
+    compiled = cfg.train.compile
+    if compiled:  # torch's memory tracker is a dispatch mode, which compile cannot run under;
+        # eager blocks keep the same tensors (the checkpoint policy decides, not compile)
+        cfg = replace(cfg, train=replace(cfg.train, compile=False))
     policy = resolve_policy(cfg.precision, device)
     attention = resolve_backend(cfg.model.attention, device, policy.compute_dtype)
     layout = resolve_layout(cfg, world_size)
@@ -216,6 +220,8 @@ def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict
         }
         if attention_asked == "flash":
             result["attention_note"] = "flash is a GPU kernel: simulated with sdpa"
+        if compiled:
+            result["compile_note"] = "blocks run eager here (train.compile=true on the GPU)"
         del optimizer, params, pm
         if step:
             result.update(fake_step(cfg, layout, mesh, policy, attention))
