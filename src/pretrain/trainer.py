@@ -910,6 +910,8 @@ class Trainer:
         """The run: evaluate the starting model, then step after step: train, log (on
         logging steps), evaluate (when due), stop on a request or save (when due), until
         the budget is spent; then the final checkpoint, a sample and the result."""
+        if self.step >= self.budget.steps:  # resumed from the final checkpoint
+            return self._already_finished()
         self._describe_eval()
         self._evaluate_at_start()
         window, clock = LossWindow(self.device), Throughput()
@@ -1011,6 +1013,10 @@ class Trainer:
                         "status %d so the launcher requeues the run", self.step, stopped,
                         EXIT_REQUEUE)
             self.save_checkpoint(block=True)
+        elif save_due and self.nonfinite_in_a_row:
+            log.warning("step %d: no checkpoint while steps are being skipped for a "
+                        "non-finite loss or gradient (%d in a row): the newest one stays the "
+                        "last good one", self.step, self.nonfinite_in_a_row)
         elif save_due:
             self.save_checkpoint()
         return stopped
@@ -1058,6 +1064,19 @@ class Trainer:
         self.ckpt.close()
         self.metrics.close()
         return {"steps": self.step, "stopped": stopped}
+
+    def _already_finished(self) -> dict:
+        """A finished run started again: nothing to train, and result.json (the sweep
+        fits read it) stays exactly as the run wrote it."""
+        path = self.run_dir / "result.json"
+        log.info("this run finished already (step %d of %d, resumed from its final "
+                 "checkpoint): nothing to train; %s is left as it was", self.step,
+                 self.budget.steps, path)
+        self.ckpt.close()
+        self.metrics.close()
+        if path.exists():
+            return {**json.loads(path.read_text()), "already_finished": True}
+        return {"steps": self.step, "already_finished": True}
 
     def _finish(self, final_loss: float) -> dict:
         """The budget is spent: the final checkpoint, what the noise scale says of the
