@@ -67,3 +67,15 @@ def test_train_py_refuses_a_recipe_path_before_hydra_runs(tmp_path):
                           cwd=tmp_path, timeout=120)
     assert proc.returncode != 0 and "not a path" in proc.stderr
     assert not any(tmp_path.iterdir())  # no run directory, no .hydra, nothing written
+
+
+def test_resume_across_loss_scaling_is_refused_naming_both_precisions(compose, prepared,
+                                                                        tmp_path):
+    from pretrain.checkpoint import CheckpointError
+
+    base = [*NANO, f"data.root={prepared.parent}", "budget.steps=2", "checkpoint.enabled=true",
+            "run_name=prec"]
+    run(compose([*base, "precision=fp32"]), tmp_path / "run")
+    cfg = compose([*base, "precision=fp16", "budget.steps=4"])
+    with pytest.raises(CheckpointError, match="precision=fp32.*precision=fp16.*load_weights_only"):
+        run(cfg, tmp_path / "run")

@@ -522,6 +522,21 @@ class Trainer:
             raise CheckpointError(
                 f"{path} holds a different model: {'; '.join(diff)}. Use the same model "
                 "settings, another run_name, or checkpoint.resume=false to start afresh.")
+        self._check_precision(path, read_meta(path).get("config", {}).get("precision", {}))
+
+    def _check_precision(self, path: Path, saved: dict) -> None:
+        """Loss scaling is state the checkpoint holds or lacks (fp16's scaler): resuming
+        across it would fail inside DCP with a message about param_groups. Other precision
+        changes (bf16 <-> fp32) resume fine: the weights and AdamW state are fp32 either way."""
+        if not saved or bool(saved.get("loss_scaling")) == self.cfg.precision.loss_scaling:
+            return
+        raise CheckpointError(
+            f"{path} was saved with precision={saved.get('name')} "
+            f"(loss_scaling={saved.get('loss_scaling')}) and this run is "
+            f"precision={self.cfg.precision.name} (loss_scaling="
+            f"{self.cfg.precision.loss_scaling}): fp16's loss-scaler state is in one and not "
+            "the other. Resume with the checkpoint's precision, or start afresh from its "
+            f"weights: checkpoint.load_weights_only={path} checkpoint.resume=false.")
 
     def resume_path(self) -> Path | None:
         """The checkpoint this run continues from: resume_from, else (checkpoint.resume) the
