@@ -79,3 +79,22 @@ def test_resume_across_loss_scaling_is_refused_naming_both_precisions(compose, p
     cfg = compose([*base, "precision=fp16", "budget.steps=4"])
     with pytest.raises(CheckpointError, match="precision=fp32.*precision=fp16.*load_weights_only"):
         run(cfg, tmp_path / "run")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "odd", "empty", "index"])
+def test_damaged_data_is_refused_naming_the_file(prepared_copy, damage):
+    from pretrain.data.loader import TokenWindows
+    from pretrain.data.prepare import DataError
+
+    shard = next(prepared_copy.glob("train_*.bin"))
+    if damage == "index":
+        (prepared_copy / "index.json").write_text("{not json")
+        target = "index.json"
+    else:
+        data = shard.read_bytes()
+        shard.write_bytes({"truncate": data[: len(data) // 2], "odd": data[:-1],
+                           "empty": b""}[damage])
+        target = shard.name
+    with pytest.raises(DataError, match=target) as err:
+        TokenWindows(prepared_copy, "train", 16)
+    assert "prepare_data.py" in str(err.value)
