@@ -98,3 +98,24 @@ def test_damaged_data_is_refused_naming_the_file(prepared_copy, damage):
     with pytest.raises(DataError, match=target) as err:
         TokenWindows(prepared_copy, "train", 16)
     assert "prepare_data.py" in str(err.value)
+
+
+def test_a_second_run_in_the_same_directory_is_refused_and_a_dead_ones_lock_is_not(
+        tmp_path):
+    import os
+
+    from pretrain.run_lock import RunLock, RunLockedError
+
+    first = RunLock(tmp_path)
+    first.acquire()
+    with pytest.raises(RunLockedError, match=f'"pid": {os.getpid()}'):
+        RunLock(tmp_path).acquire()
+    first.release()
+    RunLock(tmp_path).acquire()  # released: free again
+    # a process that dies holding the lock: the kernel drops it
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from pretrain.run_lock import "
+            "RunLock; RunLock(sys.argv[1]).acquire(); import os; os._exit(9)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "b"),
+                           str(REPO / "src")], timeout=60)
+    assert proc.returncode == 9 and (tmp_path / "b" / "run.lock").exists()
+    RunLock(tmp_path / "b").acquire()

@@ -74,6 +74,7 @@ from pretrain.parallel.layout import (
 )
 from pretrain.precision import Policy, choose_auto, resolve_auto_precision, resolve_policy
 from pretrain.preemption import EXIT_REQUEUE, StopRequest
+from pretrain.run_lock import RunLock
 from pretrain.steps import ScaledLoss, step_strategy
 from pretrain.validate import check
 
@@ -361,8 +362,9 @@ class Trainer:
         """The run directory (this attempt not stopped, the tokenizer beside the
         checkpoints), the checkpoint resumed from, the stop request and the metrics."""
         cfg = self.cfg
+        self.lock = RunLock(self.run_dir)
+        on_rank0(self.lock.acquire)  # before anything in the directory is touched
         if self.rank0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / STOPPED).unlink(missing_ok=True)  # this attempt is not stopped
         self._resume()
         self.stop = StopRequest(cfg.train.time_limit_minutes)
@@ -1143,4 +1145,6 @@ def run(cfg: Config, run_dir: Path) -> dict | None:
             trainer.stop.restore()
         if getattr(trainer, "prefetch", None) is not None:
             trainer.prefetch.close()
+        if getattr(trainer, "lock", None) is not None:
+            trainer.lock.release()
         dist_env.destroy()
