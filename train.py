@@ -11,10 +11,14 @@ import hydra
 from omegaconf import DictConfig
 
 from pretrain.config import register_configs, to_config
-from pretrain.naming import register_resolvers
+from pretrain.naming import RecipeNameError, check_recipe_overrides, register_resolvers
 
 register_configs()
 register_resolvers()
+try:
+    check_recipe_overrides(sys.argv[1:])  # before Hydra reads a file or makes a directory
+except RecipeNameError as e:
+    sys.exit(f"error: {e}")
 
 if int(os.environ.get("RANK", "0")) > 0:
     # Under torchrun every rank composes the same config and the same run directory; only

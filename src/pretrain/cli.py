@@ -14,7 +14,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
 from pretrain.config import Config, register_configs, to_config
-from pretrain.naming import register_resolvers
+from pretrain.naming import check_recipe_overrides, register_resolvers
 
 # The checkout the package is installed from (editable: ``pip install -e .``): the tools
 # read its conf/, slurm/ templates and train.py, which are not part of the package.
@@ -26,6 +26,7 @@ def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:
     """The resolved, schema-checked config for these overrides (as train.py would run it)."""
     register_configs()
     register_resolvers()
+    check_recipe_overrides(list(overrides))
     if not conf_dir.is_dir():
         raise FileNotFoundError(
             f"no Hydra config directory at {conf_dir}; run the tools from a checkout of the repo"

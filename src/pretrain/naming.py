@@ -72,3 +72,18 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("pretrain_run_name", lambda: _from_hydra())
         OmegaConf.register_new_resolver("pretrain_sweep_name", _sweep_name)
         OmegaConf.register_new_resolver("pretrain_neutral_keys", neutral_keys)
+
+
+class RecipeNameError(ValueError):
+    pass
+
+
+def check_recipe_overrides(overrides: list[str]) -> None:
+    """A recipe is a name from recipes/, never a path: ``+recipe=../../x`` would load a YAML
+    from outside recipes/ and name a run directory outside ``runs_dir``."""
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key == "recipe" and ("/" in value or "\\" in value or value.startswith(".")):
+            raise RecipeNameError(
+                f"{override}: a recipe is a name from recipes/ (e.g. +recipe=tiny), not a "
+                f"path; copy the file into recipes/ and use its name")

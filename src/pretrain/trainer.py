@@ -74,6 +74,7 @@ from pretrain.parallel.layout import (
 )
 from pretrain.precision import Policy, choose_auto, resolve_auto_precision, resolve_policy
 from pretrain.preemption import EXIT_REQUEUE, StopRequest
+from pretrain.run_lock import RunLock
 from pretrain.steps import ScaledLoss, step_strategy
 from pretrain.validate import check
 
@@ -361,8 +362,9 @@ class Trainer:
         """The run directory (this attempt not stopped, the tokenizer beside the
         checkpoints), the checkpoint resumed from, the stop request and the metrics."""
         cfg = self.cfg
+        self.lock = RunLock(self.run_dir)
+        on_rank0(self.lock.acquire)  # before anything in the directory is touched
         if self.rank0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / STOPPED).unlink(missing_ok=True)  # this attempt is not stopped
         self._resume()
         self.stop = StopRequest(cfg.train.time_limit_minutes)
@@ -522,6 +524,21 @@ class Trainer:
             raise CheckpointError(
                 f"{path} holds a different model: {'; '.join(diff)}. Use the same model "
                 "settings, another run_name, or checkpoint.resume=false to start afresh.")
+        self._check_precision(path, read_meta(path).get("config", {}).get("precision", {}))
+
+    def _check_precision(self, path: Path, saved: dict) -> None:
+        """Loss scaling is state the checkpoint holds or lacks (fp16's scaler): resuming
+        across it would fail inside DCP with a message about param_groups. Other precision
+        changes (bf16 <-> fp32) resume fine: the weights and AdamW state are fp32 either way."""
+        if not saved or bool(saved.get("loss_scaling")) == self.cfg.precision.loss_scaling:
+            return
+        raise CheckpointError(
+            f"{path} was saved with precision={saved.get('name')} "
+            f"(loss_scaling={saved.get('loss_scaling')}) and this run is "
+            f"precision={self.cfg.precision.name} (loss_scaling="
+            f"{self.cfg.precision.loss_scaling}): fp16's loss-scaler state is in one and not "
+            "the other. Resume with the checkpoint's precision, or start afresh from its "
+            f"weights: checkpoint.load_weights_only={path} checkpoint.resume=false.")
 
     def resume_path(self) -> Path | None:
         """The checkpoint this run continues from: resume_from, else (checkpoint.resume) the
@@ -910,6 +927,8 @@ class Trainer:
         """The run: evaluate the starting model, then step after step: train, log (on
         logging steps), evaluate (when due), stop on a request or save (when due), until
         the budget is spent; then the final checkpoint, a sample and the result."""
+        if self.step >= self.budget.steps:  # resumed from the final checkpoint
+            return self._already_finished()
         self._describe_eval()
         self._evaluate_at_start()
         window, clock = LossWindow(self.device), Throughput()
@@ -1011,6 +1030,10 @@ class Trainer:
                         "status %d so the launcher requeues the run", self.step, stopped,
                         EXIT_REQUEUE)
             self.save_checkpoint(block=True)
+        elif save_due and self.nonfinite_in_a_row:
+            log.warning("step %d: no checkpoint while steps are being skipped for a "
+                        "non-finite loss or gradient (%d in a row): the newest one stays the "
+                        "last good one", self.step, self.nonfinite_in_a_row)
         elif save_due:
             self.save_checkpoint()
         return stopped
@@ -1058,6 +1081,19 @@ class Trainer:
         self.ckpt.close()
         self.metrics.close()
         return {"steps": self.step, "stopped": stopped}
+
+    def _already_finished(self) -> dict:
+        """A finished run started again: nothing to train, and result.json (the sweep
+        fits read it) stays exactly as the run wrote it."""
+        path = self.run_dir / "result.json"
+        log.info("this run finished already (step %d of %d, resumed from its final "
+                 "checkpoint): nothing to train; %s is left as it was", self.step,
+                 self.budget.steps, path)
+        self.ckpt.close()
+        self.metrics.close()
+        if path.exists():
+            return {**json.loads(path.read_text()), "already_finished": True}
+        return {"steps": self.step, "already_finished": True}
 
     def _finish(self, final_loss: float) -> dict:
         """The budget is spent: the final checkpoint, what the noise scale says of the
@@ -1109,4 +1145,6 @@ def run(cfg: Config, run_dir: Path) -> dict | None:
             trainer.stop.restore()
         if getattr(trainer, "prefetch", None) is not None:
             trainer.prefetch.close()
+        if getattr(trainer, "lock", None) is not None:
+            trainer.lock.release()
         dist_env.destroy()

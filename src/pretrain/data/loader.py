@@ -16,6 +16,23 @@ import torch
 from pretrain.data.prepare import DataError, load_index
 
 
+def check_shard(path: Path, entry: dict, dtype: np.dtype) -> None:
+    """A shard file holds exactly the tokens its index entry says, or DataError naming the
+    file and the command that rebuilds it (a truncated shard would otherwise train on what
+    is left, an odd byte count or an empty file fail inside numpy)."""
+    file = path / entry["file"]
+    fix = (f"prepare the data again: move {path} aside and run "
+           f"`python tools/prepare_data.py data=...` with the run's data settings")
+    if not file.exists():
+        raise DataError(f"{file} is missing (listed in {path / 'index.json'}); {fix}")
+    size, expected = file.stat().st_size, int(entry.get("tokens", -1)) * dtype.itemsize
+    if expected >= 0 and size != expected:
+        raise DataError(
+            f"{file} holds {size:,} bytes where {path / 'index.json'} says "
+            f"{entry['tokens']:,} {dtype.name} tokens ({expected:,} bytes): the shard is "
+            f"truncated or damaged; {fix}")
+
+
 class TokenWindows:
     """Non-overlapping windows of seq_len + 1 tokens (inputs and shifted targets)."""
 
@@ -30,8 +47,10 @@ class TokenWindows:
         self.seed = seed
         self.shuffle = shuffle
         dtype = np.dtype(index["dtype"])
-        self.shards = [np.memmap(self.path / s["file"], dtype=dtype, mode="r")
-                       for s in index["splits"][split]["shards"]]
+        entries = index["splits"][split]["shards"]
+        for entry in entries:
+            check_shard(self.path, entry, dtype)
+        self.shards = [np.memmap(self.path / s["file"], dtype=dtype, mode="r") for s in entries]
         counts = np.array([max(0, (len(s) - 1) // seq_len) for s in self.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(counts)])
         self.n_windows = int(self.starts[-1])

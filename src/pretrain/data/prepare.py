@@ -95,7 +95,13 @@ def load_index(path: Path) -> dict:
             f"no prepared data at {path} ({INDEX} missing); run "
             f"`python tools/prepare_data.py data=...` or set data.auto_prepare=true"
         )
-    return json.loads(index_path.read_text())
+    try:
+        return json.loads(index_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(
+            f"{index_path} is not valid JSON ({e}): the preparation was interrupted or the "
+            f"file damaged; prepare again with `python tools/prepare_data.py data=...` "
+            f"(after moving {path} aside)") from e
 
 
 def prepared_index(cfg: DataConfig) -> dict | None:
