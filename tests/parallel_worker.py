@@ -119,6 +119,7 @@ def evaluate_with(trainer: Trainer, eval_batches: int) -> tuple[int, float]:
 
 
 def run_layout(cfg: Config, out: Path, name: str, spec_eval_also: list[int]) -> None:
+    RECV_PEAK["entries"] = 0  # this layout's own peak
     trainer = Trainer(cfg, out / name)
     trainer.setup()
     init = full_params(trainer)

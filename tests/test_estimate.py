@@ -94,7 +94,8 @@ def step(parts: list[torch.nn.Module], cfg: Config) -> torch.optim.Optimizer:
 def test_pipeline_last_stage_keeps_no_logits():
     """The trainer runs the pipeline with return_outputs=False, so the last stage's pipeline
     buffers are its activation receive buffer and the input gradient left on it, one per
-    microbatch: no logits (tests/test_parallel_layouts.py measures that none are kept)."""
+    microbatch in flight (parallel/pipeline.BoundedStage; 1F1B: p - r on rank r): no logits
+    (tests/test_parallel_layouts.py measures that none are kept, and the buffers held)."""
     cfg = make_cfg(NANO, gbs=16, pp=2, dp=1)
     layout = resolve_layout(cfg, 2)
     m = cfg.model
@@ -103,8 +104,10 @@ def test_pipeline_last_stage_keeps_no_logits():
     assert layout.microbatches == 8
     last = rank_memory(cfg, layout, 1, device="cpu").parts["pipeline buffers"]
     first = rank_memory(cfg, layout, 0, device="cpu").parts["pipeline buffers"]
-    assert last == 2 * layout.microbatches * act
-    assert first == layout.microbatches * act  # gradient receive buffer
+    # 1F1B: one microbatch in flight on the last rank, two on the first, plus up to p = 2
+    # receives posted ahead (activations.live_recv_buffers), of the 8 torch would keep
+    assert last == 2 * (1 + 2) * act
+    assert first == (2 + 2) * act  # gradient receive buffers
     assert not any("return_outputs" in n for n in estimate_memory(cfg, layout).notes)
 
 

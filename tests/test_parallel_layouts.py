@@ -203,17 +203,18 @@ def test_pipeline_receive_buffers_are_bounded_by_the_microbatches_in_flight(grou
     what the planner counts (planning/activations.inflight_chunks)."""
     from pretrain.cli import compose_config
     from pretrain.parallel.layout import resolve_layout
-    from pretrain.planning.activations import inflight_chunks
+    from pretrain.planning.activations import live_recv_buffers
 
     processes, overrides = LAYOUTS[name]
     layout = resolve_layout(compose_config([*COMMON, *overrides]), processes)
     ranks = groups(processes)[name]["memory"]
     for rank, m in enumerate(ranks):
         pp_rank = rank // (layout.world_size // layout.pp)
-        bound = inflight_chunks(layout.pp_schedule, layout.pp, layout.virtual_stages,
-                                layout.microbatches, pp_rank)
-        assert m["pipeline_recv_peak"] <= bound, (rank, m, bound)
-        assert m["pipeline_recv_peak"] < layout.microbatches, (rank, m, layout.microbatches)
+        bound = live_recv_buffers(layout.pp_schedule, layout.pp, layout.virtual_stages,
+                                  layout.microbatches, pp_rank)
+        assert m["pipeline_recv_peak"] <= bound, (rank, m, bound)  # what the planner counts
+        if layout.pp_schedule != "gpipe":  # GPipe runs every forward first: all in flight
+            assert m["pipeline_recv_peak"] < layout.microbatches, (rank, m)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -25,9 +25,10 @@ def test_prefetched_batches_are_the_loaders_and_resume_exactly(prepared):
         for step in (9, 10, 11):
             x, y = loader.get(step * stride + dp_rank * count)
             assert torch.equal(x, plain[step][0]) and torch.equal(y, plain[step][1])
+        thread = loader._thread
     finally:
         loader.close()
-    assert not any(t.name == "pretrain-prefetch" for t in threading.enumerate())
+    assert thread is not None and not thread.is_alive()
 
 
 def test_a_read_error_reaches_the_caller(prepared):
@@ -58,6 +59,7 @@ def test_no_prefetch_thread_outlives_a_run(compose, prepared, tmp_path):
         "data.tokenizer_vocab_size=300", "train.global_batch_size=8",
         "parallel.micro_batch_size=8", "budget=steps", "budget.steps=3", "logging=quiet",
         "train.eval_batches=1", "train.sample_tokens=0", "logging.wandb=disabled"])
+    before = {t for t in threading.enumerate() if t.name == "pretrain-prefetch"}
     result = run(cfg, tmp_path / "run")
     assert result["steps"] == 3
-    assert not any(t.name == "pretrain-prefetch" for t in threading.enumerate())
+    assert {t for t in threading.enumerate() if t.name == "pretrain-prefetch"} <= before

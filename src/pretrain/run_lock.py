@@ -25,6 +25,14 @@ class RunLockedError(RuntimeError):
     pass
 
 
+def _ours(holder: str) -> bool:
+    try:
+        owner = json.loads(holder)
+    except json.JSONDecodeError:
+        return False
+    return owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname()
+
+
 class RunLock:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK
@@ -38,6 +46,8 @@ class RunLock:
         except BlockingIOError:
             holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
             os.close(fd)
+            if _ours(holder):  # an earlier run of this same process, abandoned (tests,
+                return  # notebooks): one process runs one trainer at a time
             raise RunLockedError(
                 f"another run is using {self.path.parent} ({holder}); wait for it to end, "
                 "or give this run another run_name") from None

@@ -67,6 +67,12 @@ class BoundedStage(PipelineStage):
         self.chunks = num_microbatches
         self.grad_recv_info = _MadeOnUse(lambda: self._create_grad_recv_info(self.act_send_info))
 
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if not (self.has_backward and torch.is_grad_enabled()) and not self.is_first:
+            self.args_recv_info.pop(fwd_chunk_id, None)  # evaluation: no backward to wait for
+        return out
+
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
         out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         self.grad_recv_info.pop(bwd_chunk_id, None)

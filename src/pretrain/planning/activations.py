@@ -218,6 +218,16 @@ def inflight_chunks(schedule: str, pp: int, v: int, microbatches: int, pp_rank: 
     raise ValueError(f"unknown pipeline schedule {schedule!r}")
 
 
+def live_recv_buffers(schedule: str, pp: int, v: int, microbatches: int, pp_rank: int) -> int:
+    """Receive buffers one stage of this rank holds at once under
+    parallel/pipeline.BoundedStage, at most: the rank's microbatches in flight (one stage of
+    an interleaved rank may hold most of them), plus up to ``pp`` receives the schedule posts
+    before the backward that frees the oldest (measured: tests/test_parallel_layouts.py);
+    never more than the microbatches of a step."""
+    inflight = inflight_chunks(schedule, pp, v, microbatches, pp_rank)
+    return min(microbatches, inflight + (0 if schedule == "gpipe" else pp))
+
+
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1,
                             sequence_parallel: bool = False, recompute: str = "none") -> float:
     """Korthikanti et al. 2022, Table 2: activation bytes per transformer layer."""

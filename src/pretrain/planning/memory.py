@@ -49,6 +49,7 @@ from pretrain.planning.activations import (
     head_and_loss,
     inflight_chunks,
     layer_bytes,
+    live_recv_buffers,
 )
 from pretrain.planning.gpus import GIB, GpuSpec
 from pretrain.planning.params import StageParams, rank_params
@@ -153,8 +154,8 @@ def _pipeline_buffers(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: 
     total = 0.0
     stages = stage_indices(layout, pp_rank)
     # parallel/pipeline.BoundedStage: buffers for the microbatches in flight, not all
-    live = inflight_chunks(layout.pp_schedule, layout.pp, layout.virtual_stages,
-                           layout.microbatches, pp_rank) / len(stages)
+    live = live_recv_buffers(layout.pp_schedule, layout.pp, layout.virtual_stages,
+                             layout.microbatches, pp_rank)
     for s in stages:
         if s != 0:  # activation receive buffer and the input gradient left on it
             total += 2 * live * act

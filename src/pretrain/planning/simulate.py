@@ -167,6 +167,18 @@ def predicted(cfg: Config, layout: Layout, pp_rank: int, tp_rank: int) -> dict:
     }
 
 
+def cpu_stand_in(cfg: Config) -> Config:
+    """``cfg`` as this CPU can run it with the same tensors: flash-attn (a GPU kernel) as
+    SDPA, whose memory is also O(sequence); fp8 emulated (the same Float8Linear modules and
+    shards); blocks eager (torch's memory tracker is a dispatch mode, which compile cannot
+    run under; the checkpoint policy, not compile, decides what is kept)."""
+    if cfg.model.attention == "flash":
+        cfg = replace(cfg, model=replace(cfg.model, attention="sdpa"))
+    if cfg.precision.fp8:
+        cfg = replace(cfg, precision=replace(cfg.precision, fp8_allow_emulation=True))
+    return replace(cfg, train=replace(cfg.train, compile=False))
+
+
 def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict:
     """Start rank ``rank`` of a ``world_size``-process run of ``cfg`` in this process."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -181,15 +193,8 @@ def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict
     # rank takes, and a busy CPU does not make OpenMP teams spin-wait over tiny tiles.
     torch.set_num_threads(1)
     device = torch.device("cpu")
-    attention_asked = cfg.model.attention
-    if attention_asked == "flash":  # a GPU kernel: memory as SDPA's (also O(sequence))
-        cfg = replace(cfg, model=replace(cfg.model, attention="sdpa"))
-    if cfg.precision.fp8:  # the same Float8Linear modules and shards, emulated on the CPU
-        cfg = replace(cfg, precision=replace(cfg.precision, fp8_allow_emulation=True))
-    compiled = cfg.train.compile
-    if compiled:  # torch's memory tracker is a dispatch mode, which compile cannot run under;
-        # eager blocks keep the same tensors (the checkpoint policy decides, not compile)
-        cfg = replace(cfg, train=replace(cfg.train, compile=False))
+    attention_asked, compiled = cfg.model.attention, cfg.train.compile
+    cfg = cpu_stand_in(cfg)
     policy = resolve_policy(cfg.precision, device)
     attention = resolve_backend(cfg.model.attention, device, policy.compute_dtype)
     layout = resolve_layout(cfg, world_size)
