@@ -108,7 +108,10 @@ def test_a_second_run_in_the_same_directory_is_refused_and_a_dead_ones_lock_is_n
 
     first = RunLock(tmp_path)
     first.acquire()
-    with pytest.raises(RunLockedError, match=f'"pid": {os.getpid()}'):
+    RunLock(tmp_path).acquire()  # the same process again (an abandoned trainer): allowed
+    # held by another process (its pid in the file): refused, naming it
+    (tmp_path / "run.lock").write_text('{"user": "x", "host": "other", "pid": 1}')
+    with pytest.raises(RunLockedError, match='"pid": 1'):
         RunLock(tmp_path).acquire()
     first.release()
     RunLock(tmp_path).acquire()  # released: free again
