@@ -102,7 +102,6 @@ def test_damaged_data_is_refused_naming_the_file(prepared_copy, damage):
 
 def test_a_second_run_in_the_same_directory_is_refused_and_a_dead_ones_lock_is_not(
         tmp_path):
-    import os
 
     from pretrain.run_lock import RunLock, RunLockedError
 
