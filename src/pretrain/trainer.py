@@ -720,14 +720,15 @@ class Trainer:
                             self.step + 1, scale, self.scaler.get_scale(), self.skipped_steps)
             return
         finite = torch.isfinite(grad_norm)
-        if device_skip_supported(self.optimizer):
+        on_host = None if device_skip_supported(self.optimizer) else bool(finite.item())
+        if on_host is None:
             step_unless(self.optimizer, finite)
-        elif finite.item():
+        elif on_host:
             self.optimizer.step()
         self.skips.add(finite)
         if self.fp8_scales:
             after_optimizer_step(self.model_parts)
-        if not device_skip_supported(self.optimizer) and not finite.item():
+        if on_host is False:
             self._check_nonfinite()  # read on the host already: warn at once
 
     def _check_nonfinite(self) -> None:
