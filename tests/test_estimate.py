@@ -293,3 +293,22 @@ def test_megatron_gpt3_175b_layout_among_auto_candidates_1024_gpus():
     shapes = {(c.layout.tp, c.layout.pp, c.layout.dp) for c in cands
               if c.fits and c.cost.total <= 1.05 * best}
     assert (8, 8, 16) in shapes and (8, 16, 8) in shapes, shapes
+
+
+def test_auto_keeps_headroom_the_plain_fit_check_does_not(monkeypatch):
+    """GPT-3 175B on 64 A100-80GB: without headroom the fastest layout needs 95% of memory;
+    ``parallel=auto`` only takes layouts that leave ``HEADROOM`` free, while the plain
+    ``fits`` of the same estimate (what ``tools/plan.py`` reports for a chosen layout)
+    still counts the whole GPU."""
+    from pretrain.planning import autolayout as al
+    from pretrain.planning.gpus import get_gpu
+
+    gpu = get_gpu("a100-80gb")
+    cfg = gpt3_175b(64)
+    _, cands = choose_layout(cfg, 64, gpu, top=50)
+    assert all(c.memory.total <= (1 - al.HEADROOM) * gpu.memory_bytes for c in cands)
+    monkeypatch.setattr(al, "HEADROOM", 0.0)
+    _, loose = choose_layout(cfg, 64, gpu, top=50)
+    squeezed = [c for c in loose if c.memory.total > 0.9 * gpu.memory_bytes]
+    assert squeezed and all(c.memory.fits for c in squeezed)
+    assert loose[0].memory.total > 0.9 * gpu.memory_bytes  # it would have been chosen

@@ -99,7 +99,11 @@ class MemoryEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.capacity is None or self.total <= self.capacity
+        return self.fits_within(1.0)
+
+    def fits_within(self, share: float) -> bool:
+        """Whether the fullest rank needs at most ``share`` of the GPU's memory."""
+        return self.capacity is None or self.total <= share * self.capacity
 
 
 def activation_setup(cfg: Config, layout: Layout, device: str = "cuda") -> ActivationSetup:
