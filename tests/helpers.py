@@ -24,8 +24,8 @@ import pytest
 import torch
 from hydra.core.hydra_config import HydraConfig
 
-from pretrain.config import Config, DataConfig
-from pretrain.validate import ConfigError, check
+from pretrain.config import Config, ConfigError, DataConfig
+from pretrain.validate import check
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -20,12 +20,11 @@ def _check(spec: dict) -> dict:
 
     from pretrain.cli import compose_config
     from pretrain.initialization import canonical_name, local_region
-    from pretrain.loss import cross_entropy
+    from pretrain.model import build_model
     from pretrain.parallel.apply import materialize, parallelize_gpt
     from pretrain.parallel.layout import resolve_layout
     from pretrain.parallel.mesh import build_mesh
     from pretrain.precision import resolve_policy
-    from pretrain.trainer import build_model
 
     cfg = compose_config(spec["overrides"])
     device = torch.device("cpu")
@@ -34,7 +33,7 @@ def _check(spec: dict) -> dict:
                             world_size=spec["world"])
     layout = resolve_layout(cfg, spec["world"])
     pm = parallelize_gpt(cfg, layout, build_mesh(layout, device), device,
-                         resolve_policy(cfg.precision, device), "sdpa", cross_entropy)
+                         resolve_policy(cfg.precision, device), "sdpa")
     materialize(pm, device, cfg.train.seed)
     tied = cfg.model.tie_embeddings
     compared, elements, wrong = 0, 0, []

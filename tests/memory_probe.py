@@ -112,7 +112,6 @@ def _world(spec: dict) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from pretrain.config import Config, ModelConfig, ParallelConfig, PrecisionConfig
-    from pretrain.loss import cross_entropy
     from pretrain.optim import build_optimizer
     from pretrain.parallel.apply import materialize, parallelize_gpt
     from pretrain.parallel.layout import resolve_layout
@@ -131,7 +130,7 @@ def _world(spec: dict) -> dict:
     layout = resolve_layout(cfg, world)
     mesh = build_mesh(layout, device)
     policy = resolve_policy(cfg.precision, device)
-    pm = parallelize_gpt(cfg, layout, mesh, device, policy, "sdpa", cross_entropy)
+    pm = parallelize_gpt(cfg, layout, mesh, device, policy, "sdpa")
     materialize(pm, device, 0)
     b, s = par.micro_batch_size, cfg.model.seq_len
     for part in pm.parts:

@@ -54,7 +54,7 @@ def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The whole model's parameters on rank 0 (empty elsewhere): each pipeline rank
     gathers its stages' shards, rank 0 collects the stages."""
     mine: dict[str, torch.Tensor] = {}
-    for part in trainer.model_parts:
+    for part in trainer.module.parts:
         sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
         mine.update({k: v.detach().cpu().clone() for k, v in sd.items()})
     if not dist.is_initialized():
@@ -73,7 +73,7 @@ def pipeline_outputs(trainer: Trainer) -> int:
     """Bytes of microbatch outputs the pipeline schedule still holds after its step (with
     torch's default ``return_outputs=True`` the last stage keeps every microbatch's logits
     until the next step)."""
-    schedule = trainer.parallel.schedule
+    schedule = trainer.module.strategy.schedule
     if schedule is None:
         return 0
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
@@ -82,10 +82,10 @@ def pipeline_outputs(trainer: Trainer) -> int:
 
 
 def memory(trainer: Trainer) -> dict[str, int]:
-    params = trainer.parallel.parameters()
-    opt_bytes = sum(local_bytes(v) for s in trainer.optimizer.state.values()
+    params = trainer.module.parallel.parameters()
+    opt_bytes = sum(local_bytes(v) for s in trainer.module.optimizer.state.values()
                     for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
-    blocks = [p for part in trainer.model_parts for p in part.layers.parameters()]
+    blocks = [p for part in trainer.module.parts for p in part.layers.parameters()]
     return {
         "params": sum(local_bytes(p) for p in params),
         "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
@@ -100,7 +100,7 @@ def linear_kinds(trainer: Trainer) -> dict[str, str]:
     """Each Linear's class and its weight's local tensor class (fp8: ``Float8Linear``, and
     ``WeightWithDynamicFloat8CastTensor`` when FSDP all-gathers it in fp8)."""
     kinds = {}
-    for part in trainer.model_parts:
+    for part in trainer.module.parts:
         for n, m in part.named_modules():
             if isinstance(m, torch.nn.Linear):
                 w = m.weight.to_local() if isinstance(m.weight, DTensor) else m.weight
@@ -113,7 +113,7 @@ def evaluate_with(trainer: Trainer, eval_batches: int) -> tuple[int, float]:
     asked = trainer.cfg.train.eval_batches
     trainer.cfg.train.eval_batches = eval_batches
     try:
-        return trainer.eval_batch_count(), trainer.evaluate()
+        return trainer.evaluator.batch_count(), trainer.evaluate()
     finally:
         trainer.cfg.train.eval_batches = asked
 
@@ -128,7 +128,7 @@ def run_layout(cfg: Config, out: Path, name: str, spec_eval_also: list[int]) -> 
     def measure(optimizer, args, kwargs) -> None:  # before the step: grads and states exist
         measured.update(memory(trainer))
 
-    hook = trainer.optimizer.register_step_pre_hook(measure)
+    hook = trainer.module.optimizer.register_step_pre_hook(measure)
     losses, norms = [], []
     for _ in range(trainer.budget.steps):
         loss, norm = trainer.train_step()
@@ -145,7 +145,7 @@ def run_layout(cfg: Config, out: Path, name: str, spec_eval_also: list[int]) -> 
         dist.all_gather_object(per_rank, measured)
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save({"losses": losses, "grad_norms": norms, "val_loss": val,
-                    "val_batches": trainer.eval_batch_count(), "extra_eval": extra_eval,
+                    "val_batches": trainer.evaluator.batch_count(), "extra_eval": extra_eval,
                     "init": init,
                     "final": final, "memory": per_rank, "layout": trainer.plan["layout"],
                     "linears": linear_kinds(trainer)},

@@ -45,13 +45,13 @@ class Collect(logging.Handler):
 
 def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The whole model's parameters, on every rank (a collective: all ranks call it)."""
-    sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    sd = get_model_state_dict(trainer.module.model, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().cpu().clone() for k, v in sd.items()}
 
 
 def local_shards(trainer: Trainer) -> list[torch.Tensor]:
     return [(p.to_local() if isinstance(p, DTensor) else p).detach().clone()
-            for p in trainer.parallel.parameters()]
+            for p in trainer.module.parallel.parameters()]
 
 
 def same(a, b) -> bool:
@@ -62,7 +62,7 @@ def same(a, b) -> bool:
 
 def poison_local_grad(trainer: Trainer) -> None:
     """Set one element of this rank's local gradient shard to inf."""
-    for p in reversed(trainer.parallel.parameters()):
+    for p in reversed(trainer.module.parallel.parameters()):
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         if grad is not None and grad.numel() > 0:
             grad.view(-1)[0] = float("inf")
@@ -74,14 +74,14 @@ def block_output_dtype(trainer: Trainer) -> torch.dtype:
     """The dtype a block's first Linear produces in a training forward (no autocast: under
     mixed precision FSDP2 gathers the weights in the compute dtype)."""
     seen: list[torch.dtype] = []
-    block = next(iter(trainer.model.layers.values()))
+    block = next(iter(trainer.module.model.layers.values()))
     linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
     hook = linear.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
     x, _ = trainer._local_batch()
-    trainer.parallel.train()
+    trainer.module.parallel.train()
     assert not torch.is_autocast_enabled(trainer.device.type)
     with torch.no_grad():
-        trainer.model(x[:1])
+        trainer.module.model(x[:1])
     hook.remove()
     return seen[0]
 
@@ -99,19 +99,19 @@ def run_steps(trainer: Trainer, inject: dict | None = None,
     armed = {"on": False}
     if inject and inject["rank"] == rank:
         if inject["how"] == "forward":
-            trainer.model.register_forward_hook(
+            trainer.module.model.register_forward_hook(
                 lambda mod, args, output: output * float("inf") if armed["on"] else None)
         elif inject["how"] == "shard":
-            real = trainer.forward_backward
+            real = trainer.module.strategy.forward_backward
 
-            def poisoned(x, y):
-                loss = real(x, y)
+            def poisoned(x, y, measure=False):
+                loss, small = real(x, y, measure)
                 if armed["on"]:
                     with torch.no_grad():
                         poison_local_grad(trainer)
-                return loss
+                return loss, small
 
-            trainer.forward_backward = poisoned
+            trainer.module.strategy.forward_backward = poisoned
         else:
             raise ValueError(inject["how"])
     handler = Collect()
@@ -126,7 +126,7 @@ def run_steps(trainer: Trainer, inject: dict | None = None,
             full_after, local_after = full_params(trainer), local_shards(trainer)
             records.append({
                 "loss": loss, "grad_norm": norm,
-                "scale": trainer.scaler.get_scale() if trainer.scaler else None,
+                "scale": trainer.module.scaler.get_scale() if trainer.module.scaler else None,
                 "full_changed": not same(full_before, full_after),
                 "local_changed": not same(local_before, local_after),
             })
@@ -137,14 +137,14 @@ def run_steps(trainer: Trainer, inject: dict | None = None,
     return {
         "steps": records, "losses": [s["loss"] for s in records],
         "grad_norms": [s["grad_norm"] for s in records],
-        "skipped_steps": trainer.skipped_steps, "warnings": handler.messages,
+        "skipped_steps": trainer.module.skipped_steps, "warnings": handler.messages,
         "snapshot": snapshot, "final": full_params(trainer),
-        "scaler": type(trainer.scaler).__name__,
+        "scaler": type(trainer.module.scaler).__name__,
         # the compiled module is the block as registered: under activation checkpointing
         # the checkpoint wrapper, compiled with its region inside (parallel/apply.py)
         "compiled": [getattr(b, "_compiled_call_impl", None) is not None
-                     for b in trainer.model.layers.values()],
-        "root_compiled": getattr(trainer.model, "_compiled_call_impl", None) is not None,
+                     for b in trainer.module.model.layers.values()],
+        "root_compiled": getattr(trainer.module.model, "_compiled_call_impl", None) is not None,
         "dynamo": {"frames": dict(counters["frames"]), "stats": dict(counters["stats"])},
     }
 

@@ -20,10 +20,10 @@ from helpers import REPO, read_metrics
 
 from pretrain import device as device_mod
 from pretrain.cli import compose_config
-from pretrain.device import DeviceError, measure_matmul_flops, pick_device
-from pretrain.planning.gpus import get_gpu
+from pretrain.hardware.device import DeviceError, measure_matmul_flops, pick_device
+from pretrain.hardware.gpus import get_gpu
 from pretrain.precision import choose_auto, load_preset, resolve_auto_precision
-from pretrain.trainer import resolve_plan
+from pretrain.resolve import resolve_plan
 
 CPU = torch.device("cpu")
 GPU_ENV = ("CUDA_VISIBLE_DEVICES", "WORLD_SIZE", "SLURM_JOB_ID", "SLURM_GPUS_ON_NODE",
@@ -246,9 +246,9 @@ def nano_run(compose, prepared, run_dir, precision: str):
 
 def test_bf16_named_on_a_cpu_without_it_warns_once_with_the_slowdown(
         compose, prepared, tmp_path, monkeypatch, caplog):
-    import pretrain.trainer as trainer_mod
+    import pretrain.metrics as metrics_mod
 
-    monkeypatch.setattr(trainer_mod, "cpu_native_matmul",
+    monkeypatch.setattr(metrics_mod, "cpu_native_matmul",
                         lambda dtype: (False, "AVX2 CPU without AVX512-BF16 or AMX"))
     with caplog.at_level(logging.INFO, logger="pretrain"):
         trainer, metrics = nano_run(compose, prepared, tmp_path / "bf16", "bf16")

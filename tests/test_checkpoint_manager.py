@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from two_ranks import blind_to_checkpoints, run_on_two_ranks
 
-from pretrain.checkpoint import (
+from pretrain.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
     ModelOptimizer,
@@ -179,7 +179,7 @@ def test_retention_does_not_hold_up_saving_and_hides_what_it_deletes(tmp_path, m
         real_rmtree(path, *args, **kwargs)
         deleted.set()
 
-    monkeypatch.setattr("pretrain.checkpoint.shutil.rmtree", slow_rmtree)
+    monkeypatch.setattr("pretrain.checkpoint.manager.shutil.rmtree", slow_rmtree)
     save(mgr, model, opt, 2)  # finalising step 2 condemns step 1
     assert not deleted.is_set()  # save returned while step 1 was not yet deleted
     assert deleting.wait(timeout=10)

@@ -300,8 +300,8 @@ def test_auto_keeps_headroom_the_plain_fit_check_does_not(monkeypatch):
     ``parallel=auto`` only takes layouts that leave ``HEADROOM`` free, while the plain
     ``fits`` of the same estimate (what ``tools/plan.py`` reports for a chosen layout)
     still counts the whole GPU."""
+    from pretrain.hardware.gpus import get_gpu
     from pretrain.planning import autolayout as al
-    from pretrain.planning.gpus import get_gpu
 
     gpu = get_gpu("a100-80gb")
     cfg = gpt3_175b(64)

@@ -83,7 +83,7 @@ def test_fp8_policy_and_mfu_peak():
     # (GpuSpec.mfu_peak), comparable across precisions, as torchtitan reports fp8 MFU
     assert real.peak_dtype == "bfloat16"
 
-    from pretrain.planning.gpus import load_gpus
+    from pretrain.hardware.gpus import load_gpus
 
     gpus = load_gpus()
     for name in ("h100-80gb", "h200-141gb"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pretrain.checkpoint import CheckpointManager, ModelOptimizer
+from pretrain.checkpoint.manager import CheckpointManager, ModelOptimizer
 from pretrain.config import CheckpointConfig, Config, ModelConfig
 from pretrain.hf import ExportError, check_matches, hf_config, load_hf_weights
 from pretrain.model import GPT

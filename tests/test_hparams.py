@@ -10,18 +10,13 @@ import math
 import numpy as np
 import pytest
 
+from pretrain.analysis.hparam_fit import SweepPoint, best_of_budget, fit_hparam_laws
 from pretrain.budget import BudgetError
-from pretrain.config import ModelConfig
-from pretrain.hparams import (
-    DEEPSEEK,
-    SweepPoint,
-    best_of_budget,
-    deepseek_flops_per_token,
-    fit_hparam_laws,
-    round_batch,
-)
-from pretrain.trainer import resolve_auto, resolve_plan, run
-from pretrain.validate import ConfigError, check
+from pretrain.config import ConfigError, ModelConfig
+from pretrain.hparams import DEEPSEEK, deepseek_flops_per_token, round_batch
+from pretrain.resolve import resolve_auto, resolve_plan
+from pretrain.trainer import run
+from pretrain.validate import check
 
 RULES = ["optim.lr_rule=deepseek", "train.batch_rule=deepseek"]
 

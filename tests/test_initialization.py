@@ -14,7 +14,7 @@ import torch
 
 from pretrain.cli import compose_config
 from pretrain.initialization import TILE, Init, fill_normal_, init_parameters
-from pretrain.trainer import build_model
+from pretrain.model import build_model
 
 PROBE = Path(__file__).with_name("init_probe.py")
 NANO = ["model=nano", "model.n_layer=4", "model.vocab_size=300", "precision=fp32",

@@ -11,7 +11,7 @@ import pytest
 from helpers import REPO, problems
 from hydra.errors import ConfigCompositionException
 
-from pretrain.trainer import resolve_plan
+from pretrain.resolve import resolve_plan
 from pretrain.validate import check
 
 # A layout that is sound on 8 processes: tp2 x pp2 x dp2, nano model, 2 microbatches.
@@ -141,8 +141,8 @@ def test_auto_search_proposes_exactly_the_layouts_validation_accepts(compose):
     import itertools
 
     from pretrain.config import ParallelConfig
+    from pretrain.hardware.gpus import get_gpu
     from pretrain.planning import autolayout as al
-    from pretrain.planning.gpus import get_gpu
 
     cfg = compose(["model=nano", "model.n_layer=4", "train.global_batch_size=16",
                    "train.compile=true"])

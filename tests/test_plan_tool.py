@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from pretrain.planning.gpus import get_gpu, gpu_for_device_name, load_gpus
+from pretrain.hardware.gpus import get_gpu, gpu_for_device_name, load_gpus
 from pretrain.tools import plan as plan_tool
 
 
@@ -27,11 +27,11 @@ def test_fits_with_breakdown_and_time(plan_main, capsys):
                        "--gpus", "1", "--json")
     assert code == 0
     p = json.loads(out)
-    assert p["fits"] and p["gpus"] == 1 and p["layout_fields"]["world_size"] == 1
+    assert p["fits"] and p["gpus"] == 1 and p["layout"]["world_size"] == 1
     assert p["memory_total_gib"] == pytest.approx(sum(p["memory_gib"].values()), abs=0.05)
     # fp32 master weights, fp32 grads, Adam's two fp32 moments: 16 bytes per parameter
     per_param = (p["memory_gib"]["parameters"] + p["memory_gib"]["gradients"]
-                 + p["memory_gib"]["optimizer state"]) * 2**30 / p["params"]
+                 + p["memory_gib"]["optimizer state"]) * 2**30 / p["n_params"]
     assert per_param == pytest.approx(16, rel=1e-3)
     # time = FLOPs / (GPUs x peak x MFU): 6N + 12 L h s per token (budget.py), H100 bf16
     # dense peak 989 TFLOP/s, default MFU 0.40
@@ -65,7 +65,7 @@ def test_auto_json_layout_is_valid(plan_main, capsys):
                        "--gpu", "a100-80gb", "--json")
     assert code == 0
     p = json.loads(out)
-    lay = p["layout_fields"]
+    lay = p["layout"]
     keys = ("tp", "pp", "dp", "dp_mode", "pp_schedule", "virtual_stages", "micro_batch_size",
             "activation_checkpointing", "sequence_parallel")
     overrides = [f"parallel.{k}={str(lay[k]).lower()}" for k in keys]
@@ -139,7 +139,7 @@ def test_default_gpu_count_is_the_layouts_world_size(plan_main, capsys, monkeypa
     code, out, _ = run(plan_main, capsys, "+recipe=nano-3d", "--json")
     assert code == 0
     p = json.loads(out)
-    assert p["gpus"] == p["layout_fields"]["world_size"] == 8
+    assert p["gpus"] == p["layout"]["world_size"] == 8
     assert layout_world_size(cfg.parallel) == declared_world_size(cfg) == 8
 
 
@@ -153,7 +153,7 @@ def test_default_gpu_count_is_the_layouts_world_size(plan_main, capsys, monkeypa
 def test_gpu_names_match_exactly_one_type(device_name, gpu):
     """Whole words: the GH200 is not an H200 and the H100 PCIe not the SXM part; an unknown
     GPU matches nothing (never another type's peaks)."""
-    from pretrain.planning.gpus import gpu_for_device_name
+    from pretrain.hardware.gpus import gpu_for_device_name
 
     spec = gpu_for_device_name(device_name)
     assert (spec.name if spec else None) == gpu
@@ -161,7 +161,7 @@ def test_gpu_names_match_exactly_one_type(device_name, gpu):
 
 def test_a_run_and_the_plan_take_mfu_against_the_same_peak():
     """fp8 runs included: the compute dtype's (bf16) peak, in the log and in the plan."""
-    from pretrain.planning.gpus import get_gpu
+    from pretrain.hardware.gpus import get_gpu
     from pretrain.precision import load_preset, resolve_policy
 
     gpu = get_gpu("h100-80gb")

@@ -11,7 +11,7 @@ import pytest
 from helpers import CPU_RECIPES, GPU_RECIPES, RECIPES, REPO
 
 from pretrain.budget import count_params, flops_per_token
-from pretrain.trainer import resolve_plan
+from pretrain.resolve import resolve_plan
 from pretrain.validate import check
 
 PLAN_KEYS = {"n_params", "n_params_non_embedding", "tokens", "steps", "global_batch_tokens",

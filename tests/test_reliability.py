@@ -38,21 +38,21 @@ def test_no_checkpoint_is_saved_while_steps_are_skipped(compose, prepared, tmp_p
                    "checkpoint.keep_last=2", "train.stop_check_interval=1"])
     trainer = Trainer(cfg, tmp_path / "run")
     trainer.setup()
-    real = trainer.forward_backward
+    real = trainer.module.strategy.forward_backward
 
-    def poisoned(x, y):  # steps 3 and 4 overflow
-        loss = real(x, y)
+    def poisoned(x, y, measure=False):  # steps 3 and 4 overflow
+        loss, small = real(x, y, measure)
         if trainer.step in (2, 3):
-            for p in trainer.model.parameters():
+            for p in trainer.module.model.parameters():
                 p.grad.fill_(float("nan"))
-        return loss
+        return loss, small
 
-    trainer.forward_backward = poisoned
+    trainer.module.strategy.forward_backward = poisoned
     trainer.fit()
     steps = sorted(int(p.name.split("_")[1]) for p in
                    (tmp_path / "run" / "checkpoints").glob("step_*") if "." not in p.name)
     assert 3 not in steps and 4 not in steps, steps  # nothing saved from a diverged state
-    assert steps[-1] == 6 and trainer.skipped_steps == 2
+    assert steps[-1] == 6 and trainer.module.skipped_steps == 2
 
 
 @pytest.mark.parametrize("recipe", ["../../evil", "sub/tiny", "/abs/tiny", ".hidden"])
@@ -71,7 +71,7 @@ def test_train_py_refuses_a_recipe_path_before_hydra_runs(tmp_path):
 
 def test_resume_across_loss_scaling_is_refused_naming_both_precisions(compose, prepared,
                                                                         tmp_path):
-    from pretrain.checkpoint import CheckpointError
+    from pretrain.checkpoint.manager import CheckpointError
 
     base = [*NANO, f"data.root={prepared.parent}", "budget.steps=2", "checkpoint.enabled=true",
             "run_name=prec"]

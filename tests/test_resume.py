@@ -17,9 +17,9 @@ from helpers import CORPUS_FILES, REPO, by_step, compose_config, read_result, wr
 from omegaconf import OmegaConf
 from two_ranks import blind_to_checkpoints, run_on_two_ranks
 
-from pretrain.checkpoint import CheckpointManager
+from pretrain.checkpoint.manager import CheckpointManager
+from pretrain.checkpoint.resume import resume_path
 from pretrain.config import CheckpointConfig
-from pretrain.trainer import Trainer
 
 STEPS = 24
 EXIT_REQUEUE = 75
@@ -117,14 +117,14 @@ def test_kill_after_completed_save_then_resume_is_exact(work, straight):
 # -- two ranks: rank 0 chooses the checkpoint, every rank gets its choice or its error -------
 
 def _resume_paths_with_a_blind_rank_1(rank: int, cases: dict) -> dict[str, tuple[str, str]]:
-    """``Trainer.resume_path()`` per case. Rank 1 sees no checkpoint directory: alone it
+    """``checkpoint.resume.resume_path`` per case. Rank 1 sees no checkpoint directory: alone it
     would start afresh, or report another problem than the one rank 0 sees."""
     if rank == 1:
         blind_to_checkpoints()
     out = {}
     for name, (cfg, run_dir) in cases.items():
         try:
-            out[name] = ("ok", str(Trainer(cfg, run_dir).resume_path()))
+            out[name] = ("ok", str(resume_path(cfg, run_dir)))
         except Exception as e:  # after the broadcast: the ranks stay in step
             out[name] = ("error", f"{type(e).__name__}: {e}")
     return out

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("scipy", reason="the analysis extra: pip install -e '.[analysis]'")
 
-from pretrain.scaling import (  # noqa: E402
+from pretrain.analysis.scaling import (  # noqa: E402
     CHINCHILLA,
     ChinchillaLaw,
     ComputeLaw,
@@ -30,8 +30,8 @@ from pretrain.scaling import (  # noqa: E402
     isoflop_minimum,
     report_chinchilla_law,
     report_compute_law,
-    run_compute,
 )
+from pretrain.budget import run_compute  # noqa: E402
 
 # L(C): a GPT-4-report-like curve, reducible part 2.0 nats at 1e17 FLOPs.
 TRUE_C = ComputeLaw(a=2.0 / 1e17**-0.1, b=-0.1, c=1.8)
@@ -254,7 +254,7 @@ def test_tool_prints_published_chinchilla_optimum(capsys):
 
 
 def test_warnings_for_unbracketed_valleys_and_constants_on_bounds():
-    from pretrain.scaling import bound_warnings, isoflop_bracketed
+    from pretrain.analysis.scaling import bound_warnings, isoflop_bracketed
 
     group = isoflop_groups(synthetic_isoflop_sweep(0))[-1]
     assert isoflop_bracketed(group)
@@ -298,8 +298,8 @@ def test_plot_draws_an_interval_that_excludes_the_point(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
 
-    from pretrain.scaling import Estimate, interval_warnings
-    from pretrain.scaling_plot import plot_loss_vs_compute
+    from pretrain.analysis.scaling import Estimate, interval_warnings
+    from pretrain.analysis.scaling_plot import plot_loss_vs_compute
 
     points = _ladder([(2e5, 1e5, 6.5), (4e5, 2e5, 6.1), (8e5, 4e5, 5.8), (1.6e6, 8e5, 5.5)])
     rep = report_compute_law(points, 1e14, n_boot=20)

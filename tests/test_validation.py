@@ -8,7 +8,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from pretrain.attention import AttentionBackendError
 from pretrain.data.prepare import DataError
-from pretrain.trainer import Trainer, resolve_plan, run
+from pretrain.resolve import resolve_plan
+from pretrain.trainer import Trainer, run
 from pretrain.validate import check
 
 

@@ -16,7 +16,7 @@ Conventions (stated once, used everywhere: plan, logs, MFU, scaling-law fits):
   included: the GEMM computes them), and the second
   term is the attention scores and values (forward + backward, no causal discount).
 - Scaling rules use N = n_params (Hoffmann et al. 2022) unless ``budget.param_count`` is
-  ``non_embedding`` (Kaplan et al.), and compute C = 6 * N * D (``scaling.run_compute``;
+  ``non_embedding`` (Kaplan et al.), and compute C = 6 * N * D (``run_compute``;
   a run's ``compute`` is that C with N = n_params, the C the scaling-law fits use).
 """
 
@@ -29,7 +29,26 @@ import torch
 
 from pretrain.config import BudgetConfig, ModelConfig
 from pretrain.model import GPT
-from pretrain.scaling import compute_tokens, run_compute
+
+# C = 6 N D: about 6 FLOPs per parameter and token for a forward and backward pass (Kaplan et
+# al. 2020, section 2.1; Hoffmann et al. 2022). The one definition of a run's compute: the
+# scaling-law fits (scaling.py), their predictions, the compute-optimal split, ``budget.kind=flops`` and the
+# plan's ``compute`` all use it. The plan's ``total_flops`` (PaLM's count, attention
+# included) is the hardware work for time and MFU, a different number; DeepSeek's M x D
+# (``hparams.hparam_compute``) is a third, kept for its published constants.
+FLOPS_PER_PARAM_TOKEN = 6
+
+
+def run_compute(n_params: float, tokens: float) -> float:
+    """C = 6 N D of a run of ``n_params`` parameters (all of them, as ``plan.json``'s
+    ``n_params``) trained on ``tokens`` tokens."""
+    return float(FLOPS_PER_PARAM_TOKEN) * n_params * tokens
+
+
+def compute_tokens(flops: float, n_params: float) -> int:
+    """The tokens D that a compute budget C buys a model of N parameters: C / (6 N),
+    rounded up (``budget.kind=flops``)."""
+    return math.ceil(flops / (FLOPS_PER_PARAM_TOKEN * n_params))
 
 
 @dataclass(frozen=True)
@@ -71,7 +90,7 @@ class Budget:
     global_batch_tokens: int
     flops_per_token: int
     total_flops: float  # hardware work (flops_per_token x tokens): time, MFU
-    compute: float  # C = 6 N D (scaling.run_compute): what the scaling laws call compute
+    compute: float  # C = 6 N D (run_compute): what the scaling laws call compute
     rule: str
 
     def as_dict(self) -> dict:

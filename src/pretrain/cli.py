@@ -15,11 +15,7 @@ from omegaconf import open_dict
 
 from pretrain.config import Config, register_configs, to_config
 from pretrain.naming import check_recipe_overrides, register_resolvers
-
-# The checkout the package is installed from (editable: ``pip install -e .``): the tools
-# read its conf/, slurm/ templates and train.py, which are not part of the package.
-REPO = Path(__file__).resolve().parents[2]
-CONF_DIR = REPO / "conf"
+from pretrain.paths import CONF_DIR
 
 
 def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:

@@ -371,6 +371,15 @@ def register_configs() -> None:
     cs.store(name="base_config", node=Config)
 
 
+class ConfigError(ValueError):
+    """Values that are each allowed but do not go together (validate.check lists them)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")
+
+
 class UnknownKeyError(KeyError):
     def __str__(self) -> str:  # KeyError would print the message quoted
         return str(self.args[0])

@@ -1,16 +1,144 @@
-"""Where metrics go: the console (or a progress bar), metrics.jsonl and wandb."""
+"""What a run measures and where it goes: the training loss between log lines
+(``LossWindow``), throughput (``Throughput``), the MFU denominator (``PeakFlops``), memory,
+and the sinks: the console (or a progress bar), metrics.jsonl and wandb."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 import string
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from pretrain.hardware.device import (
+    cpu_native_matmul,
+    gpu_peak_flops,
+    measure_matmul_flops,
+    peak_memory_bytes,
+    peak_reserved_bytes,
+)
+from pretrain.precision import choose_auto
+
 log = logging.getLogger("pretrain")
+# The measured CPU peak per (dtype, threads), for the life of the process.
+_CPU_PEAKS: dict[tuple[torch.dtype, int], float] = {}
+
+
+class LossWindow:
+    """The training loss since the last log line, kept on the device, so that steps between
+    logs need neither an all-reduce nor a host sync for it: this rank's share summed over
+    the steps whose update was taken (a step skipped for a non-finite gradient would turn
+    the whole mean into NaN), and the last step's (the run's final loss)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.last = torch.full((), math.nan, device=device)
+        self.final = math.nan  # the last step's global loss, as last reduced
+        self.reset()
+
+    def reset(self) -> None:
+        self.total = torch.zeros((), device=self.device)
+        self.counted = torch.zeros((), device=self.device)  # steps taken, on the device
+
+    def add(self, loss: torch.Tensor, counted: torch.Tensor) -> None:
+        """``counted``: a device bool, so that no step reads it on the host."""
+        self.last = loss.float()
+        self.total = self.total + torch.where(counted, self.last, 0.0)
+        self.counted = self.counted + counted.float()
+
+
+class Throughput:
+    """Training steps and seconds since the last log line, for its tokens/s; time spent
+    evaluating is not training throughput and is left out (``paused``)."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+    def rate(self, tokens_per_step: int) -> float:
+        return self.steps * tokens_per_step / (time.perf_counter() - self.start)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.start += time.perf_counter() - t0
+
+
+class PeakFlops:
+    """The MFU denominator, per device: the datasheet peak of the compute dtype on a GPU
+    (bf16's for fp8: ``GpuSpec.mfu_peak``), a measured large matmul on a CPU (one
+    process's share of it when several share the CPU). Measured on rank 0 only
+    (``measure``); ``value`` None elsewhere."""
+
+    def __init__(self, device: torch.device, policy, world_size: int, measure: bool):
+        self.device, self.policy, self.world_size = device, policy, world_size
+        self.value = self._measure() if measure else None
+
+    def _measure(self) -> float | None:
+        dtype = self.policy.compute_dtype
+        if self.device.type == "cuda":
+            return gpu_peak_flops(self.device, self.policy.peak_dtype)
+        key = (dtype, torch.get_num_threads())
+        if key not in _CPU_PEAKS:  # once per process: several runs in one (bench, tests)
+            _CPU_PEAKS[key] = measure_matmul_flops(dtype, self.device)
+        peak = _CPU_PEAKS[key]
+        log.info("CPU peak (measured %s matmul, best of 3 layouts, %d threads): %.1f GFLOP/s",
+                 dtype, torch.get_num_threads(), peak / 1e9)
+        native, why = cpu_native_matmul(dtype)
+        if not native:  # named explicitly: run as asked, but say what it costs, once
+            fp32 = measure_matmul_flops(torch.float32, self.device, seconds=0.5)
+            log.warning(
+                "precision=%s on a CPU without native %s matmuls (%s): they run at %.1f "
+                "GFLOP/s here against %.1f for fp32, %.0fx slower. Use precision=auto (%s on "
+                "this CPU) or precision=fp32.", self.policy.name,
+                str(dtype).removeprefix("torch."), why, peak / 1e9, fp32 / 1e9, fp32 / peak,
+                choose_auto(self.device)[0])
+        return peak
+
+    def check(self, achieved: float) -> None:
+        """A CPU peak below what the run achieves per process was measured while the machine
+        was busy (a shared host): measure again, and keep the higher. MFU is never clipped;
+        its denominator is fixed."""
+        if self.device.type != "cpu" or not self.value:
+            return
+        if achieved <= self.world_size * self.value:
+            return
+        again = measure_matmul_flops(self.policy.compute_dtype, self.device)
+        log.warning("the CPU peak measured at start (%.1f GFLOP/s) is below the %.1f GFLOP/s "
+                    "this run achieves per process: it was measured while the machine was "
+                    "busy; measured again: %.1f GFLOP/s", self.value / 1e9,
+                    achieved / self.world_size / 1e9, again / 1e9)
+        self.value = max(self.value, again)
+        key = (self.policy.compute_dtype, torch.get_num_threads())
+        _CPU_PEAKS[key] = max(_CPU_PEAKS.get(key, 0.0), self.value)
+
+    def mfu(self, achieved: float) -> float | None:
+        """Model FLOPs utilisation of ``achieved`` FLOP/s over the whole run, per device:
+        global throughput shared by world_size devices of this peak."""
+        self.check(achieved)
+        return achieved / (self.world_size * self.value) if self.value else None
+
+
+def memory_metrics(device: torch.device, max_over_ranks) -> dict[str, float | None]:
+    """Peak memory of the fullest rank (``max_over_ranks``: an in-place max all-reduce):
+    allocated (CUDA) or peak RSS (CPU), and reserved by the caching allocator (CUDA)."""
+    reserved = peak_reserved_bytes(device)
+    peak = torch.tensor([float(peak_memory_bytes(device)), float(reserved or 0)],
+                        device=device)
+    allocated, reserved_max = max_over_ranks(peak).tolist()
+    return {"memory_gb": allocated / 1e9,
+            "memory_reserved_gb": reserved_max / 1e9 if reserved is not None else None}
 
 # The run directory's wandb run id, kept beside metrics.jsonl.
 WANDB_ID = "wandb_id"

@@ -216,3 +216,16 @@ def set_attention_backend(model: nn.Module, backend: str,
     for module in model.modules():
         if isinstance(module, Attention):
             module.kernel = fn
+
+
+def build_model(cfg, device: torch.device, attention: str, seed: int) -> GPT:
+    """The whole model of ``cfg.model`` (a Config), initialised with ``seed``: constructed
+    on the meta device (no memory), then materialised on ``device``. Every layout starts
+    from these weights."""
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(seed)
+    set_attention_backend(model, attention, device)
+    return model

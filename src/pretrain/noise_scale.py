@@ -12,12 +12,18 @@ and the simple noise scale B_simple = tr(Sigma) / |G|^2 is the ratio of their ex
 moving averages (each single-step estimate is noisy, the |G|^2 one can be negative). With B
 in tokens, B_simple is in tokens. The trainer supplies the two squared norms: the whole
 step's raw gradient (before clipping, after fp16 unscaling) for B_big, and the first micro
-batch's, over every data-parallel rank, for B_small (see Trainer.noise_scale_support).
+batch's, over every data-parallel rank, for B_small (``NoiseScaleProbe``: when and how a
+run measures them).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+
+import torch
+
+log = logging.getLogger("pretrain")
 
 
 def estimates(small_sq: float, big_sq: float, b_small: float, b_big: float
@@ -93,3 +99,89 @@ def compare_batch(batch_tokens: int, noise_tokens: float) -> str:
     return (f"batch {batch_tokens:,} tokens vs noise scale {noise_tokens:,.0f} tokens: about "
             f"{tokens_x:.2f}x the minimum tokens and {steps_x:.2f}x the minimum steps for a "
             f"given loss (McCandlish et al. 2018, B_crit ~ B_simple): {verdict}")
+
+
+def probe_support(cfg, layout) -> tuple[int | None, str | None]:
+    """(sequences per DP rank in the small batch, None), or (None, why not measured).
+
+    B_big is the global batch; B_small is the first micro batch over every DP rank,
+    dp x micro_batch_size sequences, whose gradient the layout holds after that micro
+    batch's backward: one process and ZeRO-3 (reduce-scattered every micro batch)
+    as they run; DDP and ZeRO-2 (which defer the reduction to the last micro batch)
+    reduce the first micro batch's gradients at once on measuring steps, one more
+    gradient reduction then. A step of one micro batch per rank runs it as two halves
+    on measuring steps (same samples, same update), B_small = dp x half of it. A rank's
+    own unreduced gradient would be a smaller batch, but FSDP2 and replicate reduce
+    inside backward, where it cannot be read without a hook into their internals.
+    Pipelines run every micro batch's backward inside the schedule: not measured."""
+    if not cfg.train.noise_scale:
+        return None, "train.noise_scale=false"
+    if layout.pp > 1:
+        return None, ("not measured under pipeline parallelism: the schedule runs every "
+                      "micro batch's backward in one call, so no smaller batch's gradient "
+                      "is ever whole without an extra backward")
+    if layout.microbatches >= 2:
+        return layout.micro_batch_size, None
+    if cfg.train.compile:
+        return None, ("not measured: with one micro batch per step the measuring step "
+                      "runs two half batches, a new shape torch.compile would compile "
+                      "the blocks again for (use 2 or more micro batches)")
+    if layout.micro_batch_size >= 2:
+        return layout.micro_batch_size // 2, None
+    return None, ("not measured: one sequence per rank and step leaves no smaller batch "
+                  "(raise parallel.micro_batch_size or train.global_batch_size)")
+
+
+class NoiseScaleProbe:
+    """The noise scale as a run measures it, on logging steps only (whose host syncs and
+    collectives are there anyway): the step strategy hands over the first micro batch's
+    squared norm, the train module the whole step's (``record``), and the logging step
+    folds them into the estimator (``update``: one host sync)."""
+
+    def __init__(self, cfg, layout, global_batch_tokens: int):
+        self.estimator = NoiseScale(cfg.train.noise_scale_ema)
+        self.small_seqs, self.why_not = probe_support(cfg, layout)
+        self.dp, self.seq_len = layout.dp, cfg.model.seq_len
+        self.micro_batches = layout.microbatches
+        self.big_tokens = global_batch_tokens
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.small_seqs is not None
+
+    @property
+    def value(self) -> float | None:
+        return self.estimator.value
+
+    def describe(self) -> str:
+        if self.small_seqs is None:
+            return f"gradient noise scale: {self.why_not}"
+        small = self.small_seqs * self.dp
+        how = "first micro batch" if self.micro_batches >= 2 else \
+            "first half of the batch (one micro batch, run as two halves on logging steps)"
+        return (f"gradient noise scale (McCandlish et al. 2018): on logging steps, B_small = "
+                f"each rank's {how} x dp={self.dp} = {small} sequences = "
+                f"{small * self.seq_len:,} tokens, B_big = the global batch, "
+                f"{self.big_tokens:,} tokens; EMA {self.estimator.beta:.2f}")
+
+    def record(self, small_sq: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
+        """A measuring step's squared norms, kept on the device: the first micro batch's
+        and the whole step's raw (unclipped) one."""
+        if small_sq is not None:
+            self.pending = (small_sq, grad_norm.float() ** 2)
+
+    def update(self, step: int) -> float | None:
+        """On a logging step: fold the pending squared norms into the EMAs (one host sync)
+        and return B_simple in tokens (None until it is defined)."""
+        if self.pending is None:
+            return self.estimator.value
+        small_sq, big_sq = torch.stack(self.pending).double().tolist()
+        self.pending = None
+        spikes = self.estimator.spikes
+        self.estimator.update(small_sq, big_sq, self.small_seqs * self.dp * self.seq_len,
+                              self.big_tokens)
+        if self.estimator.spikes > spikes:
+            log.info("noise scale: step %d's squared gradient norm %.4g is over %gx its "
+                     "average, a spike: left out of the averages", step, big_sq, SPIKE)
+        return self.estimator.value

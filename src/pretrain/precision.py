@@ -5,12 +5,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from pretrain.config import Config, PrecisionConfig
-from pretrain.planning.gpus import GpuSpec
+from pretrain.hardware.gpus import GpuSpec
+from pretrain.paths import CONF_DIR
 
 # The one table of dtype names a config may use: precision policies, the planner's byte
 # counts (``dtype_bytes``) and tools/export_hf.py's --dtype all read it.
@@ -60,7 +60,7 @@ class Policy:
 
 
 AUTO = "auto"
-PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "precision"
+PRESET_DIR = CONF_DIR / "precision"
 # What ``precision=auto`` takes from the preset it picks; everything else (param and
 # reduce dtypes, a user's overrides) stays as the config has it.
 AUTO_KEYS = ("name", "compute_dtype", "loss_scaling")
@@ -74,7 +74,7 @@ def choose_auto(device: torch.device | GpuSpec) -> tuple[str, str]:
     scaling (V100, T4). CPU: bf16 only where the CPU multiplies bf16 in hardware, else fp32
     (emulated bf16 matmuls run 7-100x slower than fp32 there). A GPU type of the planner's
     table (``conf/gpu/``, no GPU at hand): bf16 when it lists a bf16 peak, else fp16."""
-    from pretrain.device import cpu_native_matmul
+    from pretrain.hardware.device import cpu_native_matmul
 
     if isinstance(device, GpuSpec):
         if device.peak_flops("bfloat16"):

@@ -1,5 +1,7 @@
-"""Stop requests: SIGTERM / SIGUSR1 (what SLURM sends before preemption or the time limit)
-and the run's own time limit, agreed on by every rank.
+"""When a run stops, saves and asks to be requeued: stop requests (SIGTERM / SIGUSR1, what
+SLURM sends before preemption or the time limit, and the run's own time limit), agreed on by
+every rank, and the policy between steps (``StopSavePolicy``: stop checks, periodic saves,
+``train.exit_interval``, stopped.json for the launcher).
 
 A signal handler only sets a flag; the training loop checks it between steps, every
 ``train.stop_check_interval`` steps (``check`` is a collective: every rank calls it after the
@@ -10,10 +12,13 @@ slurm/train.sbatch turns into a requeue.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,6 +26,8 @@ import torch.distributed as dist
 log = logging.getLogger("pretrain")
 
 EXIT_REQUEUE = 75
+# Written by rank 0 when a run stops early to be requeued (signal, time limit, exit_interval).
+STOPPED = "stopped.json"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -57,3 +64,60 @@ class StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 signal.signal(sig, signal.SIG_DFL)
+
+
+class StopSavePolicy:
+    """Between steps: whether every rank stops now (a stop request, or an
+    ``train.exit_interval`` step), and whether a periodic checkpoint is due.
+
+    The agreement collectives (the stop request's all-reduce, the async save's poll) run on
+    stop-check steps only: every ``train.stop_check_interval`` steps, on
+    ``train.exit_interval`` steps, and on steps with a checkpoint due (a stop then saves
+    once, blocking). The steps are a function of the step number, so every rank calls them
+    at the same steps and stops at the same step."""
+
+    def __init__(self, train_cfg, checkpoint_interval_steps: int | None, ckpt,
+                 device: torch.device):
+        self.cfg, self.every, self.ckpt, self.device = (train_cfg, checkpoint_interval_steps,
+                                                        ckpt, device)
+        self.request = StopRequest(train_cfg.time_limit_minutes)
+
+    def after_step(self, step: int, settle) -> tuple[str | None, bool]:
+        """After step ``step`` (not the last): (why every rank stops now, or None; whether
+        a periodic checkpoint is due). ``settle()`` reads the device-side counts of
+        skipped steps, on the steps that sync anyway."""
+        train = self.cfg
+        exit_now = bool(train.exit_interval) and step % train.exit_interval == 0
+        sync_step = exit_now or step % train.stop_check_interval == 0
+        save_due = self._save_due(step, sync_step)
+        if not (sync_step or save_due):
+            return None, False
+        self.ckpt.poll()
+        settle()
+        stopped = self.request.check(self.device)
+        if stopped is None and exit_now:
+            stopped = f"train.exit_interval={train.exit_interval}"
+        return stopped, save_due
+
+    def _save_due(self, step: int, sync_step: bool) -> bool:
+        """Whether a periodic checkpoint is due after this step. A step interval is decided
+        locally; a minute interval needs rank 0's clock (``CheckpointManager.due``
+        broadcasts it), so it is asked on stop-check steps only: such a save comes at most
+        ``train.stop_check_interval - 1`` steps late."""
+        if sync_step or (self.every and step % self.every == 0):
+            return self.ckpt.due(step)
+        return False
+
+    def restore(self) -> None:
+        self.request.restore()
+
+
+def requeue_exit(run_dir: Path, step: int, reason: str, rank0: bool) -> int:
+    """The exit status of a run stopped early, to be requeued. One process exits 75 itself.
+    Under torchrun a non-zero exit of one rank makes torchrun kill the others and return 1,
+    so ranks exit 0 there and the launcher (tools/run_local.py, slurm/train.sbatch) reads
+    stopped.json, which rank 0 writes, instead."""
+    if rank0:
+        (Path(run_dir) / STOPPED).write_text(json.dumps(
+            {"step": step, "reason": reason, "exit_code": EXIT_REQUEUE}))
+    return 0 if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_REQUEUE

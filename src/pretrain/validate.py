@@ -6,7 +6,7 @@ reported together, so a user fixes a recipe in one pass.
 
 from __future__ import annotations
 
-from pretrain.config import Config
+from pretrain.config import Config, ConfigError
 from pretrain.parallel.layout import declared_world_size
 from pretrain.parallel.rules import layout_problems
 
@@ -17,13 +17,6 @@ POSITIVE = (
     "logging.log_interval", "train.eval_interval", "data.shard_tokens",
     "train.stop_check_interval",
 )
-
-
-class ConfigError(ValueError):
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")
 
 
 def _get(cfg: Config, dotted: str):

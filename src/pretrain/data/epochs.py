@@ -15,9 +15,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pretrain.config import DataConfig
+from pretrain.config import ConfigError, DataConfig
 from pretrain.data.prepare import prepared_index
-from pretrain.validate import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -50,6 +50,7 @@ from pretrain.data.encode import (
 from pretrain.data.errors import DataError
 from pretrain.data.sources import apply_max_documents, expand_files, plan_pieces, stdlib_files
 from pretrain.data.tokenizer import make_tokenizer
+from pretrain.paths import SRC
 
 __all__ = ["DataError", "INDEX", "FORMAT_VERSION", "data_dir", "fingerprint", "is_prepared",
            "load_index", "merge", "plan", "encode", "prepare", "staging_dir", "stdlib_files"]
@@ -309,7 +310,7 @@ def worker_env(workers: int) -> dict[str, str]:
     env["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
     # The workers run this very package (python -m pretrain.data.encode), not another
     # installed copy: the encoding must be the one this process planned.
-    src = str(Path(__file__).resolve().parents[2])
+    src = str(SRC)
     env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
     return env
 
@@ -365,3 +366,19 @@ def _run_worker_processes(staging: Path, workers: int) -> None:
         missing = missing_pieces(staging, len(the_plan["pieces"]))
         raise DataError(f"encode worker(s) {failed} of {workers} failed (see above); pieces "
                         f"{_ranges(missing)} are not done. Run again to resume.")
+
+
+def require_prepared(cfg) -> None:
+    """A multi-process run reads prepared data and never tokenises: DataError, naming the
+    command that prepares it, when there is none for this data config (``cfg``: the run's
+    Config; with ``data.auto_prepare=false`` any prepared index at the path will do)."""
+    path = data_dir(cfg.data)
+    if not needs_preparation(cfg.data) and (path / INDEX).exists():
+        return
+    what = ("was prepared with other settings" if (path / INDEX).exists()
+            else "holds no prepared data")
+    raise DataError(
+        f"{path} {what} (data.name={cfg.data.name}), and a multi-process run does not "
+        f"prepare data: prepare it first with `python tools/prepare_data.py <the same "
+        f"overrides>`, or start the run with `python tools/run_local.py` / "
+        f"`tools/launch.py`, which prepare first")

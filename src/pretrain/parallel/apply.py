@@ -8,7 +8,6 @@ shards' values, which are those of the same elements in one process: see initial
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,9 +17,10 @@ from pretrain.config import Config
 from pretrain.model import GPT, set_attention_backend
 from pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from pretrain.parallel.data_parallel import apply_data_parallel, needs_wrapper
+from pretrain.parallel.grad_clip import clip_grad_norm, global_grad_norm
 from pretrain.parallel.layout import Layout
-from pretrain.parallel.mesh import Meshes
-from pretrain.parallel.pipeline import build_schedule, split_model
+from pretrain.parallel.mesh import Meshes, all_reduce
+from pretrain.parallel.pipeline import split_model
 from pretrain.parallel.tensor_parallel import apply_tensor_parallel
 from pretrain.parallel.tied import TiedEmbedding, tied_embedding
 from pretrain.precision import Policy
@@ -28,15 +28,18 @@ from pretrain.precision import Policy
 
 @dataclass
 class ParallelModel:
-    """This rank's model chunks and how to drive them.
+    """This rank's model chunks, and the answers about them that depend on the layout.
 
     ``parts`` is one GPT without pipeline parallelism, else this rank's pipeline stages
-    (``stage_ids``), run by ``schedule``."""
+    (``stage_ids``). Whatever asks how the model is spread (which ranks hold the loss, which
+    parameters are copies, over which group a norm is summed) asks here, so the trainer and
+    its services never do."""
 
     parts: list[nn.Module]
+    layout: Layout
+    device: torch.device
+    mesh: Meshes | None = None
     stage_ids: list[int] = field(default_factory=lambda: [0])
-    n_stages: int = 1
-    schedule: object | None = None
     tied: TiedEmbedding | None = None
 
     @property
@@ -45,7 +48,13 @@ class ParallelModel:
 
     @property
     def has_last_stage(self) -> bool:
-        return self.n_stages - 1 in self.stage_ids
+        return self.layout.n_stages - 1 in self.stage_ids
+
+    @property
+    def pp_group(self):
+        """The pipeline's process group (None without pipeline parallelism)."""
+        return self.mesh.pp.get_group() if self.mesh is not None and self.layout.pp > 1 \
+            else None
 
     def parameters(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
@@ -62,10 +71,36 @@ class ParallelModel:
         for part in self.parts:
             part.train(mode)
 
+    def clip_grad_norm(self, max_norm: float, unscale=None) -> torch.Tensor:
+        """Make the gradients whole (a weight tied across pipeline stages gets the sum of
+        its copies' gradients), then ``unscale()`` (fp16's scaler, when given), then clip
+        them to a global norm of ``max_norm`` (inf: no clipping); returns their global
+        norm before clipping, on the device."""
+        if self.tied is not None:
+            self.tied.sync_grads()
+        if unscale is not None:
+            unscale()
+        return clip_grad_norm(self.parameters(), max_norm, self.pp_group, self.duplicate_params)
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """The squared global norm of the gradients held now (every DP, TP and pipeline
+        shard, each tied weight once); a device tensor, no host sync."""
+        params = [p for p in self.parameters() if id(p) not in self.duplicate_params]
+        return global_grad_norm(params, self.pp_group).float() ** 2
+
+    def sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over DP ranks of a value the last pipeline stage holds (every TP rank
+        holds the same), onto every rank: one all-reduce over the world, the other ranks
+        adding zero. Every rank must call it at the same point."""
+        if self.mesh is None:
+            return value
+        share = value.float() / self.layout.tp if self.has_last_stage else \
+            torch.zeros(value.shape, device=self.device)
+        return all_reduce(share.clone())
+
 
 def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
-                device: torch.device, policy: Policy,
-                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> ParallelModel:
+                device: torch.device, policy: Policy) -> ParallelModel:
     """Apply every parallelism to ``model`` (on the meta device); nothing is allocated."""
     sharded = mesh is not None and layout.dp > 1 and layout.dp_mode in ("zero2", "zero3")
     if policy.fp8:
@@ -94,24 +129,21 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
                 block.compile(fullgraph=True)
         if mesh is not None and needs_wrapper(layout, policy.mixed):
             apply_data_parallel(part, list(part.layers.values()), mesh, layout, policy)
-    pm = ParallelModel(parts=parts, stage_ids=stage_ids, n_stages=layout.n_stages)
+    pm = ParallelModel(parts=parts, layout=layout, device=device, mesh=mesh,
+                       stage_ids=stage_ids)
     if mesh is not None:
         pm.tied = tied_embedding(cfg.model.tie_embeddings, parts, stage_ids, layout, mesh.root)
-    if mesh is not None and layout.pp > 1:
-        pm.schedule = build_schedule(parts, stage_ids, layout, mesh.pp, device, loss_fn)
     return pm
 
 
 def parallelize_gpt(cfg: Config, layout: Layout, mesh: Meshes | None, device: torch.device,
-                    policy: Policy, attention: str,
-                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-                    ) -> ParallelModel:
+                    policy: Policy, attention: str) -> ParallelModel:
     """This rank's share of ``cfg.model`` (attention kernel ``attention``), built on the
     meta device and parallelised: nothing allocated yet (see ``materialize``)."""
     with torch.device("meta"):
         model = GPT(cfg.model)
     set_attention_backend(model, attention, device)
-    return parallelize(model, cfg, layout, mesh, device, policy, loss_fn)
+    return parallelize(model, cfg, layout, mesh, device, policy)
 
 
 @torch.no_grad()

@@ -18,8 +18,9 @@ Llama 3.1 8B reserved 82.4 GiB where it predicts 71.1; docs/benchmarks.md), and 
 98% of memory fails on the first allocator spike. ``tools/plan.py`` on a layout you chose
 still reports whether it fits at all.
 
-``parallel=auto`` is resolved before validation: ``resolve_auto`` returns the config with
-``parallel`` replaced by the winner, which ``validate.check`` then checks like any layout.
+``parallel=auto`` is resolved before validation (resolve.py, the one decision path): the
+config gets ``parallel`` replaced by ``choose_layout``'s winner, which ``validate.check``
+then checks like any layout.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from dataclasses import dataclass, replace
 
 from pretrain.budget import Budget, resolve_budget
 from pretrain.config import Config, ParallelConfig
+from pretrain.hardware.gpus import GpuSpec, get_gpu
 from pretrain.model import padded_vocab_size
 from pretrain.parallel.layout import Layout, layout_world_size, resolve_layout
 from pretrain.parallel.rules import layout_problems, tp_problems
 from pretrain.planning.cost import StepCost, step_cost
-from pretrain.planning.gpus import GpuSpec, get_gpu
 from pretrain.planning.memory import MemoryEstimate, estimate_memory
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -251,13 +252,3 @@ def why_first(cands: list[Candidate]) -> str:
     pct = 100 * (b.total / a.total - 1)
     return (f"#2 ({cands[1].describe()}) is {pct:.1f}% slower per step; #2 minus #1: "
             f"{', '.join(gain)}.")
-
-
-def resolve_auto(cfg: Config, n_gpus: int, gpu: GpuSpec | str) -> tuple[Config, list[Candidate]]:
-    """``cfg`` with ``parallel=auto`` replaced by the chosen layout (unchanged otherwise);
-    call before ``validate.check``."""
-    if cfg.parallel.name != "auto":
-        return cfg, []
-    parallel, cands = choose_layout(cfg, n_gpus, gpu)
-    return with_parallel(cfg, parallel), cands
-

@@ -43,9 +43,9 @@ from dataclasses import asdict, dataclass
 
 from pretrain.budget import Budget
 from pretrain.config import Config
+from pretrain.hardware.gpus import GpuSpec
 from pretrain.parallel.activation_checkpoint import recomputed_linears
 from pretrain.parallel.layout import Layout
-from pretrain.planning.gpus import GpuSpec
 from pretrain.planning.params import inventory, rank_params
 from pretrain.precision import dtype_bytes
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pretrain.config import Config
+from pretrain.hardware.gpus import GIB, GpuSpec
 from pretrain.model import padded_vocab_size
 from pretrain.parallel.data_parallel import needs_wrapper
 from pretrain.parallel.layout import Layout
@@ -51,7 +52,6 @@ from pretrain.planning.activations import (
     layer_bytes,
     live_recv_buffers,
 )
-from pretrain.planning.gpus import GIB, GpuSpec
 from pretrain.planning.params import StageParams, rank_params
 from pretrain.precision import dtype_bytes
 

@@ -108,9 +108,9 @@ def compare(run: PublishedRun) -> dict:
     """The planner on one published run: its figures next to the published ones."""
     from pretrain.budget import resolve_budget
     from pretrain.cli import compose_config
+    from pretrain.hardware.gpus import get_gpu
     from pretrain.parallel.layout import resolve_layout
     from pretrain.planning.cost import step_cost
-    from pretrain.planning.gpus import get_gpu
     from pretrain.planning.memory import estimate_memory
 
     cfg = compose_config([*run.overrides, "precision.fp8_allow_emulation=true"])

@@ -7,21 +7,17 @@ from dataclasses import replace
 
 from pretrain.budget import Budget, resolve_budget
 from pretrain.config import Config
-from pretrain.data.epochs import check_epochs
+from pretrain.hardware.gpus import GIB, GpuSpec
 from pretrain.model import padded_vocab_size
-from pretrain.optim import scaled_lr
 from pretrain.parallel.activation_checkpoint import describe as describe_checkpointing
 from pretrain.parallel.layout import Layout, resolve_layout
 from pretrain.parallel.rules import layout_problems
 from pretrain.planning.autolayout import (
-    Candidate,
     evaluate,
     tp_options,
-    why_first,
     with_parallel,
 )
 from pretrain.planning.cost import step_cost
-from pretrain.planning.gpus import GIB, GpuSpec
 from pretrain.planning.memory import PARTS, estimate_memory
 
 
@@ -83,9 +79,11 @@ def _selective_note(cfg: Config, layout: Layout) -> list[str]:
     return [describe_checkpointing(cfg.model, "selective", cfg.parallel.ac_every_n_layers)]
 
 
-def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, mfu: float | None = None,
-               candidates: list[Candidate] | None = None) -> dict:
-    """Everything the plan says, as plain data (``--json`` prints it)."""
+def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, run_plan: dict,
+               mfu: float | None = None) -> dict:
+    """Everything the plan says, as plain data (``--json`` prints it): ``run_plan``, the
+    facts the run's own plan states (resolve.describe_run), extended with memory, cost and
+    time on ``gpu``."""
     layout = resolve_layout(cfg, n_gpus)
     budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
     mem = estimate_memory(cfg, layout, gpu)
@@ -94,16 +92,10 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, mfu: float | None = None,
     mfu = mfu if mfu is not None else gpu.default_mfu
     seconds = budget.total_flops / (n_gpus * peak * mfu)
     worst = mem.worst
-    plan = {
-        "model": cfg.model.name, "precision": cfg.precision.name,
+    return {
+        **run_plan,
         "gpu": gpu.name, "gpus": n_gpus, "gpu_memory_gib": gpu.memory_gib,
-        "layout": layout.describe(), "layout_fields": layout.as_dict(),
-        "params": budget.n_params, "tokens": budget.tokens, "steps": budget.steps,
-        "data": cfg.data.name, **check_epochs(cfg.data, budget.tokens),
-        "global_batch_size": cfg.train.global_batch_size, "lr": scaled_lr(
-            cfg.optim, budget.global_batch_tokens),
-        "flops_per_token": budget.flops_per_token, "total_flops": budget.total_flops,
-        "compute": budget.compute,
+        "layout_text": layout.describe(),
         "memory_gib": {k: _gib(worst.parts.get(k, 0.0)) for k in PARTS},
         "memory_total_gib": _gib(worst.total), "fullest_pp_rank": worst.pp_rank,
         "fits": mem.fits,
@@ -114,20 +106,16 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, mfu: float | None = None,
         "notes": list(mem.notes) + _vocab_note(cfg) + _selective_note(cfg, layout),
         "suggestions": [] if mem.fits else suggestions(cfg, layout, gpu, budget),
     }
-    if candidates:
-        plan["auto_candidates"] = [c.summary() for c in candidates]
-        plan["auto_why"] = why_first(candidates)
-    return plan
 
 
 def format_plan(p: dict) -> str:
     auto = " (auto)" if p.get("precision_auto") else ""
-    lines = [f"plan: {p['model']} ({p['params']:,} params), {p['precision']}{auto}, "
+    lines = [f"plan: {p['model']} ({p['n_params']:,} params), {p['precision']}{auto}, "
              f"{p['gpus']} x {p['gpu']} ({p['gpu_memory_gib']:g} GiB)",
-             f"layout: {p['layout']}"]
-    if p.get("auto_candidates"):
+             f"layout: {p['layout_text']}"]
+    if p.get("parallel_auto"):
         lines.append("parallel=auto, top candidates (model step time; memory per GPU):")
-        for i, c in enumerate(p["auto_candidates"], 1):
+        for i, c in enumerate(p["parallel_auto"], 1):
             cst = c["cost"]
             lines.append(f"  {i}. {c['layout']}: {c['step_s']:.4g} s/step (compute "
                          f"{cst['compute'] + cst['recompute']:.4g}, TP {cst['tp_comm']:.3g}, "

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from pretrain.config import Config
-from pretrain.device import peak_rss_bytes
+from pretrain.hardware.device import peak_rss_bytes
 from pretrain.initialization import local_region
 from pretrain.loss import cross_entropy
 from pretrain.model import GPT
@@ -93,8 +93,7 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def _build(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str
            ) -> ParallelModel:
-    return parallelize_gpt(cfg, layout, mesh, torch.device("cpu"), policy, attention,
-                           cross_entropy)
+    return parallelize_gpt(cfg, layout, mesh, torch.device("cpu"), policy, attention)
 
 
 def _stage_input(part: GPT, cfg: Config, layout: Layout, policy: Policy) -> torch.Tensor:

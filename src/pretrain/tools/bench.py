@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from pretrain.cli import compose_config
-from pretrain.device import peak_memory_bytes
+from pretrain.hardware.device import peak_memory_bytes
 from pretrain.loss import cross_entropy
 
 MODES = ("trainer", "plain", "hf")
@@ -53,7 +53,7 @@ def plain_step(mode: str, trainer, cfg):
     device, policy = trainer.device, trainer.policy
     mbs = cfg.parallel.micro_batch_size
     accum = cfg.train.global_batch_size // mbs
-    model = trainer.model if mode == "plain" else hf_gpt2(cfg, device)
+    model = trainer.module.model if mode == "plain" else hf_gpt2(cfg, device)
     if model is None:
         return None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -112,7 +112,7 @@ def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
         tokens = steps * trainer.budget.global_batch_tokens
         tps = tokens / dt
         achieved = tps * trainer.budget.flops_per_token
-        trainer.check_peak(achieved)  # a peak timed in a busy moment is measured again
+        trainer.peak.check(achieved)  # a peak timed in a busy moment is measured again
         return {
             "mode": mode, "recipe_model": cfg.model.name, "device": str(device),
             "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -122,8 +122,8 @@ def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
             "global_batch": gbs, "micro_batch": mbs, "steps": steps,
             "tokens_per_s": round(tps, 1), "step_s": round(dt / steps, 4),
             "achieved_tflops": round(achieved / 1e12, 4),
-            "peak_tflops": round(trainer.peak_flops / 1e12, 4) if trainer.peak_flops else None,
-            "mfu": round(achieved / trainer.peak_flops, 4) if trainer.peak_flops else None,
+            "peak_tflops": round(trainer.peak.value / 1e12, 4) if trainer.peak.value else None,
+            "mfu": round(achieved / trainer.peak.value, 4) if trainer.peak.value else None,
             "peak_memory_gb": round(peak_memory_bytes(device) / 1e9, 3),
         }
 

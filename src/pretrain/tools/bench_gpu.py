@@ -24,7 +24,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from pretrain.cli import REPO
+from pretrain.paths import REPO
 
 # Models at a batch of micro x accumulation that fits an 80 GB GPU without activation
 # checkpointing (tools/plan.py: 62 GiB for gpt3-1.3b at micro batch 8) and gives steps short

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pretrain.cli import REPO
+from pretrain.paths import REPO
 
 SUFFIXES = {".py", ".pyi", ".md", ".rst", ".txt", ".h"}
 CORPUS_VERSION = 1

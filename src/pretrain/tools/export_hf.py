@@ -18,7 +18,12 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from pretrain.checkpoint import CheckpointError, load_model_weights, read_meta, resolve_checkpoint
+from pretrain.checkpoint.manager import (
+    CheckpointError,
+    load_model_weights,
+    read_meta,
+    resolve_checkpoint,
+)
 from pretrain.config import ModelConfig
 from pretrain.hf import ExportError, hf_config, to_hf_state_dict
 from pretrain.model import GPT

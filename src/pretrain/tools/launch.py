@@ -38,9 +38,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.cli import REPO, compose_config
-from pretrain.config import Config
-from pretrain.validate import ConfigError, check
+from pretrain.cli import compose_config
+from pretrain.config import Config, ConfigError
+from pretrain.paths import REPO
+from pretrain.validate import check
 
 TEMPLATE = REPO / "slurm" / "train.sbatch"
 PREPARE_TEMPLATE = REPO / "slurm" / "prepare.sbatch"

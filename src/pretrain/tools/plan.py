@@ -23,15 +23,15 @@ import argparse
 import json
 import sys
 
-from pretrain.budget import BudgetError
+from pretrain.budget import BudgetError, resolve_budget
 from pretrain.cli import compose_config
-from pretrain.hparams import apply_rules
+from pretrain.config import ConfigError
+from pretrain.hardware.gpus import GpuError, get_gpu
 from pretrain.parallel.layout import layout_world_size
-from pretrain.planning.autolayout import LayoutError, resolve_auto
-from pretrain.planning.gpus import GpuError, get_gpu
+from pretrain.planning.autolayout import LayoutError
 from pretrain.planning.report import build_plan, format_plan
-from pretrain.precision import resolve_auto_precision
-from pretrain.validate import ConfigError, check
+from pretrain.resolve import describe_run, resolve_auto
+from pretrain.validate import check
 
 FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2
 
@@ -91,21 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         n = args.gpus or layout_world_size(par)
     if n < 1:
         return fail(f"--gpus={n} must be a positive number of GPUs")
-    candidates = None
-    cfg, auto_precision = resolve_auto_precision(cfg, gpu)
-    try:
-        cfg, rules = apply_rules(cfg, n)  # LR and batch from their rules, for this layout
-        if par.name == "auto":
-            cfg, candidates = resolve_auto(cfg, n, gpu)
-            candidates = candidates[: args.top]
+    try:  # the run's own decision path, on this GPU type (resolve.py)
+        cfg, notes = resolve_auto(cfg, n, gpu, top=args.top)
         check(cfg, n)
-        plan = build_plan(cfg, n, gpu, args.mfu, candidates)
+        budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
+        plan = {**build_plan(cfg, n, gpu, describe_run(cfg, n, budget), args.mfu), **notes}
     except (LayoutError, ConfigError, BudgetError) as e:
         return fail(str(e))
-    if auto_precision:
-        plan["precision_auto"] = auto_precision
-    if rules:
-        plan["hparam_rules"] = rules
     if args.simulate:
         return run_simulation(cfg, n, args.rank, args.step, plan)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
@@ -118,7 +110,7 @@ def run_simulation(cfg, world_size: int, rank: int, step: bool, plan: dict) -> i
     if not 0 <= rank < world_size:
         return fail(f"--rank={rank} is not a rank of this {world_size}-GPU run: "
                     f"use 0..{world_size - 1}")
-    print(f"simulating rank {rank} of {world_size} ({plan['layout']}) on this "
+    print(f"simulating rank {rank} of {world_size} ({plan['layout_text']}) on this "
           "CPU: mesh, parallelize, this rank's initial weights and optimizer state"
           + (", then one micro batch on fake tensors" if step else ""), flush=True)
     result = simulate(cfg, world_size, rank, step=step)

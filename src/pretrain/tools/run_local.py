@@ -22,8 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain.cli import REPO, compose_config
+from pretrain.cli import compose_config
 from pretrain.data.prepare import needs_preparation
+from pretrain.paths import REPO
 
 
 def world_size(overrides: list[str], nproc: int | None) -> int:

@@ -14,7 +14,7 @@ with the override line that makes a recipe use the fitted laws. Writes ``hparams
 
 Otherwise it reads every run directory under the given folders that holds ``result.json`` (written only
 when a run finished its budget) and ``plan.json``; N is the plan's ``n_params``, D the
-tokens trained, C = 6 N D (``pretrain.scaling.run_compute``: the plan's ``compute``, the C
+tokens trained, C = 6 N D (``pretrain.budget.run_compute``: the plan's ``compute``, the C
 of ``budget=flops``; not its ``total_flops``, the hardware work). Fits
 L(C) = a C^b + c (needs 3+ runs) and L(N, D) = E + A/N^alpha + B/D^beta (needs 6+ runs at
 different tokens per parameter: an iso-FLOP sweep, not a pure 20-tokens-per-param
@@ -30,7 +30,7 @@ import json
 import sys
 from pathlib import Path
 
-from pretrain.scaling import (
+from pretrain.analysis.scaling import (
     CHINCHILLA,
     FitReport,
     RunPoint,
@@ -81,13 +81,13 @@ def print_report(title: str, rep: FitReport) -> None:
 
 def hparam_report(dirs: list[Path], out: Path | None) -> int:
     """``--hparams``: fit lr(C) and batch(C) to a sweep, print them beside DeepSeek's."""
-    from pretrain.hparams import (
-        DEEPSEEK,
+    from pretrain.analysis.hparam_fit import (
         collect_sweep,
         fit_hparam_laws,
         group_by_compute,
         override_line,
     )
+    from pretrain.hparams import DEEPSEEK
 
     points = [p for d in dirs for p in collect_sweep(d)]
     if not points:
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "fit.json").write_text(json.dumps(fit, indent=2))
     print(f"\nfit: {out / 'fit.json'}")
     if not args.no_plots:
-        from pretrain.scaling_plot import plot_isoflop, plot_loss_vs_compute
+        from pretrain.analysis.scaling_plot import plot_isoflop, plot_loss_vs_compute
 
         paths = [plot_loss_vs_compute(points, compute, chinchilla, target,
                                       out / "loss_vs_compute.png"),

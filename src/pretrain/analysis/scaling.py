@@ -10,7 +10,7 @@ local minima). Uncertainty comes from a bootstrap over runs, the only honest err
 the runs themselves are the samples.
 
 Units: N is ``plan.json``'s ``n_params`` (every parameter, as Hoffmann et al.), D the
-tokens trained, C = 6 N D (``run_compute``, below).
+tokens trained, C = 6 N D (``budget.run_compute``).
 
 Needs scipy (the ``analysis`` extra): ``pip install -e '.[analysis]'``.
 """
@@ -27,29 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrain.budget import FLOPS_PER_PARAM_TOKEN, run_compute
+
 HUBER_DELTA = 1e-3  # Hoffmann et al. 2022, section D.2
 
 # -- the compute of a run -------------------------------------------------------------------
 
-# C = 6 N D: about 6 FLOPs per parameter and token for a forward and backward pass (Kaplan et
-# al. 2020, section 2.1; Hoffmann et al. 2022). The one definition of a run's compute: the
-# fits below, their predictions, the compute-optimal split, ``budget.kind=flops`` and the
-# plan's ``compute`` all use it. The plan's ``total_flops`` (PaLM's count, attention
-# included) is the hardware work for time and MFU, a different number; DeepSeek's M x D
-# (``hparams.hparam_compute``) is a third, kept for its published constants.
-FLOPS_PER_PARAM_TOKEN = 6
-
-
-def run_compute(n_params: float, tokens: float) -> float:
-    """C = 6 N D of a run of ``n_params`` parameters (all of them, as ``plan.json``'s
-    ``n_params``) trained on ``tokens`` tokens."""
-    return float(FLOPS_PER_PARAM_TOKEN) * n_params * tokens
-
-
-def compute_tokens(flops: float, n_params: float) -> int:
-    """The tokens D that a compute budget C buys a model of N parameters: C / (6 N),
-    rounded up (``budget.kind=flops``)."""
-    return math.ceil(flops / (FLOPS_PER_PARAM_TOKEN * n_params))
+# C = 6 N D is budget.run_compute: the one definition of a run's compute.
 
 
 @dataclass(frozen=True)

@@ -71,9 +71,9 @@ def pick_device(requested: str) -> torch.device:
 
 def gpu_peak_flops(device: torch.device, dtype: str) -> float | None:
     """The MFU denominator of this GPU for compute dtype ``dtype``, from the one GPU table
-    (conf/gpu/, see pretrain.planning.gpus: ``GpuSpec.mfu_peak``, the planner's rule too);
+    (conf/gpu/, see pretrain.hardware.gpus: ``GpuSpec.mfu_peak``, the planner's rule too);
     None for a GPU the table does not know."""
-    from pretrain.planning.gpus import gpu_for_device_name
+    from pretrain.hardware.gpus import gpu_for_device_name
 
     spec = gpu_for_device_name(torch.cuda.get_device_name(device))
     return spec.mfu_peak(dtype) if spec is not None else None

@@ -4,8 +4,9 @@ Two strategies, as torchtitan separates ``forward_backward_step`` from
 ``pp_forward_backward_step``: ``AccumulationStep`` runs this rank's whole model over the micro
 batches of its batch, accumulating gradients (and choosing when DDP / ZeRO-2 reduce them);
 ``PipelineStep`` hands the batch to a ``torch.distributed.pipelining`` schedule, which runs
-every micro batch's forward and backward itself. Each also owns its evaluation forwards. The
-trainer picks one in ``setup`` (``step_strategy``) and never asks which it holds.
+every micro batch's forward and backward itself (and owns the schedule and its loss). Each
+also owns its evaluation forwards. The train module (train_module.py) picks one at setup
+(``step_strategy``); nothing above it asks which it holds.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from torch.distributed.tensor import DTensor
 from pretrain.loss import cross_entropy
 from pretrain.parallel.apply import ParallelModel
 from pretrain.parallel.layout import Layout
+from pretrain.parallel.pipeline import build_schedule
 from pretrain.parallel.tensor_parallel import loss_context
-from pretrain.precision import Policy
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -30,8 +31,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 class ScaledLoss:
     """The pipeline schedule's loss function. The schedule runs backward on it itself, so
     fp16 loss scaling multiplies it here, while ``scale`` is set: during training steps
-    only (``PipelineStep.forward_backward`` sets it). It exists before the model, which
-    the pipeline split builds around it."""
+    only (``PipelineStep.forward_backward`` sets it)."""
 
     def __init__(self):
         self.scale: float | None = None
@@ -47,21 +47,22 @@ class AccumulationStep:
     in the last micro batch's backward.
 
     On a step that measures the gradient noise scale it also returns the squared norm of
-    the first micro batch's mean gradient (see Trainer.noise_scale_support): a batch that
+    the first micro batch's mean gradient (see noise_scale.NoiseScaleProbe): a batch that
     is one micro batch then runs as two halves (``small_seqs`` sequences first, each
     weighted by its size), and DDP/ZeRO-2 reduce the first micro batch's gradients at once
     instead of with the last's. Evaluation: one micro batch a forward, counted one by one
-    (``eval_chunk``, ``eval_round``: 1)."""
+    (``eval_sizes``: 1, 1)."""
 
-    eval_chunk = 1
-    eval_round = 1
-
-    def __init__(self, parallel: ParallelModel, layout: Layout, policy: Policy,
-                 device: torch.device, scaler, small_seqs: int | None,
+    def __init__(self, parallel: ParallelModel, scaler, small_seqs: int | None,
                  grad_sq_norm: Callable[[], torch.Tensor]):
-        self.parallel, self.layout, self.policy = parallel, layout, policy
-        self.device, self.scaler = device, scaler
-        self.small_seqs, self.grad_sq_norm = small_seqs, grad_sq_norm
+        self.parallel, self.layout, self.device = parallel, parallel.layout, parallel.device
+        self.scaler, self.small_seqs, self.grad_sq_norm = scaler, small_seqs, grad_sq_norm
+
+    @staticmethod
+    def eval_sizes(layout: Layout) -> tuple[int, int]:
+        """(micro batches one evaluation call computes, batches over every DP rank that
+        one evaluation round computes anyway)."""
+        return 1, 1
 
     @property
     def defer_reduction(self) -> bool:
@@ -120,17 +121,20 @@ class PipelineStep:
     """This rank's pipeline stages, driven by the schedule: one ``schedule.step`` runs
     every micro batch's forward and backward. The loss exists on the last stage only;
     other ranks return zero. Evaluation runs whole pipeline steps of forwards
-    (``eval_chunk`` micro batches a call), and counts every micro batch they compute
-    (``eval_round`` = dp x microbatches batches over every DP rank)."""
+    (microbatches batches a call), and counts every micro batch they compute
+    (dp x microbatches batches over every DP rank). It builds the schedule around its own
+    loss, which fp16 scales during training steps."""
 
-    def __init__(self, parallel: ParallelModel, layout: Layout, policy: Policy,
-                 device: torch.device, scaler, loss: ScaledLoss,
-                 optimizer: torch.optim.Optimizer):
-        self.parallel, self.layout, self.policy = parallel, layout, policy
-        self.device, self.scaler, self.loss = device, scaler, loss
-        self.optimizer = optimizer
-        self.eval_chunk = layout.microbatches
-        self.eval_round = layout.dp * layout.microbatches
+    def __init__(self, parallel: ParallelModel, scaler, optimizer: torch.optim.Optimizer):
+        self.parallel, self.layout, self.device = parallel, parallel.layout, parallel.device
+        self.scaler, self.optimizer = scaler, optimizer
+        self.loss = ScaledLoss()
+        self.schedule = build_schedule(parallel.parts, parallel.stage_ids, self.layout,
+                                       parallel.mesh.pp, self.device, self.loss)
+
+    @staticmethod
+    def eval_sizes(layout: Layout) -> tuple[int, int]:
+        return layout.microbatches, layout.dp * layout.microbatches
 
     def _args(self, x: torch.Tensor, y: torch.Tensor) -> tuple[list, torch.Tensor | None]:
         """The schedule's inputs on this rank: the tokens on the first stage, the targets
@@ -150,7 +154,7 @@ class PipelineStep:
                 self.scaler.scale(torch.ones((), device=self.device))
                 self.loss.scale = self.scaler.get_scale()
             try:  # return_outputs=False: the last stage keeps no micro batch's logits
-                pm.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
             finally:
                 scale, self.loss.scale = self.loss.scale or 1.0, None
             if not pm.has_last_stage:
@@ -170,7 +174,7 @@ class PipelineStep:
     def _eval_step(self, x: torch.Tensor, y: torch.Tensor, losses: list) -> None:
         """One pipeline step of forwards; the per micro batch losses land in ``losses`` on
         the last stage. Only the losses are needed, so the schedule returns no outputs."""
-        schedule = self.parallel.schedule
+        schedule = self.schedule
         args, target = self._args(x, y)
         if self.layout.pp_schedule != "zbv":
             with torch.no_grad():
@@ -182,16 +186,18 @@ class PipelineStep:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def step_strategy(parallel: ParallelModel, layout: Layout, policy: Policy,
-                  device: torch.device, scaler, *, loss: ScaledLoss,
-                  optimizer: torch.optim.Optimizer, small_seqs: int | None,
-                  grad_sq_norm: Callable[[], torch.Tensor]
+def strategy_class(layout: Layout) -> type[AccumulationStep] | type[PipelineStep]:
+    """A pipeline schedule's strategy when the model is split into stages, else gradient
+    accumulation."""
+    return PipelineStep if layout.pp > 1 else AccumulationStep
+
+
+def step_strategy(parallel: ParallelModel, scaler, *, optimizer: torch.optim.Optimizer,
+                  small_seqs: int | None, grad_sq_norm: Callable[[], torch.Tensor]
                   ) -> AccumulationStep | PipelineStep:
-    """The run's step strategy: a pipeline schedule's, when the model was split into
-    stages, else gradient accumulation. Decided once, at setup. (``loss`` and
-    ``optimizer`` serve the pipeline, ``small_seqs`` and ``grad_sq_norm`` the noise scale
-    measured under accumulation.)"""
-    common = (parallel, layout, policy, device, scaler)
-    if parallel.schedule is not None:
-        return PipelineStep(*common, loss, optimizer)
-    return AccumulationStep(*common, small_seqs, grad_sq_norm)
+    """The run's step strategy, decided once at setup. (``optimizer`` serves the pipeline's
+    ZBV evaluation, ``small_seqs`` and ``grad_sq_norm`` the noise scale measured under
+    accumulation.)"""
+    if strategy_class(parallel.layout) is PipelineStep:
+        return PipelineStep(parallel, scaler, optimizer)
+    return AccumulationStep(parallel, scaler, small_seqs, grad_sq_norm)

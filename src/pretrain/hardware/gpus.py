@@ -18,8 +18,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pretrain.paths import CONF_DIR
+
 GIB = 1024**3
-CONF_GPU_DIR = Path(__file__).resolve().parents[3] / "conf" / "gpu"
+CONF_GPU_DIR = CONF_DIR / "gpu"
 ENV_VAR = "PRETRAIN_GPU_TABLE"
 KEYS = ("name", "match", "memory_gib", "peak_tflops", "nvlink_gbps", "network_gbps",
         "gpus_per_node", "default_mfu", "kernel_efficiency")

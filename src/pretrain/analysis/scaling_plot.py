@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain.scaling import (
+from pretrain.analysis.scaling import (
     ChinchillaLaw,
     FitReport,
     RunPoint,

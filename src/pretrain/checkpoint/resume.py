@@ -1,0 +1,115 @@
+"""Where a run continues from, decided before its model exists (a resumed run skips
+initialising its weights), and whether that checkpoint fits this run.
+
+Rank 0 alone looks at the disk and reads meta.json; every rank gets its answer or raises its
+error (``manager.on_rank0``), so a checkpoint of another model or another loss-scaling
+state is refused with the fix named, before DCP would report a shape mismatch or a
+missing ``param_groups`` key.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from pretrain.checkpoint.manager import (
+    CheckpointError,
+    CheckpointManager,
+    ModelOptimizer,
+    newest_checkpoint,
+    on_rank0,
+    read_meta,
+    resolve_checkpoint,
+)
+from pretrain.config import Config
+
+log = logging.getLogger("pretrain")
+# Model keys a checkpoint may differ in: they change no weight's shape or meaning.
+NEUTRAL_MODEL_KEYS = ("attention", "name", "dropout")
+
+
+def check_compatible(path: Path, cfg: Config) -> None:
+    """Refuse a checkpoint of another model before DCP reports a shape mismatch. Reads
+    meta.json: call it on rank 0 only, inside ``on_rank0``, which gives every rank the
+    same error."""
+    saved = read_meta(path).get("config", {})
+    now = OmegaConf.to_container(OmegaConf.structured(cfg.model))
+    diff = [f"model.{k}={now[k]!r} (checkpoint: {v!r})" for k, v in saved.get("model", {}).items()
+            if k not in NEUTRAL_MODEL_KEYS and k in now and now[k] != v]
+    if diff:
+        raise CheckpointError(
+            f"{path} holds a different model: {'; '.join(diff)}. Use the same model "
+            "settings, another run_name, or checkpoint.resume=false to start afresh.")
+    _check_precision(path, saved.get("precision", {}), cfg)
+
+
+def _check_precision(path: Path, saved: dict, cfg: Config) -> None:
+    """Loss scaling is state the checkpoint holds or lacks (fp16's scaler): resuming
+    across it would fail inside DCP with a message about param_groups. Other precision
+    changes (bf16 <-> fp32) resume fine: the weights and AdamW state are fp32 either way."""
+    if not saved or bool(saved.get("loss_scaling")) == cfg.precision.loss_scaling:
+        return
+    raise CheckpointError(
+        f"{path} was saved with precision={saved.get('name')} "
+        f"(loss_scaling={saved.get('loss_scaling')}) and this run is "
+        f"precision={cfg.precision.name} (loss_scaling="
+        f"{cfg.precision.loss_scaling}): fp16's loss-scaler state is in one and not "
+        "the other. Resume with the checkpoint's precision, or start afresh from its "
+        f"weights: checkpoint.load_weights_only={path} checkpoint.resume=false.")
+
+
+def choose_resume(cfg: Config, run_dir: Path) -> Path | None:
+    """The checkpoint this run continues from, in this process alone: resume_from, else
+    (checkpoint.resume) the newest complete one of this run; None for a new run."""
+    ck = cfg.checkpoint
+    if ck.resume_from:
+        path = resolve_checkpoint(ck.resume_from)
+    elif ck.resume:
+        path = newest_checkpoint(Path(run_dir) / "checkpoints")
+    else:
+        return None
+    if path is not None:
+        check_compatible(path, cfg)
+    return path
+
+
+def resume_path(cfg: Config, run_dir: Path) -> Path | None:
+    """``choose_resume`` decided by rank 0, the same answer (or error) on every rank: every
+    rank calls it, once the process group exists."""
+    return on_rank0(lambda: choose_resume(cfg, run_dir))
+
+
+def _weights_checkpoint(src: Path, cfg: Config) -> Path | None:
+    """Rank 0: None for a transformers model directory, else the complete checkpoint of
+    ours that ``src`` names, checked against the model config."""
+    if (src / "config.json").exists() and not (src / ".metadata").exists():
+        return None
+    path = resolve_checkpoint(src)
+    check_compatible(path, cfg)
+    return path
+
+
+def load_weights(source: str, cfg: Config, parts: list[torch.nn.Module], attention: str
+                 ) -> None:
+    """Weights only into this rank's model ``parts`` (new optimizer, new schedule): a
+    checkpoint of ours, or a transformers model directory."""
+    src = Path(source)
+    path = on_rank0(lambda: _weights_checkpoint(src, cfg))
+    if path is not None:
+        CheckpointManager.load(path, {"model_optim": ModelOptimizer(parts, None)})
+        log.info("initialised from the weights of %s (new optimizer and schedule)", path)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from pretrain.hf import load_hf_weights
+    from pretrain.model import build_model
+
+    full = build_model(cfg, torch.device("cpu"), attention, cfg.train.seed)
+    load_hf_weights(full, cfg.model, str(src))
+    for part in parts:
+        set_model_state_dict(part, full.state_dict(),
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+    log.info("initialised from the transformers model in %s", src)

@@ -1,0 +1,122 @@
+"""Evaluation and sampling: the validation loss of the model as it trains, and a sample of
+generated text at the end.
+
+The validation loss is the mean over the first ``eval_batch_count()`` micro batches of the
+validation split, each counted once, spread over the DP ranks: the same batches, so the
+same mean (up to reduction order), for every layout that evaluates the same number. How
+many batches one evaluation call computes is the step strategy's (``eval_chunk``,
+``eval_round``: whole pipeline steps under pipeline parallelism); the evaluator never asks
+which strategy runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("pretrain")
+
+
+class Evaluator:
+    """The validation loss over ``eval_batches`` micro batches of ``micro_batch_size``
+    sequences of ``val_data`` (a data.loader.TokenWindows), computed by ``module`` (a
+    TrainModule: ``eval_losses``, ``sum_over_dp``, ``eval_chunk``, ``eval_round``) on DP
+    rank ``dp_rank`` of ``dp``."""
+
+    def __init__(self, val_data, module, *, eval_batches: int, micro_batch_size: int,
+                 dp: int, dp_rank: int, device: torch.device):
+        self.val_data, self.module = val_data, module
+        self.asked, self.mbs = eval_batches, micro_batch_size
+        self.dp, self.dp_rank, self.device = dp, dp_rank, device
+
+    def batch_count(self) -> int:
+        """How many validation batches (of micro_batch_size sequences) an evaluation
+        averages over: ``train.eval_batches``, rounded up to whole pipeline steps under PP
+        (see _wanted), capped at the distinct batches the split holds."""
+        return min(self._wanted(), self._available())
+
+    def _wanted(self) -> int:
+        """``train.eval_batches``, rounded up to the batches one evaluation call computes
+        over every DP rank anyway (the step strategy's ``eval_round``: 1 under
+        accumulation; dp x microbatches under pipeline parallelism, whose every computed
+        microbatch is then a distinct batch that counts)."""
+        per_step = self.module.eval_round
+        return math.ceil(self.asked / per_step) * per_step
+
+    def _available(self) -> int:
+        """Distinct validation batches in the split (at least one, which then wraps)."""
+        return max(1, self.val_data.n_windows // self.mbs)
+
+    def describe(self) -> None:
+        """Say once, before the first evaluation, when it averages over another number of
+        batches than ``train.eval_batches`` asks, and why."""
+        wanted, count = self._wanted(), self.batch_count()
+        rounded = f", {wanted} in whole pipeline steps" if wanted != self.asked else ""
+        if count < wanted:
+            log.warning("the validation split holds %d windows of %d tokens, %d distinct "
+                        "batch(es) of %d sequences: each evaluation averages those %d "
+                        "(train.eval_batches=%d%s)", self.val_data.n_windows,
+                        self.val_data.seq_len + 1, count, self.mbs, count, self.asked,
+                        rounded)
+        elif count != self.asked:
+            log.info("evaluation: %d validation batches (train.eval_batches=%d rounded up to "
+                     "whole pipeline steps of dp x microbatches = %d batches, which the "
+                     "pipeline computes anyway)", count, self.asked, self.module.eval_round)
+
+    def assignment(self) -> list[tuple[int, float]]:
+        """(validation batch, weight) pairs this DP rank evaluates: batch i of
+        batch_count() goes to rank i % dp; ranks pad with weight-0 repeats so all run
+        the same number of forwards (FSDP and pipelines need every rank in every
+        collective), in whole evaluation calls of the step strategy (``eval_chunk``: whole
+        pipeline steps under PP). Under PP the count is whole pipeline steps already, so
+        there is no padding unless the split is smaller."""
+        n, dp, chunk = self.batch_count(), self.dp, self.module.eval_chunk
+        rounds = math.ceil(math.ceil(n / dp) / chunk) * chunk
+        mine = [k * dp + self.dp_rank for k in range(rounds)]
+        return [(i, 1.0) if i < n else (0, 0.0) for i in mine]
+
+    def evaluate(self) -> float:
+        """The mean validation loss, the same on every rank (every rank calls it)."""
+        work, chunk = self.assignment(), self.module.eval_chunk
+        total = torch.zeros((), device=self.device)
+        for j in range(0, len(work), chunk):
+            part = work[j: j + chunk]
+            losses = self.module.eval_losses(*self._batch([i for i, _ in part]))
+            if losses is None:  # a rank that does not hold the loss (pipeline)
+                continue
+            for (_, weight), loss in zip(part, losses, strict=True):
+                total += weight * loss.float()
+        return (self.module.sum_over_dp(total) / self.batch_count()).item()
+
+    def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validation batches ``indices`` (of micro_batch_size sequences), concatenated."""
+        batches = [self.val_data.batch(i * self.mbs, self.mbs) for i in indices]
+        x = torch.cat([b[0] for b in batches]).to(self.device)
+        y = torch.cat([b[1] for b in batches]).to(self.device)
+        return x, y
+
+
+def sample(module, train_cfg, tokenizer: Path, device: torch.device) -> str | None:
+    """``train.sample_tokens`` tokens generated from ``train.sample_prompt`` by the trained
+    model (None when not asked for, or the layout splits the model)."""
+    if train_cfg.sample_tokens <= 0:
+        return None
+    model, why_not = module.generator_model()
+    if model is None:
+        log.info("sampling skipped: %s", why_not)
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer))
+    prompt = tok(train_cfg.sample_prompt, add_special_tokens=False)["input_ids"] or [0]
+    model.eval()
+    # Same seed on every rank: data-parallel replicas draw the same tokens in lockstep.
+    gen = torch.Generator(device=device).manual_seed(train_cfg.seed)
+    out = model.generate(
+        torch.tensor([prompt], device=device), train_cfg.sample_tokens,
+        temperature=train_cfg.sample_temperature, top_k=train_cfg.sample_top_k, generator=gen,
+    )
+    return tok.decode(out[0].tolist())

@@ -1,0 +1,175 @@
+"""The one decision path before a run: a config plus a device (this machine's, or a GPU
+type of the planner's table) in, the resolved config and its plan out.
+
+The real run (trainer.py), the dry run (``dry_run=true``) and ``tools/plan.py`` all call
+it, so they cannot disagree about what ``auto`` means. The ``auto`` settings are decided in
+one order, because each depends on the one before: precision from the device, then LR and
+batch from their compute rules (src/pretrain/hparams.py), then the layout
+(``parallel=auto``: planning/autolayout.choose_layout), whose memory depends on both.
+Nothing here touches data, weights or a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from pretrain.attention import resolve_backend
+from pretrain.budget import Budget, resolve_budget
+from pretrain.checkpoint.manager import describe_policy
+from pretrain.config import Config
+from pretrain.data.epochs import check_epochs
+from pretrain.hardware.device import pick_device
+from pretrain.hardware.gpus import GpuSpec
+from pretrain.hparams import apply_rules, describe, hparam_compute
+from pretrain.optim import scaled_lr
+from pretrain.parallel.activation_checkpoint import describe as describe_checkpointing
+from pretrain.parallel.layout import (
+    Layout,
+    declared_world_size,
+    resolve_layout,
+    world_size_from_env,
+)
+from pretrain.parallel.mesh import env_rank
+from pretrain.precision import Policy, resolve_auto_precision, resolve_policy
+from pretrain.validate import check
+
+log = logging.getLogger("pretrain")
+# The order the ``auto`` settings are decided in (each depends on the ones before it).
+AUTO_ORDER = ("precision", "hparam_rules", "parallel")
+# Layout candidates a plan lists for parallel=auto, best first.
+TOP_CANDIDATES = 5
+
+
+def resolve_auto(cfg: Config, world_size: int, device: torch.device | GpuSpec | None = None,
+                 top: int = TOP_CANDIDATES) -> tuple[Config, dict]:
+    """``cfg`` with every ``auto`` setting decided for ``world_size`` processes on
+    ``device`` (default: this machine's, ``train.device``), in ``AUTO_ORDER``, and what was
+    decided, for the plan (``precision_auto``, ``hparam_rules``, ``parallel_auto``: the
+    ``top`` layout candidates, and ``auto_why``). Deterministic per machine kind, so every
+    rank decides the same."""
+    if device is None:
+        device = pick_device(cfg.train.device)
+    notes: dict = {}
+    cfg, why = resolve_auto_precision(cfg, device)
+    if why:
+        notes["precision_auto"] = why
+    # LR and batch from their rules before the layout: parallel=auto then lays out the
+    # batch the rule gave (rounded to the declared micro batch x dp)
+    cfg, rules = apply_rules(cfg, world_size)
+    if rules:
+        notes["hparam_rules"] = rules
+    cfg, candidates = _auto_layout(cfg, world_size, device, top)
+    if candidates:
+        from pretrain.planning.autolayout import why_first
+
+        notes["parallel_auto"] = [c.summary() for c in candidates]
+        notes["auto_why"] = why_first(candidates)
+    return cfg, notes
+
+
+def _auto_layout(cfg: Config, world_size: int, device: torch.device | GpuSpec, top: int
+                 ) -> tuple[Config, list]:
+    """``parallel=auto``: ``cfg`` with the layout ``choose_layout`` picks for this world
+    size and device (a GPU type, or this machine's: ``local_gpu``), and the ranked
+    candidates; unchanged, and no candidates, otherwise."""
+    if cfg.parallel.name != "auto":
+        return cfg, []
+    from pretrain.hardware.gpus import local_gpu
+    from pretrain.planning.autolayout import choose_layout, with_parallel
+
+    gpu = device if isinstance(device, GpuSpec) else local_gpu(device.type, world_size)
+    parallel, candidates = choose_layout(cfg, world_size, gpu, top)
+    return with_parallel(cfg, parallel), candidates
+
+
+def describe_run(cfg: Config, world_size: int, budget: Budget) -> dict:
+    """The plan's facts that do not depend on the device: what every plan states, the
+    run's and ``tools/plan.py``'s (which extends it with memory, cost and time)."""
+    return {
+        **budget.as_dict(),
+        "precision": cfg.precision.name,
+        "compile": cfg.train.compile,
+        "layout": resolve_layout(cfg, world_size).as_dict(),
+        "activation_checkpointing": describe_checkpointing(
+            cfg.model, cfg.parallel.activation_checkpointing, cfg.parallel.ac_every_n_layers),
+        "model": cfg.model.name,
+        "data": cfg.data.name,
+        **check_epochs(cfg.data, budget.tokens),
+        "lr": scaled_lr(cfg.optim, budget.global_batch_tokens),
+        "checkpoint": describe_policy(cfg.checkpoint),
+        "global_batch_size": cfg.train.global_batch_size,
+        # C in DeepSeek's convention (non-embedding FLOPs/token x tokens), the x of the
+        # hyperparameter rules (src/pretrain/hparams.py); tools/scaling_law.py --hparams
+        # groups a sweep's runs by it
+        "hparam_compute": hparam_compute(cfg)[0],
+    }
+
+
+def resolve_plan(cfg: Config, world_size: int | None = None
+                 ) -> tuple[dict, Budget, torch.device, Policy]:
+    """Everything a run on this machine decides before it starts: its plan, budget, device
+    and precision policy. ``world_size`` None: the layout as declared (see
+    validate.check)."""
+    if world_size is None:
+        world_size = declared_world_size(cfg)
+    check(cfg, world_size)
+    device = pick_device(cfg.train.device)
+    cfg, auto_precision = resolve_auto_precision(cfg, device)
+    policy = resolve_policy(cfg.precision, device)
+    budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
+    plan = {**describe_run(cfg, world_size, budget),
+            "attention": resolve_backend(cfg.model.attention, device, policy.compute_dtype),
+            "device": str(device)}
+    if auto_precision:
+        plan["precision_auto"] = auto_precision
+    if policy.fp8:
+        plan["fp8"] = cfg.precision.fp8_recipe + (" (emulated)" if policy.fp8_emulate else "")
+        if not cfg.train.compile and not policy.fp8_emulate:
+            log.warning("precision=fp8 with train.compile=false: torchao's float8 casts run "
+                        "as separate eager kernels, usually slower than bf16; set "
+                        "train.compile=true (torchao's and torchtitan's advice)")
+    if device.type == "cuda":
+        plan["tf32"] = cfg.train.tf32
+    return plan, budget, device, policy
+
+
+@dataclass
+class Resolved:
+    """A run as decided before it starts."""
+
+    cfg: Config  # every ``auto`` replaced by its decision
+    plan: dict  # what plan.json and the first log line say
+    budget: Budget
+    device: torch.device
+    policy: Policy
+    layout: Layout
+    world_size: int
+
+
+def resolve_run(cfg: Config, world_size: int | None = None) -> Resolved:
+    """The whole path for a run on this machine: ``auto`` decided, then the plan (with the
+    ``auto`` notes in it). ``world_size`` None: this process's, from the launcher's
+    environment (1 without one)."""
+    if world_size is None:
+        world_size = world_size_from_env()
+    cfg, notes = resolve_auto(cfg, world_size)
+    plan, budget, device, policy = resolve_plan(cfg, world_size)
+    plan.update(notes)
+    return Resolved(cfg, plan, budget, device, policy, resolve_layout(cfg, world_size),
+                    world_size)
+
+
+def dry_run(cfg: Config) -> dict:
+    """``dry_run=true``: the plan of the layout as declared, printed as one JSON line on
+    stdout (rank 0), nothing run."""
+    plan = resolve_run(cfg, declared_world_size(cfg)).plan
+    if env_rank() == 0:
+        if "hparam_rules" in plan:  # the JSON line alone goes to stdout
+            print(describe(plan["hparam_rules"]), file=sys.stderr, flush=True)
+        print(json.dumps(plan), flush=True)
+    return plan

@@ -1,0 +1,274 @@
+"""The train module: what a training step needs and the loop never looks inside.
+
+It owns this rank's parallel model, the optimizer, the LR schedule, fp16's loss scaler and
+the step strategy (step_strategy.py), and offers the loop a small interface: ``join`` (this
+process's place in the run), ``step`` (one optimizer step), ``eval_losses``,
+``global_loss`` / ``sum_over_dp`` and ``state_dict``. Everything that depends on the layout
+(which ranks hold the loss, tied copies, the pipeline group and schedule, ZeRO's scaler)
+is answered here or below, in ``parallel/``, as OLMo-core's ``TrainModule`` and
+torchtitan's ``ModelWrapper``/``OptimizersContainer`` keep it out of their trainers: a new
+layout technique touches ``parallel/`` and the step strategies, not the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pretrain.config import Config
+from pretrain.fp8 import after_optimizer_step, fp8_all_gather
+from pretrain.initialization import local_region
+from pretrain.nonfinite import NonFiniteSteps, device_skip_supported, step_unless
+from pretrain.optim import build_optimizer, build_scheduler
+from pretrain.parallel import mesh as dist_env
+from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
+from pretrain.parallel.layout import Layout
+from pretrain.parallel.mesh import Meshes
+from pretrain.precision import Policy
+from pretrain.step_strategy import step_strategy, strategy_class
+
+log = logging.getLogger("pretrain")
+
+
+@dataclass
+class Place:
+    """This process's place in the run."""
+
+    device: torch.device  # cuda:LOCAL_RANK under a launcher on GPUs
+    mesh: Meshes | None  # None: one process without a process group
+    rank0: bool  # the one voice of the log and the one writer of files
+    dp_rank: int  # which slice of each global batch this rank reads
+
+
+def join(layout: Layout, device: torch.device, policy: Policy, world_size: int) -> Place:
+    """The process group and device mesh (several processes; one process too under mixed
+    precision, whose FSDP2 over a DP group of one casts the parameters:
+    parallel/data_parallel.needs_wrapper), and this rank's place in them."""
+    mesh = None
+    if world_size > 1 or policy.mixed:
+        device = dist_env.init_distributed(device)
+        mesh = dist_env.build_mesh(layout, device)
+    dp_rank = mesh.dp.get_local_rank() if mesh is not None else 0
+    return Place(device, mesh, dist_env.is_rank0(), dp_rank)
+
+
+def max_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """``value`` (in place) as its maximum over every rank: the fullest rank's memory."""
+    return dist_env.all_reduce(value, "max")
+
+
+def leave() -> None:
+    """Leave the process group, if this process joined one."""
+    dist_env.destroy()
+
+
+class TrainModule:
+    """This rank's model, optimizer, schedule, loss scaler and step strategy.
+
+    Built from the resolved config and plan values: ``attention`` (the kernel), ``lr`` (the
+    scaled peak LR), ``steps`` and ``batch_tokens`` (the schedule's length and warmup
+    unit). ``initialise`` False allocates the weights without drawing them (a checkpoint is
+    about to overwrite them); ``small_seqs`` is the noise-scale probe's small batch per DP
+    rank (None: not measured); ``last_good()`` names the newest checkpoint for the error
+    that stops a run after too many non-finite steps."""
+
+    def __init__(self, cfg: Config, layout: Layout, place: Place, policy: Policy, *,
+                 attention: str, lr: float, steps: int, batch_tokens: int, initialise: bool,
+                 small_seqs: int | None, last_good: Callable[[], object] = lambda: None):
+        self.cfg, self.layout, self.policy = cfg, layout, policy
+        self.last_good = last_good
+        self.device = place.device
+        self.parallel = self._build_model(place.mesh, attention, initialise)
+        self.optimizer = build_optimizer(
+            torch.nn.ModuleList(self.parts), cfg.optim, lr, self.device,
+            also_embeddings=self.parallel.tied.params if self.parallel.tied is not None else (),
+        )
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, steps, batch_tokens)
+        self.scaler = self._grad_scaler(place.mesh)
+        self.skipped_steps = 0
+        self.nonfinite_in_a_row = 0
+        self.skips = NonFiniteSteps(self.device, self.skipped_steps)
+        self.strategy = step_strategy(self.parallel, self.scaler, optimizer=self.optimizer,
+                                      small_seqs=small_seqs, grad_sq_norm=self.grad_sq_norm)
+        # micro batches one evaluation call computes, and batches one round computes anyway
+        self.eval_chunk, self.eval_round = strategy_class(layout).eval_sizes(layout)
+        # FSDP fp8 all-gathers: weight scales precomputed once per step, in one all-reduce
+        self.fp8_scales = policy.fp8 and any(fp8_all_gather(p) for p in self.parts)
+
+    def _build_model(self, mesh: Meshes | None, attention: str, initialise: bool
+                     ) -> ParallelModel:
+        """Meta-device GPT -> this rank's parallel share -> its shards allocated and (unless
+        a checkpoint is about to overwrite them) initialised, each rank drawing only its own
+        shards' values."""
+        cfg = self.cfg
+        pm = parallelize_gpt(cfg, self.layout, mesh, self.device, self.policy, attention)
+        t0 = time.perf_counter()
+        materialize(pm, self.device, cfg.train.seed if initialise else None)
+        if initialise:
+            log.info("initialised this rank's shards in %.2f s (%.1f MB of parameters)",
+                     time.perf_counter() - t0, sum(local_region(p)[0].nbytes
+                                                   for p in pm.parameters()) / 1e6)
+        return pm
+
+    def _grad_scaler(self, mesh: Meshes | None):
+        if not self.policy.loss_scaling:
+            return None
+        if mesh is None:
+            return self.policy.grad_scaler(self.device)
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # found-inf must agree on every rank, or some would skip a step others take
+        return ShardedGradScaler(self.device.type)
+
+    # -- the model as the services see it ------------------------------------------------
+
+    @property
+    def parts(self) -> list[torch.nn.Module]:
+        """This rank's model chunks: one module, or its pipeline stages."""
+        return self.parallel.parts
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """This rank's model as one module: the whole GPT, or its pipeline stage (parameter
+        names are the whole model's either way). A rank holding several stages
+        (interleaved, ZBV) has no single module: use ``parts``."""
+        if len(self.parts) != 1:
+            raise AttributeError(f"this rank holds pipeline stages {self.parallel.stage_ids}; "
+                                 "use TrainModule.parts")
+        return self.parts[0]
+
+    def generator_model(self) -> tuple[torch.nn.Module | None, str]:
+        """The model ``generate`` can run on this rank, or None and why not: generation
+        runs on unsplit models (tp=1, pp=1) only."""
+        if self.layout.pp > 1 or self.layout.tp > 1:
+            return None, "generation runs on unsplit models (tp=1, pp=1) only"
+        return self.model, ""
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.scaler.get_scale() if self.scaler else None
+
+    # -- reductions ----------------------------------------------------------------------
+
+    def sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        """See ``ParallelModel.sum_over_dp``: every rank calls it at the same point."""
+        return self.parallel.sum_over_dp(value)
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean over DP ranks of ``loss`` as ``step`` returns it (any shape: a stack of
+        losses takes one all-reduce), the same on every rank. Every rank must call it, at
+        the same point."""
+        return self.sum_over_dp(loss) / self.layout.dp
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Squared norm of the gradients held now, global (every DP and TP shard), unscaled
+        from fp16 loss scaling; a device tensor (no host sync)."""
+        sq = self.parallel.grad_sq_norm()
+        if self.scaler is not None:
+            sq = sq / self.scaler._get_scale_async().float() ** 2
+        return sq
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int, measure: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Optimizer step number ``step`` (1-based) over this rank's batch ``x``, ``y``;
+        returns (this rank's share of the loss, a detached device tensor, not reduced: see
+        global_loss; the global grad norm before clipping, on the device; when ``measure``,
+        the first micro batch's squared gradient norm for the noise scale, else None).
+
+        No host sync with a fused optimizer (the GPU default): the grad norm is reduced over
+        the whole model inside clip_grad_norm, and it is not finite whenever the loss is not
+        (a NaN or inf loss back-propagates into the gradients, and every rank's norm covers
+        every gradient), so every rank skips a non-finite step on the device
+        (pretrain/nonfinite.py). A non-fused optimizer reads the decision on the host."""
+        self.parallel.train()
+        loss, small_sq = self.strategy.forward_backward(x, y, measure)
+        grad_norm = self._clipped_grad_norm().detach()
+        self._update(grad_norm, step)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss.detach(), grad_norm, small_sq
+
+    def _clipped_grad_norm(self) -> torch.Tensor:
+        """The whole model's gradients made whole (tied embeddings summed, fp16 unscaled)
+        and clipped; returns their global norm before clipping, on the device."""
+        grad_clip = self.cfg.optim.grad_clip
+        unscale = (lambda: self.scaler.unscale_(self.optimizer)) if self.scaler else None
+        return self.parallel.clip_grad_norm(grad_clip if grad_clip > 0 else math.inf, unscale)
+
+    def _update(self, grad_norm: torch.Tensor, step: int) -> None:
+        """The optimizer step, unless the gradients are not finite: fp16's scaler skips
+        such a step itself (and lowers the scale); otherwise a fused optimizer skips it on
+        the device, and a non-fused one here, after reading the decision."""
+        if self.scaler:  # fp16: the scaler skips steps with inf/nan gradients itself
+            self._scaler_step(step)
+            return
+        finite = torch.isfinite(grad_norm)
+        on_host = None if device_skip_supported(self.optimizer) else bool(finite.item())
+        if on_host is None:
+            step_unless(self.optimizer, finite)
+        elif on_host:
+            self.optimizer.step()
+        self.skips.add(finite)
+        if self.fp8_scales:
+            after_optimizer_step(self.parts)
+        if on_host is False:
+            self.check_nonfinite(step)  # read on the host already: warn at once
+
+    def _scaler_step(self, step: int) -> None:
+        scale = self.scaler.get_scale()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if self.scaler.get_scale() < scale:  # the documented sign of a skipped step
+            self.skipped_steps += 1
+            log.warning("step %d: fp16 gradients overflowed (inf/nan), step skipped on "
+                        "every rank; loss scale %g -> %g (%d skipped in all)",
+                        step, scale, self.scaler.get_scale(), self.skipped_steps)
+
+    def check_nonfinite(self, step: int) -> None:
+        """Read the device-side skip counts (a host sync: on steps that sync anyway), warn
+        about skipped steps, and stop after ``train.max_nonfinite_steps`` in a row, naming
+        ``last_good()``, the newest checkpoint."""
+        if self.scaler:  # fp16: counted by the scaler's path, on the host
+            return
+        limit = self.cfg.train.max_nonfinite_steps
+        longest = self.skips.settle(step, limit)
+        self.skipped_steps, self.nonfinite_in_a_row = self.skips.skipped, self.skips.in_a_row
+        if longest >= limit:
+            self.optimizer.zero_grad(set_to_none=True)
+            last = self.last_good()
+            raise FloatingPointError(
+                f"{longest} steps in a row had a non-finite loss or gradient "
+                f"(train.max_nonfinite_steps={limit}); stopping. The last good checkpoint "
+                f"{last or '(none saved)'} is intact: lower optim.lr, raise warmup, or use "
+                "bf16 instead of fp16, then resume.")
+
+    def eval_losses(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
+        """The losses of one evaluation call (``eval_chunk`` micro batches), on the ranks
+        that hold the loss; None on the others."""
+        self.parallel.train(False)
+        return self.strategy.eval_losses(x, y)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"skipped_steps": self.skipped_steps,
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.skips = NonFiniteSteps(self.device, self.skipped_steps)
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
