@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, compose_config
 
+from pretrain.launch import slurm
 from pretrain.tools import launch
 
 CONTAINER_VARS = ("CONTAINER_IMAGE", "APPTAINER_IMAGE", "CONTAINER_MOUNTS")
@@ -69,15 +70,15 @@ def test_gpt3_175b_on_1024_gpus_renders_a_valid_script(tmp_path):
 
 def test_allocation_from_layouts():
     big = compose_config(["+recipe=gpt3-175b"])
-    assert launch.allocation(big) == launch.Allocation(128, 8, 8)
-    assert launch.allocation(big, nodes=64, gpus_per_node=16) == launch.Allocation(64, 16, 16)
+    assert slurm.allocation(big) == slurm.Allocation(128, 8, 8)
+    assert slurm.allocation(big, nodes=64, gpus_per_node=16) == slurm.Allocation(64, 16, 16)
     one = compose_config(["+recipe=gpt3-125m"])  # 1 process: a job smaller than a node
-    assert launch.allocation(one) == launch.Allocation(1, 1, 1)
+    assert slurm.allocation(one) == slurm.Allocation(1, 1, 1)
     ladder = compose_config(["+recipe=ladder-chinchilla"])  # dp=null: the allocation decides
-    alloc = launch.allocation(ladder, nodes=4)
-    assert alloc == launch.Allocation(4, 8, 8) and alloc.world_size == 32
+    alloc = slurm.allocation(ladder, nodes=4)
+    assert alloc == slurm.Allocation(4, 8, 8) and alloc.world_size == 32
     cpu = compose_config(["+recipe=tiny-zero3", "cluster=local"])
-    assert launch.allocation(cpu) == launch.Allocation(1, 2, 0)
+    assert slurm.allocation(cpu) == slurm.Allocation(1, 2, 0)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -341,7 +342,7 @@ def test_gloo_gets_nccls_interface(tmp_path, env, gloo):
 ])
 def test_cpus_for_torchrun_from_the_cluster_config(overrides, cpus_line, srun_cpus):
     cfg = compose_config(overrides)
-    lines = launch.render(cfg, launch.allocation(cfg), Path("/runs/x"), [],
+    lines = slurm.render(cfg, slurm.allocation(cfg), Path("/runs/x"), [],
                           Path("/work")).splitlines()
     cpu_lines = [line for line in lines if line.startswith(("#SBATCH --cpus", "#SBATCH --excl"))]
     assert cpu_lines == ([cpus_line] if cpus_line else [])
@@ -428,8 +429,8 @@ def test_prepared_data_submits_training_alone(tmp_path, monkeypatch, capsys, pre
             f"data.tokenizer_vocab_size={TOKENIZER_VOCAB}", "data.validation_fraction=0.1",
             "data.num_proc=1", f"data.root={prepared.parent}"]
     monkeypatch.chdir(work_dir)  # the corpus files are relative to it
-    assert launch.data_prepared(compose_config(["+recipe=tiny-zero3", *data]))
-    assert not launch.data_prepared(compose_config(["+recipe=tiny-zero3", *data,
+    assert slurm.data_prepared(compose_config(["+recipe=tiny-zero3", *data]))
+    assert not slurm.data_prepared(compose_config(["+recipe=tiny-zero3", *data,
                                                     "data.tokenizer_vocab_size=301"]))
     rc, calls, out = launch_with_fake_sbatch(tmp_path, monkeypatch, capsys, "+recipe=tiny-zero3",
                                              "cluster=local", *data, cwd=work_dir)

@@ -22,10 +22,15 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def model_parallel_size(par: ParallelConfig) -> int:
+    """tp * pp: the processes one model replica spans. The world size is this times dp."""
+    return max(par.tp, 1) * max(par.pp, 1)
+
+
 def layout_world_size(par: ParallelConfig) -> int:
     """The processes a layout declares: tp * pp * dp as written (dp=1 when left out). The
     plan's default GPU count and the dry run's world size are this number."""
-    return max(par.tp, 1) * max(par.pp, 1) * max(par.dp or 1, 1)
+    return model_parallel_size(par) * max(par.dp or 1, 1)
 
 
 def declared_world_size(cfg: Config) -> int:
@@ -38,7 +43,7 @@ def declared_world_size(cfg: Config) -> int:
 
 def derived_dp(cfg: Config, world_size: int) -> int:
     par = cfg.parallel
-    return par.dp if par.dp is not None else world_size // max(par.tp * par.pp, 1)
+    return par.dp if par.dp is not None else world_size // model_parallel_size(par)
 
 
 @dataclass(frozen=True)

@@ -12,25 +12,29 @@ import math
 
 from pretrain.config import Config, ModelConfig, ParallelConfig
 from pretrain.model import ffn_dim, padded_vocab_size
-from pretrain.parallel.layout import MULTI_STAGE_SCHEDULES
+from pretrain.parallel.layout import (
+    MULTI_STAGE_SCHEDULES,
+    layout_world_size,
+    model_parallel_size,
+)
 
 
 def world_problems(par: ParallelConfig, world_size: int) -> tuple[int | None, list[str]]:
     """(dp, problems): the data-parallel size the layout gets on ``world_size`` processes
     (None when ``parallel.dp`` itself is invalid), and why the two disagree."""
-    tp, pp = par.tp, par.pp
+    tp, pp, mp = par.tp, par.pp, model_parallel_size(par)
     if par.dp is not None and par.dp <= 0:
         return None, [f"parallel.dp={par.dp} must be a positive integer (or null: world / "
                       "(tp*pp))"]
     if par.dp is None:
-        dp = world_size // (tp * pp)
-        if dp > 0 and world_size % (tp * pp) == 0:
+        dp = world_size // mp
+        if dp > 0 and world_size % mp == 0:
             return dp, []
         return max(dp, 1), [
             f"parallel.dp=null takes dp = world size / (tp x pp), but the world size "
-            f"{world_size} is not a multiple of tp={tp} x pp={pp} = {tp * pp}; launch a "
-            f"multiple of {tp * pp} processes or set parallel.dp"]
-    need = tp * pp * par.dp
+            f"{world_size} is not a multiple of tp={tp} x pp={pp} = {mp}; launch a "
+            f"multiple of {mp} processes or set parallel.dp"]
+    need = layout_world_size(par)
     if need == world_size:
         return par.dp, []
     return par.dp, [

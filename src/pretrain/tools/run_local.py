@@ -16,7 +16,6 @@ overrides): the training processes never tokenise.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import subprocess
 import sys
@@ -24,33 +23,8 @@ from pathlib import Path
 
 from pretrain.cli import compose_config
 from pretrain.data.prepare import needs_preparation
-from pretrain.paths import REPO
-
-
-def world_size(overrides: list[str], nproc: int | None) -> int:
-    par = compose_config(overrides).parallel
-    if par.dp is None:
-        if nproc is None:
-            raise SystemExit(
-                "run_local: parallel.dp is null (data parallel over the whole world), so the "
-                "process count is yours to choose: pass --nproc N (a multiple of "
-                f"tp*pp = {par.tp * par.pp}) or set parallel.dp"
-            )
-        return nproc
-    need = par.tp * par.pp * par.dp
-    if nproc is not None and nproc != need:
-        raise SystemExit(f"run_local: --nproc {nproc} but the layout tp={par.tp} x pp={par.pp} "
-                         f"x dp={par.dp} needs {need} processes")
-    return need
-
-
-def command(overrides: list[str], nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", str(REPO / "train.py"), *overrides]
-
-
-def prepare_command(overrides: list[str]) -> list[str]:
-    return [sys.executable, str(REPO / "tools" / "prepare_data.py"), *overrides]
+from pretrain.launch import LaunchError
+from pretrain.launch.local import command, exit_status, prepare_command, world_size
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,14 +33,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="processes, when the recipe leaves parallel.dp null")
     parser.add_argument("--print", action="store_true", help="print the command, run nothing")
     args, overrides = parser.parse_known_args(argv)
-    cmd = command(overrides, world_size(overrides, args.nproc))
+    cfg = compose_config(overrides)
+    try:
+        cmd = command(overrides, world_size(cfg.parallel, args.nproc))
+    except LaunchError as e:
+        raise SystemExit(f"run_local: {e}") from None
     if args.print:
         print(shlex.join(cmd))
         return 0
-    # A run stopped early to be requeued (signal, time limit, train.exit_interval) exits 75
-    # on one process; torchrun cannot pass that through, so the trainer leaves stopped.json
-    # in the run directory and this launcher returns 75 for it.
-    cfg = compose_config(overrides)
     if needs_preparation(cfg.data):
         # A multi-process run never tokenises (train.py refuses): prepare first, as its own
         # job, with the same overrides and data.num_proc worker processes.
@@ -75,11 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         code = subprocess.run(prepare_command(overrides)).returncode
         if code:
             return code
-    stopped = Path(cfg.runs_dir) / cfg.run_name / "stopped.json"
-    code = subprocess.run(cmd).returncode
-    if code == 0 and stopped.exists():
-        code = json.loads(stopped.read_text()).get("exit_code", 75)
-    return code
+    # a run stopped early to be requeued (signal, time limit, train.exit_interval): 75
+    return exit_status(Path(cfg.runs_dir) / cfg.run_name, subprocess.run(cmd).returncode)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,8 @@
+"""Launching a recipe as a library: ``local`` (torchrun on this machine, as many processes
+as the layout needs) and ``slurm`` (sbatch scripts, allocations, the data-preparation job
+chain). Both ask parallel/layout.py for the world size; the tools in src/pretrain/tools are
+thin command lines over them."""
+
+
+class LaunchError(ValueError):
+    """The recipe's layout and the requested processes or allocation disagree."""

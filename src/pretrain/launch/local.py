@@ -1,0 +1,52 @@
+"""Running a recipe on this machine with as many processes as its layout needs:
+``torchrun --standalone --nproc_per_node=N train.py <overrides>`` (one node, a local
+rendezvous, gloo on CPU or NCCL on GPUs), data prepared first as its own job, and the
+requeue status of a run that stopped early (``tools/run_local.py`` is the command line).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from pretrain.config import ParallelConfig
+from pretrain.launch import LaunchError
+from pretrain.parallel.layout import layout_world_size, model_parallel_size
+from pretrain.parallel.rules import world_problems
+from pretrain.paths import REPO
+from pretrain.preemption import EXIT_REQUEUE, STOPPED
+
+
+def world_size(par: ParallelConfig, nproc: int | None) -> int:
+    """The processes to start: the layout's own (``layout_world_size``), or ``nproc`` when
+    the layout leaves dp to the world size; LaunchError when they disagree."""
+    if par.dp is None and nproc is None:
+        raise LaunchError(
+            "parallel.dp is null (data parallel over the whole world), so the process count "
+            f"is yours to choose: pass --nproc N (a multiple of tp*pp = "
+            f"{model_parallel_size(par)}) or set parallel.dp")
+    n = nproc if nproc is not None else layout_world_size(par)
+    _, problems = world_problems(par, n)
+    if problems:
+        raise LaunchError(f"--nproc {n}: {problems[0]}")
+    return n
+
+
+def command(overrides: list[str], nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", str(REPO / "train.py"), *overrides]
+
+
+def prepare_command(overrides: list[str]) -> list[str]:
+    return [sys.executable, str(REPO / "tools" / "prepare_data.py"), *overrides]
+
+
+def exit_status(run_dir: Path, returncode: int) -> int:
+    """torchrun's status, or 75 (requeue) for a run whose ranks stopped early and exited 0:
+    torchrun cannot pass a rank's 75 through, so the trainer leaves stopped.json in the run
+    directory (preemption.requeue_exit)."""
+    stopped = Path(run_dir) / STOPPED
+    if returncode == 0 and stopped.exists():
+        return json.loads(stopped.read_text()).get("exit_code", EXIT_REQUEUE)
+    return returncode

@@ -1,0 +1,186 @@
+"""The shape of the package: the layer order (import-linter's contract in pyproject.toml, the
+one docs/architecture.md draws), a loop that cannot see the layout, and rules that live in
+one module each, compared across their users."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from helpers import REPO
+
+SRC = REPO / "src" / "pretrain"
+LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
+        "sys.exit(lint_imports_command())"]
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (lazy imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def lint(cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*LINT, "--no-cache"], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(cwd / "src")})
+
+
+def test_the_layer_contract_is_kept():
+    out = lint(REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 kept, 0 broken" in out.stdout
+
+
+def test_every_module_has_a_layer():
+    """A module outside the contract could import anything: each top-level module and
+    package of src/pretrain is in one layer."""
+    layers = tomllib.loads((REPO / "pyproject.toml").read_text())
+    named = {m.strip() for layer in layers["tool"]["importlinter"]["contracts"][0]["layers"]
+             for m in layer.split("|")}
+    present = {f"pretrain.{p.stem}" for p in SRC.iterdir()
+               if p.name != "__init__.py" and (p.suffix == ".py" or (p / "__init__.py").exists())}
+    assert present - named == set(), "give these a layer in pyproject.toml"
+    assert named - present == set(), "the contract names modules that do not exist"
+
+
+def test_an_upward_import_breaks_the_contract(tmp_path):
+    """The contract bites: a copy of the package where the model imports the trainer (a
+    floor reaching up to the loop) fails lint-imports, naming the import."""
+    shutil.copytree(SRC, tmp_path / "src" / "pretrain")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    model = tmp_path / "src" / "pretrain" / "model.py"
+    model.write_text(model.read_text() + "\nfrom pretrain.trainer import Trainer  # noqa\n")
+    out = lint(tmp_path)
+    assert out.returncode == 1, out.stdout
+    assert "1 broken" in out.stdout and "pretrain.model -> pretrain.trainer" in out.stdout
+
+
+def test_the_loop_imports_nothing_from_parallel():
+    """trainer.py reaches the layout only through the train module's interface."""
+    assert not {m for m in imports_of(SRC / "trainer.py") if m.startswith("pretrain.parallel")}
+
+
+@pytest.mark.parametrize("name", ["pp_group", "tied", "duplicate_params", "has_last_stage",
+                                  ".schedule", "ScaledLoss", "layout.tp", "layout.pp",
+                                  "stage_ids", "sync_grads"])
+def test_the_loop_asks_nothing_about_the_layout(name):
+    assert name not in (SRC / "trainer.py").read_text()
+
+
+def test_the_loop_is_short():
+    assert len((SRC / "trainer.py").read_text().splitlines()) <= 500
+
+
+def test_training_never_imports_the_analysis_package():
+    users = [p.relative_to(SRC) for p in SRC.rglob("*.py")
+             if any(m.startswith("pretrain.analysis") for m in imports_of(p))
+             and p.parts[len(SRC.parts)] not in ("analysis", "tools")]
+    assert users == []
+
+
+# -- rules that live once ---------------------------------------------------------------------
+
+
+def calls_of(name: str) -> list[str]:
+    """Modules of src/pretrain that call ``name`` (a function), by the AST."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+                if called == name:
+                    found.append(str(path.relative_to(SRC)))
+                    break
+    return found
+
+
+@pytest.mark.parametrize("decision", ["resolve_auto_precision", "apply_rules", "choose_layout"])
+def test_the_auto_decisions_are_taken_in_one_module(decision):
+    """precision, then hyperparameter rules, then the layout: resolve.resolve_auto takes
+    them in that order for the run, the dry run and tools/plan.py alike."""
+    assert calls_of(decision) == ["resolve.py"]
+
+
+def test_the_checkout_root_is_computed_once():
+    users = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+             if "__file__" in p.read_text()]
+    assert users == ["paths.py"]
+
+
+LAYOUTS = [(tp, pp, dp) for tp in (1, 2, 4) for pp in (1, 2) for dp in (None, 1, 3)]
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp"), LAYOUTS)
+def test_world_size_one_rule_for_checks_local_and_slurm_launch(compose, tp, pp, dp):
+    """tp x pp x dp (dp=null: the world / (tp x pp)) in parallel/layout.py; the config
+    check, the run's layout, run_local and the Slurm allocation all agree with it on
+    which process counts a layout runs on, and with what dp."""
+    from pretrain.launch import LaunchError, local, slurm
+    from pretrain.parallel.layout import derived_dp, layout_world_size, resolve_layout
+    from pretrain.parallel.rules import world_problems
+
+    cfg = compose(["model=nano", "model.n_layer=4", "train.global_batch_size=48",
+                   f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp or 'null'}",
+                   "parallel.micro_batch_size=1", "cluster=local"])
+    par = cfg.parallel
+    for world in range(1, 17):
+        want, problems = world_problems(par, world)
+        runs = not problems
+        assert runs == (world % (tp * pp) == 0 and (dp is None or world == tp * pp * dp))
+        try:
+            local_ok = local.world_size(par, world if dp is None else None) == world
+        except LaunchError:
+            local_ok = False
+        assert local_ok == runs, world
+        if runs:
+            assert want == derived_dp(cfg, world) == resolve_layout(cfg, world).dp
+    for nodes, gpus in [(1, 2), (1, 4), (2, 4), (3, 4), (1, 8), (2, 8), (3, 8)]:
+        world = nodes * gpus  # Slurm adds one rule of its own: TP inside a node
+        try:
+            slurm_ok = slurm.allocation(cfg, nodes, gpus).world_size == world
+        except LaunchError:
+            slurm_ok = False
+        assert slurm_ok == (not world_problems(par, world)[1] and gpus % tp == 0), world
+    if dp is not None:
+        assert slurm.allocation(cfg).world_size == layout_world_size(par) == tp * pp * dp
+
+
+def test_one_plan_for_the_run_the_dry_run_and_the_planner(compose, prepared, tmp_path,
+                                                          capsys):
+    """The plan's facts are stated once (resolve.describe_run): the trainer's plan is the
+    dry run's, and tools/plan.py's JSON extends it with the same values."""
+    from pretrain.budget import resolve_budget
+    from pretrain.resolve import describe_run
+    from pretrain.tools.plan import main as plan_main
+    from pretrain.trainer import Trainer, run
+
+    overrides = ["model=nano", "model.vocab_size=300", "model.seq_len=32", "precision=fp32",
+                 "data.name=tinytext", f"data.root={prepared.parent}", "data.auto_prepare=false",
+                 "data.tokenizer_vocab_size=300", "train.global_batch_size=8",
+                 "parallel.micro_batch_size=2", "budget=steps", "budget.steps=3",
+                 "optim.lr_rule=deepseek", "logging=quiet"]
+    dry = run(compose([*overrides, "dry_run=true"]), tmp_path / "dry")
+    cfg = compose(overrides)
+    assert Trainer(cfg, tmp_path / "run").plan == dry
+    capsys.readouterr()
+    assert plan_main(["--json", "--gpu", "a100-80gb", *overrides]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    facts = describe_run(cfg, 1, resolve_budget(cfg.model, cfg.budget, 8))
+    assert "hparam_rules" in planned and planned["hparam_rules"] == dry["hparam_rules"]
+    for key in facts:
+        if key != "lr":  # the rule's LR: compared through hparam_rules above
+            assert planned[key] == dry[key], key
+    assert planned["lr"] == dry["lr"] != facts["lr"]
