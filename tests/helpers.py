@@ -25,7 +25,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 
 from pretrain.config import Config, ConfigError, DataConfig
-from pretrain.validate import check
+from pretrain.config_checks import check
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -80,9 +80,9 @@ def make_data_config(root: Path | str, **overrides) -> DataConfig:
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Compose conf/config.yaml + overrides exactly as the tools do (pretrain.cli, the same
+    """Compose conf/config.yaml + overrides exactly as the tools do (pretrain.compose, the same
     path train.py's config takes), then unset HydraConfig so tests stay independent."""
-    from pretrain.cli import compose_config as compose_like_the_tools
+    from pretrain.compose import compose_config as compose_like_the_tools
 
     try:
         return compose_like_the_tools(list(overrides), CONF_DIR)

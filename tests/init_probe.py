@@ -18,7 +18,7 @@ def _check(spec: dict) -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from pretrain.cli import compose_config
+    from pretrain.compose import compose_config
     from pretrain.initialization import canonical_name, local_region
     from pretrain.model import build_model
     from pretrain.parallel.apply import materialize, parallelize_gpt

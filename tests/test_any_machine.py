@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from helpers import REPO, read_metrics
 
+from pretrain.compose import compose_config
 from pretrain.hardware import device as device_mod
-from pretrain.cli import compose_config
 from pretrain.hardware.device import DeviceError, measure_matmul_flops, pick_device
 from pretrain.hardware.gpus import get_gpu
 from pretrain.precision import choose_auto, load_preset, resolve_auto_precision

@@ -266,7 +266,7 @@ def test_inflight_microbatches_follow_the_schedules():
 
 
 def gpt3_175b(gbs: int) -> Config:
-    from pretrain.cli import compose_config
+    from pretrain.compose import compose_config
 
     return compose_config(["+recipe=gpt3-6.7b", "model=gpt3-175b", "model.pad_vocab_to=128",
                            f"train.global_batch_size={gbs}"])

@@ -13,10 +13,10 @@ import pytest
 from pretrain.analysis.hparam_fit import SweepPoint, best_of_budget, fit_hparam_laws
 from pretrain.budget import BudgetError
 from pretrain.config import ConfigError, ModelConfig
+from pretrain.config_checks import check
 from pretrain.hparams import DEEPSEEK, deepseek_flops_per_token, round_batch
 from pretrain.resolve import resolve_auto, resolve_plan
 from pretrain.trainer import run
-from pretrain.validate import check
 
 RULES = ["optim.lr_rule=deepseek", "train.batch_rule=deepseek"]
 

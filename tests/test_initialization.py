@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.cli import compose_config
+from pretrain.compose import compose_config
 from pretrain.initialization import TILE, Init, fill_normal_, init_parameters
 from pretrain.model import build_model
 

@@ -201,7 +201,7 @@ def test_pipeline_receive_buffers_are_bounded_by_the_microbatches_in_flight(grou
     """parallel/pipeline.BoundedStage: a stage holds receive buffers only for the microbatches
     in flight (torch's PipelineStage keeps one per microbatch of the step: 8 here), at most
     what the planner counts (planning/activations.inflight_chunks)."""
-    from pretrain.cli import compose_config
+    from pretrain.compose import compose_config
     from pretrain.parallel.layout import resolve_layout
     from pretrain.planning.activations import live_recv_buffers
 

@@ -11,8 +11,8 @@ import pytest
 from helpers import REPO, problems
 from hydra.errors import ConfigCompositionException
 
+from pretrain.config_checks import check
 from pretrain.resolve import resolve_plan
-from pretrain.validate import check
 
 # A layout that is sound on 8 processes: tp2 x pp2 x dp2, nano model, 2 microbatches.
 BASE = ["model=nano", "parallel=3d", "train.global_batch_size=16", "parallel.micro_batch_size=4"]

@@ -58,8 +58,8 @@ def test_auto_prints_ranked_candidates_and_why(plan_main, capsys):
 
 
 def test_auto_json_layout_is_valid(plan_main, capsys):
-    from pretrain.cli import compose_config
-    from pretrain.validate import check
+    from pretrain.compose import compose_config
+    from pretrain.config_checks import check
 
     code, out, _ = run(plan_main, capsys, "+recipe=gpt3-1.3b", "parallel=auto", "--gpus", "8",
                        "--gpu", "a100-80gb", "--json")
@@ -131,7 +131,7 @@ def test_gpu_table_is_the_one_device_py_uses():
 def test_default_gpu_count_is_the_layouts_world_size(plan_main, capsys, monkeypatch):
     """Without --gpus the plan takes the layout's own size, the same formula a dry run and
     the trainer use (parallel.layout.layout_world_size): tp2 x pp2 x dp2 = 8."""
-    from pretrain.cli import compose_config
+    from pretrain.compose import compose_config
     from pretrain.parallel.layout import declared_world_size, layout_world_size
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -50,7 +50,7 @@ def test_megatron_rows_are_predicted_slower_than_megatron_ran(compared):
 
 
 def test_megatron_177b_and_gpt3_175b_recipe_fit():
-    from pretrain.cli import compose_config
+    from pretrain.compose import compose_config
     from pretrain.hardware.gpus import get_gpu
     from pretrain.parallel.layout import resolve_layout
     from pretrain.planning.memory import estimate_memory

@@ -11,8 +11,8 @@ import pytest
 from helpers import CPU_RECIPES, GPU_RECIPES, RECIPES, REPO
 
 from pretrain.budget import count_params, flops_per_token
+from pretrain.config_checks import check
 from pretrain.resolve import resolve_plan
-from pretrain.validate import check
 
 PLAN_KEYS = {"n_params", "n_params_non_embedding", "tokens", "steps", "global_batch_tokens",
              "flops_per_token", "total_flops", "attention", "precision", "layout",

@@ -202,7 +202,7 @@ def test_a_plans_compute_means_the_same_run_to_the_fit_and_the_budget(tmp_path):
     the compute-optimal split of that C is a run of that C. The plan's PaLM-count
     total_flops is another number (attention included), never the fit's C."""
     from pretrain.budget import resolve_budget
-    from pretrain.cli import compose_config
+    from pretrain.compose import compose_config
 
     cfg = compose_config(["+recipe=isoflop-tiny"])
     gbs = cfg.train.global_batch_size

@@ -22,6 +22,7 @@ from pretrain.attention import resolve_backend
 from pretrain.budget import Budget, resolve_budget
 from pretrain.checkpoint.manager import describe_policy
 from pretrain.config import Config
+from pretrain.config_checks import check
 from pretrain.data.epochs import check_epochs
 from pretrain.hardware.device import pick_device
 from pretrain.hardware.gpus import GpuSpec
@@ -36,7 +37,6 @@ from pretrain.parallel.layout import (
 )
 from pretrain.parallel.mesh import env_rank
 from pretrain.precision import Policy, resolve_auto_precision, resolve_policy
-from pretrain.validate import check
 
 log = logging.getLogger("pretrain")
 # The order the ``auto`` settings are decided in (each depends on the ones before it).
@@ -114,7 +114,7 @@ def resolve_plan(cfg: Config, world_size: int | None = None
                  ) -> tuple[dict, Budget, torch.device, Policy]:
     """Everything a run on this machine decides before it starts: its plan, budget, device
     and precision policy. ``world_size`` None: the layout as declared (see
-    validate.check)."""
+    config_checks.check)."""
     if world_size is None:
         world_size = declared_world_size(cfg)
     check(cfg, world_size)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.cli import compose_config
+from pretrain.compose import compose_config
 from pretrain.hardware.device import peak_memory_bytes
 from pretrain.loss import cross_entropy
 

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
              for s in pick(args.settings, SETTINGS, "settings", ap)]
 
     if args.dry_run:
-        from pretrain.cli import compose_config
+        from pretrain.compose import compose_config
 
         for model, setting in cells:
             compose_config(overrides(model, setting))

@@ -36,8 +36,9 @@ import os
 import sys
 from pathlib import Path
 
-from pretrain.cli import compose_config
+from pretrain.compose import compose_config
 from pretrain.config import ConfigError
+from pretrain.config_checks import check
 from pretrain.launch.slurm import (
     Container,
     LaunchError,
@@ -50,7 +51,6 @@ from pretrain.launch.slurm import (
     submit,
 )
 from pretrain.parallel.layout import derived_dp
-from pretrain.validate import check
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

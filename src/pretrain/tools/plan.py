@@ -24,14 +24,14 @@ import json
 import sys
 
 from pretrain.budget import BudgetError, resolve_budget
-from pretrain.cli import compose_config
+from pretrain.compose import compose_config
 from pretrain.config import ConfigError
+from pretrain.config_checks import check
 from pretrain.hardware.gpus import GpuError, get_gpu
 from pretrain.parallel.layout import layout_world_size
 from pretrain.planning.autolayout import LayoutError
 from pretrain.planning.report import build_plan, format_plan
 from pretrain.resolve import describe_run, resolve_auto
-from pretrain.validate import check
 
 FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2
 

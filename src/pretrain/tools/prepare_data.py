@@ -27,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from pretrain.cli import compose_config
+from pretrain.compose import compose_config
 from pretrain.config import DataConfig
 from pretrain.data.prepare import (
     DataError,

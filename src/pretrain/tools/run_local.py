@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain.cli import compose_config
+from pretrain.compose import compose_config
 from pretrain.data.prepare import needs_preparation
 from pretrain.launch import LaunchError
 from pretrain.launch.local import command, exit_status, prepare_command, world_size

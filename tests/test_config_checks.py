@@ -7,10 +7,10 @@ from helpers import CORPUS_FILES, RECIPES, problems
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from pretrain.attention import AttentionBackendError
+from pretrain.config_checks import check
 from pretrain.data.prepare import DataError
 from pretrain.resolve import resolve_plan
 from pretrain.trainer import Trainer, run
-from pretrain.validate import check
 
 
 def test_unknown_recipe_lists_available(compose):
