@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -184,3 +185,16 @@ def test_one_plan_for_the_run_the_dry_run_and_the_planner(compose, prepared, tmp
         if key != "lr":  # the rule's LR: compared through hparam_rules above
             assert planned[key] == dry[key], key
     assert planned["lr"] == dry["lr"] != facts["lr"]
+
+
+def test_every_module_is_named_in_the_docs():
+    """docs/architecture.md names every module of the package, and README.md's layout every
+    top-level module and package."""
+    arch = (REPO / "docs" / "architecture.md").read_text()
+    readme = (REPO / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):readme.index("## Plan before you spend")]
+    files = [p.relative_to(SRC) for p in SRC.rglob("*.py") if p.name != "__init__.py"]
+    unnamed = [str(f) for f in files if not re.search(rf"\b{f.stem}\b", arch)]
+    assert unnamed == [], "name these in docs/architecture.md"
+    tops = {f.parts[0].removesuffix(".py") for f in files}
+    assert [t for t in sorted(tops) if not re.search(rf"\b{t}\b", layout)] == []

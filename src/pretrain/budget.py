@@ -32,10 +32,11 @@ from pretrain.model import GPT
 
 # C = 6 N D: about 6 FLOPs per parameter and token for a forward and backward pass (Kaplan et
 # al. 2020, section 2.1; Hoffmann et al. 2022). The one definition of a run's compute: the
-# scaling-law fits (scaling.py), their predictions, the compute-optimal split, ``budget.kind=flops`` and the
-# plan's ``compute`` all use it. The plan's ``total_flops`` (PaLM's count, attention
-# included) is the hardware work for time and MFU, a different number; DeepSeek's M x D
-# (``hparams.hparam_compute``) is a third, kept for its published constants.
+# scaling-law fits (analysis/scaling.py), their predictions, the compute-optimal split,
+# ``budget.kind=flops`` and the plan's ``compute`` all use it. The plan's ``total_flops``
+# (PaLM's count, attention included) is the hardware work for time and MFU, a different
+# number; DeepSeek's M x D (``hparams.hparam_compute``) is a third, kept for its published
+# constants.
 FLOPS_PER_PARAM_TOKEN = 6
 
 

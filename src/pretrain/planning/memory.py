@@ -55,7 +55,7 @@ from pretrain.planning.activations import (
 from pretrain.planning.params import StageParams, rank_params
 from pretrain.precision import dtype_bytes
 
-# trainer.forward_backward calls schedule.step(..., return_outputs=False): no logits kept
+# PipelineStep (step_strategy.py) calls schedule.step(..., return_outputs=False): no logits kept
 KEEPS_PIPELINE_OUTPUTS = False
 FRAGMENTATION = 0.10
 
