@@ -73,7 +73,7 @@ def pipeline_outputs(trainer: Trainer) -> int:
     """Bytes of microbatch outputs the pipeline schedule still holds after its step (with
     torch's default ``return_outputs=True`` the last stage keeps every microbatch's logits
     until the next step)."""
-    schedule = trainer.module.strategy.schedule
+    schedule = getattr(trainer.module.strategy, "schedule", None)  # pipelines only
     if schedule is None:
         return 0
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
@@ -110,12 +110,12 @@ def linear_kinds(trainer: Trainer) -> dict[str, str]:
 
 def evaluate_with(trainer: Trainer, eval_batches: int) -> tuple[int, float]:
     """(batches evaluated, validation loss) with train.eval_batches=``eval_batches``."""
-    asked = trainer.cfg.train.eval_batches
-    trainer.cfg.train.eval_batches = eval_batches
+    asked = trainer.evaluator.asked
+    trainer.evaluator.asked = eval_batches
     try:
         return trainer.evaluator.batch_count(), trainer.evaluate()
     finally:
-        trainer.cfg.train.eval_batches = asked
+        trainer.evaluator.asked = asked
 
 
 def run_layout(cfg: Config, out: Path, name: str, spec_eval_also: list[int]) -> None:
