@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -256,8 +257,23 @@ def test_bf16_named_on_a_cpu_without_it_warns_once_with_the_slowdown(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     assert "precision=bf16 on a CPU without native bfloat16 matmuls" in warnings[0]
-    assert "x slower" in warnings[0] and "precision=fp32" in warnings[0]
+    assert re.search(r"for fp32, (\d+\.\d)x slower|faster than fp32 here", warnings[0]), \
+        warnings[0]
+    assert "precision=fp32" in warnings[0]
     assert all(0 < m["mfu"] <= 1 for m in metrics), [m["mfu"] for m in metrics]
+
+
+@pytest.mark.parametrize(("peak", "fp32", "says"), [
+    (14.8e9, 210e9, "14.8 GFLOP/s here against 210.0 for fp32, 14.2x slower"),
+    (875e9, 210e9, "against 210.0 for fp32, faster than fp32 here all the same (4.2x)"),
+    (14.8e9, 2.1e9, "faster than fp32 here all the same (7.0x)"),
+])
+def test_the_emulated_dtype_warning_never_says_0x_slower(peak, fp32, says):
+    from pretrain.metrics import emulated_warning
+
+    text = emulated_warning("fp16", torch.float16, "AVX2 CPU without AMX-FP16", peak, fp32,
+                            "fp32")
+    assert says in text and "0x slower" not in text
 
 
 def test_auto_run_logs_what_it_became_and_its_mfu_is_a_fraction(compose, prepared, tmp_path,

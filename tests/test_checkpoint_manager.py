@@ -275,3 +275,84 @@ def test_two_ranks_act_on_what_rank_0_sees(tmp_path):
     assert got == [("ok", expected), ("ok", expected)]
     assert [s for s, _ in complete_checkpoints(folder)] == [3, 4]
     assert before == {f.name: f.read_bytes() for f in (folder / "step_0000003").iterdir()}
+
+
+def test_a_stale_step_directory_is_moved_aside_and_the_step_saved(tmp_path, caplog):
+    """A corrupt step_N left behind (a crash, a bad disk) does not block saving step N: it
+    is moved aside, named in a warning, and step N is saved complete."""
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True))
+    stale = tmp_path / "step_0000004"
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"left over")  # no .metadata, no meta.json
+    with caplog.at_level("WARNING"):
+        save(mgr, model, opt, 4)
+    assert "step_0000004 was left incomplete or corrupt" in caplog.text
+    assert mgr.latest() == tmp_path / "step_0000004"
+    assert (tmp_path / "step_0000004.stale" / "__0_0.distcp").read_bytes() == b"left over"
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [4]
+
+
+@pytest.mark.parametrize(("error", "cause"), [
+    (OSError(28, "No space left on device"), "no space left on the device"),
+    (PermissionError(13, "Permission denied"), "the directory is read-only or not writable"),
+    (RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 64"),
+     r"RuntimeError: \[enforce fail"),
+])
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_save_names_its_cause_and_keeps_the_older_checkpoints(
+        tmp_path, monkeypatch, error, cause, async_save):
+    from pretrain.checkpoint import manager
+
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, async_save=async_save))
+    save(mgr, model, opt, 1)
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(manager.dcp, "async_save" if async_save else "save", fail)
+    with pytest.raises(CheckpointError, match=f"saving checkpoint step_0000002 in .* failed: "
+                                              f"{cause}.*older checkpoints there are kept"):
+        save(mgr, model, opt, 2)
+    assert mgr.latest() == tmp_path / "step_0000001"
+
+
+@pytest.mark.parametrize("damage", ["64 bytes flipped in place", "random bytes, same size"])
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_corrupt_checkpoint_is_skipped_for_the_next_intact_one(tmp_path, caplog, compose,
+                                                                 damage, async_save):
+    """Every file's sha256 is written with the save (after an async save's writes, off the
+    training thread) and checked before a resume: damage that keeps the file's size, which
+    the size check cannot see, skips the checkpoint with a warning naming the file; an
+    explicit resume_from it is refused."""
+    import os
+
+    from pretrain.checkpoint.manager import checkpoint_status
+    from pretrain.checkpoint.resume import resume_path
+
+    model, opt = trained_pair(0)
+    run = tmp_path / "run"
+    mgr = CheckpointManager(run / "checkpoints",
+                            CheckpointConfig(enabled=True, async_save=async_save))
+    save(mgr, model, opt, 1)
+    save(mgr, model, opt, 2)
+    mgr.close()
+    newest = run / "checkpoints" / "step_0000002"
+    meta = json.loads((newest / "meta.json").read_text())
+    assert set(meta["sha256"]) == set(meta["files"]) and ".metadata" in meta["sha256"]
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    if damage.startswith("64"):
+        mid = len(data) // 2
+        data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    else:
+        data = bytearray(os.urandom(len(data)))
+    shard.write_bytes(bytes(data))
+    assert checkpoint_status(newest) is None  # the sizes still match
+    with caplog.at_level("WARNING"):
+        assert resume_path(compose(["checkpoint.enabled=true"]), run) == \
+            run / "checkpoints" / "step_0000001"
+    assert f"{shard.name} do(es) not match the sha256" in caplog.text
+    with pytest.raises(CheckpointError, match=f"step_0000002 is corrupt: {shard.name}"):
+        resume_path(compose([f"checkpoint.resume_from={newest}"]), run)

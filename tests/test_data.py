@@ -193,3 +193,17 @@ def test_prepare_is_not_left_half_done(tmp_path, in_work_dir, monkeypatch):
     assert not (tmp_path / DATA_NAME).exists()
     assert [p.name for p in tmp_path.iterdir()] == [f".{DATA_NAME}.staging-" + 
                                                      fingerprint(make_data_config(tmp_path))]
+
+
+def test_invalid_utf8_is_replaced_and_counted_in_a_warning(tmp_path, caplog):
+    from pretrain.data.sources import decode_utf8
+
+    raw = "caf\u00e9 ok\n".encode() + b"\xff\xfe binary \xc3\n" + "\ufffd kept\n".encode()
+    with caplog.at_level("WARNING", logger="pretrain"):
+        text = decode_utf8(raw, "notes.txt")
+    assert text == "caf\u00e9 ok\n\ufffd\ufffd binary \ufffd\n\ufffd kept\n"
+    assert "notes.txt: 3 invalid UTF-8 sequence(s) replaced by U+FFFD" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pretrain"):
+        assert decode_utf8("plain \ufffd\n".encode(), "ok.txt") == "plain \ufffd\n"
+    assert caplog.text == ""

@@ -77,10 +77,10 @@ class StopSavePolicy:
     at the same steps and stops at the same step."""
 
     def __init__(self, train_cfg, checkpoint_interval_steps: int | None, ckpt,
-                 device: torch.device):
+                 device: torch.device, request: StopRequest):
         self.cfg, self.every, self.ckpt, self.device = (train_cfg, checkpoint_interval_steps,
                                                         ckpt, device)
-        self.request = StopRequest(train_cfg.time_limit_minutes)
+        self.request = request  # installed first thing, before the run's start-up
 
     def after_step(self, step: int, settle) -> tuple[str | None, bool]:
         """After step ``step`` (not the last): (why every rank stops now, or None; whether

@@ -13,6 +13,7 @@ writes files.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -34,7 +35,14 @@ from pretrain.hardware.device import keep_freed_memory, peak_rss_bytes
 from pretrain.hparams import describe
 from pretrain.metrics import LossWindow, MetricsLogger, PeakFlops, Throughput, memory_metrics
 from pretrain.noise_scale import NoiseScaleProbe, compare_batch
-from pretrain.preemption import EXIT_REQUEUE, STOPPED, StopSavePolicy, requeue_exit
+from pretrain.planning.memory import checkpoint_bytes
+from pretrain.preemption import (
+    EXIT_REQUEUE,
+    STOPPED,
+    StopRequest,
+    StopSavePolicy,
+    requeue_exit,
+)
 from pretrain.resolve import dry_run, resolve_run
 from pretrain.run_lock import RunLock
 from pretrain.train_module import TrainModule, join, leave, max_over_ranks
@@ -47,6 +55,9 @@ class Trainer:
     schedule, loss scale, RNG) is saved and restored with the model and optimizer."""
 
     def __init__(self, cfg: Config, run_dir: Path):
+        # First thing: a SIGTERM during start-up (minutes on a cluster) is a stop request
+        # like any other, not a kill that saves nothing.
+        self.stop_request = StopRequest(cfg.train.time_limit_minutes)
         self.run_dir = Path(run_dir)
         run = resolve_run(cfg)
         self.cfg, self.plan, self.budget = run.cfg, run.plan, run.budget
@@ -58,7 +69,7 @@ class Trainer:
         self.last_val_loss: float | None = None
         self.exit_code = 0
         self.noise = NoiseScaleProbe(self.cfg, self.layout, self.budget.global_batch_tokens)
-        self.prefetch = self.lock = self.stop = None
+        self.prefetch = self.lock = None
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -143,6 +154,7 @@ class Trainer:
         cfg, layout = self.cfg, self.layout
         # Checkpoints are found before the model exists: a resumed run skips initialising.
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint, self.device)
+        self.ckpt.check_room(checkpoint_bytes(cfg))  # writable, room for one: before any work
         self.resume_from = resume_path(cfg, self.run_dir)
         self.module = TrainModule(
             cfg, layout, self.place, self.policy, attention=self.plan["attention"],
@@ -170,7 +182,7 @@ class Trainer:
             (self.run_dir / STOPPED).unlink(missing_ok=True)  # this attempt is not stopped
         self._resume()
         self.stop = StopSavePolicy(cfg.train, cfg.checkpoint.interval_steps, self.ckpt,
-                                          self.device)
+                                   self.device, self.stop_request)
         if self.rank0:
             tok = self.train_data.path / "tokenizer.json"
             if tok.exists():  # beside the checkpoints, for tools/export_hf.py
@@ -221,6 +233,15 @@ class Trainer:
                          self.plan["attention"])
 
     def save_checkpoint(self, block: bool = False) -> None:
+        """A checkpoint of this step, unless the last step was skipped for a non-finite loss
+        or gradient: no save then, so retention keeps the good ones (periodic, stop and
+        final saves alike)."""
+        if self.module.nonfinite_in_a_row:
+            log.warning("step %d: no checkpoint while steps are being skipped for a "
+                        "non-finite loss or gradient (%d in a row): the newest one, %s, "
+                        "stays the last good one", self.step, self.module.nonfinite_in_a_row,
+                        self.ckpt.latest())
+            return
         meta = {"step": self.step, "tokens": self.step * self.budget.global_batch_tokens,
                 "samples_seen": self.samples_seen, "layout": self.plan["layout"],
                 "world_size": self.world_size,
@@ -280,6 +301,12 @@ class Trainer:
         the budget is spent; then the final checkpoint, a sample and the result."""
         if self.step >= self.budget.steps:  # resumed from the final checkpoint
             return self._already_finished()
+        stopped = self.stop_request.check(self.device)  # a signal during start-up
+        if stopped is not None:
+            log.warning("stop requested during start-up (%s): nothing trained since step %d, "
+                        "exiting with status %d so the launcher requeues the run", stopped,
+                        self.step, EXIT_REQUEUE)
+            return self._exit_stopped(stopped)
         if self.evaluator is not None and self.rank0:
             self.evaluator.describe()
         self._evaluate_at_start()
@@ -363,16 +390,11 @@ class Trainer:
         if self.step == self.budget.steps:  # the end of fit saves
             return None
         stopped, save_due = self.stop.after_step(self.step, self._check_nonfinite)
-        in_a_row = self.module.nonfinite_in_a_row
         if stopped is not None:
             log.warning("stopping at step %d (%s): saving a checkpoint, then exiting with "
                         "status %d so the launcher requeues the run", self.step, stopped,
                         EXIT_REQUEUE)
             self.save_checkpoint(block=True)
-        elif save_due and in_a_row:
-            log.warning("step %d: no checkpoint while steps are being skipped for a "
-                        "non-finite loss or gradient (%d in a row): the newest one stays the "
-                        "last good one", self.step, in_a_row)
         elif save_due:
             self.save_checkpoint()
         return stopped
@@ -425,11 +447,12 @@ class Trainer:
 
     def close(self) -> None:
         """Give back what setup took, whatever happened: signal handlers, the read-ahead
-        thread, the run lock, the process group."""
-        if self.stop is not None:
-            self.stop.restore()
+        thread, the checkpoint worker, the run lock, the process group."""
+        self.stop_request.restore()
         if self.prefetch is not None:
             self.prefetch.close()
+        if getattr(self, "ckpt", None) is not None:
+            self.ckpt.close()
         if self.lock is not None:
             self.lock.release()
         leave()
@@ -450,3 +473,8 @@ def run(cfg: Config, run_dir: Path) -> dict | None:
         return result
     finally:
         trainer.close()
+        # The trainer's reference cycles hold the DTensors, meshes and process groups: free
+        # them now, while the interpreter can still run their gloo threads' last decrefs,
+        # not at its shutdown (where one aborted a two-process run after it had finished).
+        del trainer
+        gc.collect()

@@ -18,14 +18,17 @@ consumed, so a checkpoint saved with one TP x PP x DP layout loads into another.
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -53,6 +56,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 META = "meta.json"
+CHECKSUMS = "sha256"  # meta.json's {file: sha256 hex digest}, written with the save
 # A checkpoint retention condemned: renamed first (the scanner ignores it), then deleted.
 DELETING = ".deleting"
 T = TypeVar("T")
@@ -195,6 +199,41 @@ def checkpoint_status(path: Path) -> str | None:
     return None
 
 
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def own_checksums(folder: Path, rank: int) -> dict[str, str]:
+    """sha256 of the files this rank wrote into ``folder`` in a DCP save (DCP names them
+    ``__<rank>_<n>.distcp`` after the rank in the save's group); rank 0 also the
+    ``.metadata`` its coordinator wrote. Each rank reads only its own: O(shard)."""
+    mine = sorted(folder.glob(f"__{rank}_*.distcp"))
+    if rank == 0 and (folder / ".metadata").exists():
+        mine.append(folder / ".metadata")
+    return {p.name: file_sha256(p) for p in mine}
+
+
+def verify_checksums(path: Path) -> str | None:
+    """None if every file of checkpoint ``path`` has the sha256 its meta.json records (or
+    it records none: saved before checksums), else which file does not. Every rank calls
+    it together: each hashes every world-size-th file, and all learn the answer."""
+    sums = on_rank0(lambda: read_meta(path).get(CHECKSUMS, {}))
+    names = sorted(sums)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    bad = [n for n in names[_rank()::world] if file_sha256(Path(path) / n) != sums[n]]
+    if dist.is_initialized():
+        every = [None] * world
+        dist.all_gather_object(every, bad)
+        bad = [n for part in every for n in part]
+    if not bad:
+        return None
+    return f"{', '.join(sorted(bad))} do(es) not match the sha256 recorded in {META}"
+
+
 def read_meta(path: Path) -> dict:
     return json.loads((Path(path) / META).read_text())
 
@@ -239,11 +278,48 @@ def resolve_checkpoint(path: str | Path) -> Path:
                           f"directories in {p / 'checkpoints'} and {p})")
 
 
-def newest_checkpoint(folder: Path) -> Path | None:
-    """The newest complete checkpoint under ``folder`` (this process's view: call it on
-    rank 0, see ``on_rank0``), or None."""
-    found = complete_checkpoints(folder)
-    return found[-1][1] if found else None
+def newest_checkpoint(folder: Path, skip: Sequence[Path] = ()) -> Path | None:
+    """The newest complete checkpoint under ``folder`` but those in ``skip`` (this
+    process's view: call it on rank 0, see ``on_rank0``), or None."""
+    found = [p for _, p in complete_checkpoints(folder) if p not in skip]
+    return found[-1] if found else None
+
+
+def _check_room(folder: Path, need: float) -> None:
+    """Rank 0: CheckpointError unless ``folder`` takes a file and has ``need`` bytes free."""
+    probe = folder / f".write-test-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot write checkpoints to {folder} ({e.strerror or e}): make it writable, or "
+            "set runs_dir (or run_name) to a writable place, or checkpoint.enabled=false"
+        ) from e
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise CheckpointError(
+            f"{folder} has {free / 1e9:.2f} GB free, and one checkpoint of this run takes "
+            f"about {need / 1e9:.2f} GB (weights and AdamW state): free space, or set "
+            "runs_dir to a larger disk, or checkpoint.enabled=false")
+
+
+def save_failure(final: Path, error: Exception) -> CheckpointError:
+    """What a failed save says: the cause in words (no space, read-only or not permitted,
+    else the error itself), that the older checkpoints are kept, and that the run stops."""
+    folder = final.parent
+    code = getattr(error, "errno", None)
+    if code == errno.ENOSPC or (folder.exists() and shutil.disk_usage(folder).free < 2**20):
+        cause = "no space left on the device"
+    elif code in (errno.EROFS, errno.EACCES, errno.EPERM) or (
+            folder.exists() and not os.access(folder, os.W_OK)):
+        cause = "the directory is read-only or not writable"
+    else:
+        cause = f"{type(error).__name__}: {error}"
+    return CheckpointError(
+        f"saving checkpoint {final.name} in {folder} failed: {cause}. The older checkpoints "
+        "there are kept; the run stops here (resume from the newest once the cause is fixed).")
 
 
 def describe_policy(cfg: CheckpointConfig) -> str:
@@ -300,8 +376,9 @@ class CheckpointManager:
         self.last_save_time = time.monotonic()
         # Async saves run their collectives in a background thread: give them their own
         # gloo group so they never interleave with the training step's collectives.
+        # (none when nothing is saved: a group nothing uses is one more to shut down)
         self.group = (dist.new_group(backend="gloo")
-                      if dist.is_initialized() and cfg.async_save else None)
+                      if dist.is_initialized() and cfg.enabled and cfg.async_save else None)
         self.stager = make_stager(device) if cfg.async_save else None
         # Rank 0's retention worker (made on first use) and the last pass given to it.
         self._deleter: ThreadPoolExecutor | None = None
@@ -310,6 +387,15 @@ class CheckpointManager:
         # so a scan never returns a checkpoint that is about to be deleted.
         self._scan_lock = threading.Lock()
         self._closed = False
+
+    # -- room ----------------------------------------------------------------------------
+
+    def check_room(self, checkpoint_bytes: float) -> None:
+        """Before training: the folder can be written and has room for one more checkpoint
+        of ``checkpoint_bytes`` (planning/memory.checkpoint_bytes), else CheckpointError
+        naming the fix. Rank 0 looks; every rank gets its answer (call it on every rank)."""
+        if self.cfg.enabled:
+            on_rank0(lambda: _check_room(self.folder, checkpoint_bytes))
 
     # -- when ----------------------------------------------------------------------------
 
@@ -339,30 +425,67 @@ class CheckpointManager:
         # Rank 0's answer for every rank (one rank skipping the save would hang the others);
         # it arrives after rank 0 made the directory, so it is also the barrier before DCP.
         if not on_rank0(lambda: self._prepare(final, tmp)):
-            log.info("checkpoint %s already exists; not overwriting it", final)
+            log.warning("checkpoint %s already exists and is complete; not overwriting it",
+                        final)
             return
         t0 = time.perf_counter()
-        if self.cfg.async_save and not block:
-            self.pending = (self._async_save(state, tmp), tmp, meta)
+        background = self.cfg.async_save and not block
+        try:
+            if background:
+                written = self._async_save(state, tmp)
+                self.pending = (self._worker().submit(self._hash_after, written, tmp), tmp,
+                                meta)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp))
+                sums = own_checksums(tmp, self._save_rank())
+        except Exception as e:
+            raise save_failure(final, e) from e
+        if background:
             log.info("checkpoint step %d: async save started, training blocked %.2f s",
                      step, time.perf_counter() - t0)
         else:
-            dcp.save(state, checkpoint_id=str(tmp))
-            self._finalise(tmp, meta)
+            self._finalise(tmp, meta, sums)
             log.info("checkpoint step %d saved to %s in %.2f s", step, final,
                      time.perf_counter() - t0)
         self.last_save_time = time.monotonic()
 
     @staticmethod
     def _prepare(final: Path, tmp: Path) -> bool:
-        """Rank 0: False if ``final`` exists (never overwritten), else True with an empty
-        ``tmp`` directory to write into."""
+        """Rank 0: False if ``final`` is a complete checkpoint (never overwritten), else True
+        with an empty ``tmp`` directory to write into. An incomplete or corrupt ``final``
+        (a leftover the scanner skips) is moved aside to ``<name>.stale``, kept for a look,
+        so that this step's save is not lost to it."""
         if final.exists():
-            return False
+            why = checkpoint_status(final)
+            if why is None:
+                return False
+            stale = final.with_name(f"{final.name}.stale")
+            if stale.exists():
+                stale = final.with_name(f"{final.name}.stale-{time.time_ns()}")
+            final.rename(stale)
+            log.warning("checkpoint %s was left incomplete or corrupt (%s): moved aside to "
+                        "%s, and this step is saved again", final, why, stale.name)
         if tmp.exists():
             shutil.rmtree(tmp)  # our own leftover from a save that never completed
         tmp.mkdir(parents=True)
         return True
+
+    def _save_rank(self) -> int:
+        """This rank's index in the save's process group: DCP names its files after it."""
+        return dist.get_rank(self.group) if dist.is_initialized() else 0
+
+    def _hash_after(self, written: Future, tmp: Path) -> dict[str, str]:
+        """In a worker thread: wait for an async save's writes, then checksum this rank's
+        files, so neither blocks training."""
+        written.result()
+        return own_checksums(tmp, self._save_rank())
+
+    def _worker(self) -> ThreadPoolExecutor:
+        """This manager's one background thread (checksums after async saves; retention)."""
+        if self._deleter is None:
+            self._deleter = ThreadPoolExecutor(max_workers=1,
+                                               thread_name_prefix="checkpoint-worker")
+        return self._deleter
 
     def _async_save(self, state: dict[str, Any], tmp: Path) -> Future:
         """``dcp.async_save`` through this manager's one stager (when torch has one)."""
@@ -375,9 +498,12 @@ class CheckpointManager:
             return
         fut, tmp, meta = self.pending
         self.pending = None
-        fut.result()
+        try:
+            sums = fut.result()
+        except Exception as e:
+            raise save_failure(tmp.with_name(tmp.name.removesuffix(".tmp")), e) from e
         _barrier(self.group)
-        self._finalise(tmp, meta)
+        self._finalise(tmp, meta, sums)
 
     def poll(self) -> None:
         """Finish a pending async save if its writes are done; cheap to call every step."""
@@ -388,20 +514,28 @@ class CheckpointManager:
             if done.item():
                 self.wait()
 
-    def _finalise(self, tmp: Path, meta: dict) -> None:
-        """Once all ranks wrote: rank 0 records file sizes and renames into place, and every
-        rank learns that it worked (or raises rank 0's error). Then rank 0 queues retention;
-        nobody waits for it."""
+    def _finalise(self, tmp: Path, meta: dict, sums: dict[str, str]) -> None:
+        """Once all ranks wrote and checksummed their files (``sums``): rank 0 records every
+        file's size and checksum and renames into place, and every rank learns that it
+        worked (or raises rank 0's error). Then rank 0 queues retention; nobody waits."""
         _barrier()
-        on_rank0(lambda: self._commit(tmp, meta))
+        every = [sums]
+        if dist.is_initialized():
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, sums)
+        merged = {name: digest for part in every for name, digest in part.items()}
+        on_rank0(lambda: self._commit(tmp, meta, merged))
         if _rank() == 0:
             self._retain_in_background()
 
     @staticmethod
-    def _commit(tmp: Path, meta: dict) -> Path:
-        """Rank 0: write meta.json (with every file's size) and rename ``tmp`` into place."""
+    def _commit(tmp: Path, meta: dict, sums: dict[str, str]) -> Path:
+        """Rank 0: write meta.json (with every file's size and sha256) and rename ``tmp``
+        into place. A file no rank claimed (not named as DCP names them) is hashed here."""
         files = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
-        meta = {**meta, "files": files, "saved_at": time.time()}
+        sums = {**{n: file_sha256(tmp / n) for n in files if n not in sums}, **sums}
+        meta = {**meta, "files": files, CHECKSUMS: dict(sorted(sums.items())),
+                "saved_at": time.time()}
         (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
         final = tmp.with_name(tmp.name.removesuffix(".tmp"))
         tmp.rename(final)
@@ -418,10 +552,7 @@ class CheckpointManager:
                                                       or self._retention.done())
         if queued:
             return
-        if self._deleter is None:
-            self._deleter = ThreadPoolExecutor(max_workers=1,
-                                               thread_name_prefix="checkpoint-retention")
-        self._retention = self._deleter.submit(self._retain_logged)
+        self._retention = self._worker().submit(self._retain_logged)
 
     def _retain_logged(self) -> None:
         """``retain`` in the worker: a failed delete is a warning, never a crash of training
@@ -489,7 +620,10 @@ class CheckpointManager:
     # -- load ----------------------------------------------------------------------------
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, as rank 0 sees it, on every rank."""
+        """The newest complete checkpoint, as rank 0 sees it, on every rank (collective).
+        A pending async save is finished first: it holds a state saved before anything
+        went wrong, and is the newest good one."""
+        self.wait()
         return on_rank0(self._newest)
 
     def _newest(self) -> Path | None:

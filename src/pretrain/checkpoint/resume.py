@@ -10,6 +10,7 @@ missing ``param_groups`` key.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from pretrain.checkpoint.manager import (
     on_rank0,
     read_meta,
     resolve_checkpoint,
+    verify_checksums,
 )
 from pretrain.config import Config
 
@@ -61,14 +63,15 @@ def _check_precision(path: Path, saved: dict, cfg: Config) -> None:
         f"weights: checkpoint.load_weights_only={path} checkpoint.resume=false.")
 
 
-def choose_resume(cfg: Config, run_dir: Path) -> Path | None:
+def choose_resume(cfg: Config, run_dir: Path, skip: Sequence[Path] = ()) -> Path | None:
     """The checkpoint this run continues from, in this process alone: resume_from, else
-    (checkpoint.resume) the newest complete one of this run; None for a new run."""
+    (checkpoint.resume) the newest complete one of this run but those in ``skip``; None for
+    a new run."""
     ck = cfg.checkpoint
     if ck.resume_from:
         path = resolve_checkpoint(ck.resume_from)
     elif ck.resume:
-        path = newest_checkpoint(Path(run_dir) / "checkpoints")
+        path = newest_checkpoint(Path(run_dir) / "checkpoints", skip)
     else:
         return None
     if path is not None:
@@ -77,9 +80,21 @@ def choose_resume(cfg: Config, run_dir: Path) -> Path | None:
 
 
 def resume_path(cfg: Config, run_dir: Path) -> Path | None:
-    """``choose_resume`` decided by rank 0, the same answer (or error) on every rank: every
-    rank calls it, once the process group exists."""
-    return on_rank0(lambda: choose_resume(cfg, run_dir))
+    """``choose_resume`` decided by rank 0, the same answer (or error) on every rank, and
+    its checksums verified (every rank hashes its share of the files): a corrupt one is
+    skipped with a warning naming the file, and the next newest tried; a corrupt
+    ``resume_from`` is an error. Every rank calls it, once the process group exists."""
+    skip: list[Path] = []
+    while (path := on_rank0(lambda: choose_resume(cfg, run_dir, skip))) is not None:
+        why = verify_checksums(path)
+        if why is None:
+            return path
+        if cfg.checkpoint.resume_from:
+            raise CheckpointError(f"{path} is corrupt: {why}. Resume from another checkpoint.")
+        log.warning("checkpoint %s is corrupt (%s): skipping it, not deleting it; trying the "
+                    "next newest", path, why)
+        skip.append(path)
+    return None
 
 
 def _weights_checkpoint(src: Path, cfg: Config) -> Path | None:
@@ -98,6 +113,9 @@ def load_weights(source: str, cfg: Config, parts: list[torch.nn.Module], attenti
     checkpoint of ours, or a transformers model directory."""
     src = Path(source)
     path = on_rank0(lambda: _weights_checkpoint(src, cfg))
+    why = verify_checksums(path) if path is not None else None
+    if why is not None:
+        raise CheckpointError(f"{path} is corrupt: {why}. Start from another checkpoint.")
     if path is not None:
         CheckpointManager.load(path, {"model_optim": ModelOptimizer(parts, None)})
         log.info("initialised from the weights of %s (new optimizer and schedule)", path)

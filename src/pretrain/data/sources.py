@@ -22,6 +22,7 @@ import glob
 import gzip
 import itertools
 import json
+import logging
 import lzma
 import os
 import sysconfig
@@ -30,6 +31,8 @@ from pathlib import Path
 
 from pretrain.config import DataConfig
 from pretrain.data.errors import DataError
+
+log = logging.getLogger("pretrain")
 
 # Parts of the standard library left out of the embedded corpus: the test suite is two
 # thirds of its size; idlelib/lib2to3 are applications; encodings/ is mostly generated
@@ -242,7 +245,20 @@ def _documents(piece: dict, cfg: DataConfig) -> Iterator[str | None]:
 
 def _texts(piece: dict, cfg: DataConfig) -> Iterator[str | None]:
     for f in piece["files"]:
-        yield Path(f).read_text(encoding="utf-8", errors="replace")
+        yield decode_utf8(Path(f).read_bytes(), f)
+
+
+def decode_utf8(raw: bytes, name: str) -> str:
+    """``raw`` as UTF-8 text; invalid sequences (binary or mis-encoded bytes) become U+FFFD,
+    counted in a warning that names the file, never replaced silently."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - raw.count("\ufffd".encode())
+    log.warning("%s: %d invalid UTF-8 sequence(s) replaced by U+FFFD (binary or not UTF-8?)",
+                name, bad)
+    return text
 
 
 def _lines(piece: dict, cfg: DataConfig) -> Iterator[str | None]:

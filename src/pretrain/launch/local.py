@@ -7,6 +7,8 @@ requeue status of a run that stopped early (``tools/run_local.py`` is the comman
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -40,6 +42,26 @@ def command(overrides: list[str], nproc: int) -> list[str]:
 
 def prepare_command(overrides: list[str]) -> list[str]:
     return [sys.executable, str(REPO / "tools" / "prepare_data.py"), *overrides]
+
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def run_forwarding_signals(cmd: list[str]) -> int:
+    """Run ``cmd`` and return its status, passing SIGTERM, SIGINT and SIGUSR1 on to it
+    (torchrun passes them to its workers, whose trainer saves and exits 75), so that
+    stopping this launcher stops the run instead of orphaning it."""
+    child = subprocess.Popen(cmd)
+
+    def forward(signum, frame) -> None:
+        child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        return child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def exit_status(run_dir: Path, returncode: int) -> int:

@@ -9,6 +9,8 @@ data loading and loss averaging; FSDP uses ``dp_shard`` (or both, for HSDP), DDP
 from __future__ import annotations
 
 import datetime
+import functools
+import gc
 import os
 from dataclasses import dataclass
 
@@ -73,8 +75,32 @@ def is_rank0() -> bool:
 
 
 def destroy() -> None:
+    """Leave the process group and let go of what still holds its groups. A DeviceMesh
+    keeps its ProcessGroups (and a gloo group its worker threads), and DTensor's sharding
+    propagation caches keep every DTensorSpec they saw, each with its mesh: left alone,
+    the groups outlive the run and are torn down during interpreter shutdown, where a gloo
+    thread freeing Python-owned tensors once aborted a finished two-process run."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    clear_dtensor_caches()
+
+
+def clear_dtensor_caches() -> None:
+    """Empty the caches DTensor keys on meshes: the C++ fast path's sharding-propagation
+    cache (through torch's own ``tensor.debug._clear_sharding_prop_cache``), the
+    redistribute planners, and every ``functools`` cache in ``torch.distributed.tensor``
+    (op sharding, tensor meta, transform plans, mesh topology; found, not listed, so a
+    cache a new torch adds is emptied too). Caches are per thread where torch made them so;
+    this is the training thread, the one that filled them."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    for obj in gc.get_objects():
+        if (isinstance(obj, functools._lru_cache_wrapper)
+                and getattr(obj, "__module__", "").startswith("torch.distributed.tensor")):
+            obj.cache_clear()
 
 
 def broadcast_from_rank0(obj: object) -> object:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pretrain.budget import count_params
 from pretrain.config import Config
 from pretrain.hardware.gpus import GIB, GpuSpec
 from pretrain.model import padded_vocab_size
@@ -231,3 +232,11 @@ def estimate_memory(cfg: Config, layout: Layout, gpu: GpuSpec | None = None,
     ranks = sorted({0, layout.pp - 1})
     return MemoryEstimate(layout, [rank_memory(cfg, layout, r, device) for r in ranks],
                           capacity=gpu.memory_bytes if gpu is not None else None)
+
+
+def checkpoint_bytes(cfg: Config) -> float:
+    """Bytes of one checkpoint on disk: every stored parameter (padded vocabulary rows
+    included) in the parameter dtype, and AdamW's two moments of the same size (the
+    estimate's "parameters" and "optimizer state", summed over the whole model)."""
+    counts = count_params(cfg.model)
+    return 3.0 * dtype_bytes(cfg.precision.param_dtype) * (counts.total + counts.padding)

@@ -18,7 +18,7 @@ from pretrain.planning.autolayout import (
     with_parallel,
 )
 from pretrain.planning.cost import step_cost
-from pretrain.planning.memory import PARTS, estimate_memory
+from pretrain.planning.memory import PARTS, checkpoint_bytes, estimate_memory
 
 
 def _gib(x: float) -> float:
@@ -98,6 +98,7 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, run_plan: dict,
         "layout_text": layout.describe(),
         "memory_gib": {k: _gib(worst.parts.get(k, 0.0)) for k in PARTS},
         "memory_total_gib": _gib(worst.total), "fullest_pp_rank": worst.pp_rank,
+        "checkpoint_gib": _gib(checkpoint_bytes(cfg)),
         "fits": mem.fits,
         "mfu": mfu, "peak_tflops": peak / 1e12,
         "time_days": seconds / 86400, "gpu_hours": n_gpus * seconds / 3600,
@@ -131,6 +132,8 @@ def format_plan(p: dict) -> str:
         if v:
             lines.append(f"  {k:<28} {v:10.2f} GiB")
     lines.append(f"  {'total':<28} {p['memory_total_gib']:10.2f} GiB of {p['gpu_memory_gib']:g}")
+    lines.append(f"one checkpoint on disk: {p['checkpoint_gib']:,.2f} GiB (weights and AdamW "
+                 "state; a run checks for this much free space before it starts)")
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
     lines.append(f"verdict: {verdict} ({p['memory_total_gib']:.1f} / {p['gpu_memory_gib']:g} GiB)")
     if not p["fits"]:

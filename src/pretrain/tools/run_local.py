@@ -24,7 +24,13 @@ from pathlib import Path
 from pretrain.compose import compose_config
 from pretrain.data.prepare import needs_preparation
 from pretrain.launch import LaunchError
-from pretrain.launch.local import command, exit_status, prepare_command, world_size
+from pretrain.launch.local import (
+    command,
+    exit_status,
+    prepare_command,
+    run_forwarding_signals,
+    world_size,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if code:
             return code
     # a run stopped early to be requeued (signal, time limit, train.exit_interval): 75
-    return exit_status(Path(cfg.runs_dir) / cfg.run_name, subprocess.run(cmd).returncode)
+    return exit_status(Path(cfg.runs_dir) / cfg.run_name, run_forwarding_signals(cmd))
 
 
 if __name__ == "__main__":
