@@ -107,7 +107,7 @@ def test_a_run_leaves_no_process_group_mesh_or_thread_behind(compose, prepared, 
     result = run(cfg, tmp_path / "run")
     assert result["steps"] == 3
     assert not dist.is_initialized()
-    meshes = [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]  # no collect first
+    meshes = [o for o in gc.get_objects() if type(o) is DeviceMesh]  # no collect first
     assert not meshes, f"{len(meshes)} device meshes still alive after run() returned"
     left = _os_threads() - before
     names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in left

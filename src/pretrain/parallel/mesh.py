@@ -98,7 +98,9 @@ def clear_dtensor_caches() -> None:
     _clear_sharding_prop_cache()
     _redistribute.clear_redistribute_planner_cache()
     for obj in gc.get_objects():
-        if (isinstance(obj, functools._lru_cache_wrapper)
+        # type(), not isinstance(): isinstance reads __class__, which warns on torch's
+        # deprecated aliases (torch.distributed.reduce_op)
+        if (type(obj) is functools._lru_cache_wrapper
                 and getattr(obj, "__module__", "").startswith("torch.distributed.tensor")):
             obj.cache_clear()
 
