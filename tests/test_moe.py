@@ -56,6 +56,9 @@ def test_routing_and_experts_match_a_token_by_token_reference(norm_topk, shared)
     got = moe.eval()(x)
     want = reference(moe, x.reshape(-1, 32)).reshape(x.shape)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert moe.tokens_per_expert.sum() == 0  # evaluation is not counted
+    with torch.no_grad():
+        torch.testing.assert_close(moe.train()(x), got)  # no aux in the output's values
     assert moe.tokens_per_expert.sum() == 2 * 16 * 2  # every token counted top_k times
 
 
@@ -168,6 +171,7 @@ def test_moe_tiny_has_the_dense_models_active_parameters_and_compute(compose):
     (["model.moe_top_k=9"], "moe_top_k=9 must be between 1 and model.moe_experts=8"),
     (["parallel.tp=2", "parallel.dp=1"], "does not shard a mixture of experts"),
     (["model.moe_first_dense=4"], "must leave at least one"),
+    (["train.compile=true", "precision=fp32"], "compile in bf16 only"),
 ])
 def test_bad_moe_settings_are_refused_naming_the_key(compose, overrides, says):
     from pretrain.config_checks import check
@@ -182,6 +186,22 @@ def test_fsdp_shards_experts_along_their_rows_when_the_ranks_outnumber_them():
 
     assert shard_dim((8, 14336, 4096), 8) == 0 and shard_dim((8, 14336, 4096), 64) == 1
     assert fsdp_numel((8, 14336, 4096), 64) == 8 * 224 * 4096  # not one padded expert each
+
+
+def test_an_moe_block_compiles_whole_in_bf16():
+    """fullgraph=True, as every GPU recipe compiles a block: no graph break in routing,
+    counting or the grouped GEMMs, and the numbers of eager mode."""
+    from pretrain.model import Block
+
+    block = Block(TINY, 0)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, 0, 0.1)
+    block.moe.reset_state()
+    block = block.bfloat16().train()
+    x = torch.randn(2, 16, 32, dtype=torch.bfloat16)
+    eager = block(x, None)
+    compiled = torch.compile(block, fullgraph=True)(x, None)
+    torch.testing.assert_close(compiled, eager, atol=0.05, rtol=0.05)
 
 
 def test_a_moe_tiny_run_trains_and_reports_the_expert_load(compose, prepared, tmp_path):

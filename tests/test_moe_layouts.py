@@ -24,6 +24,9 @@ LAYOUTS = {
     "ddp2": ["parallel.dp=2", "parallel.dp_mode=ddp"],
     "pp2_1f1b": ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=1f1b"],
     "zero3_dp2_aux_free": ["parallel.dp=2", "parallel.dp_mode=zero3", *AUX_FREE],
+    # each stage moves its own layer's bias on its own counts (not the other stage's)
+    "pp2_1f1b_aux_free": ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=1f1b",
+                          *AUX_FREE],
 }
 
 pytestmark = pytest.mark.slow

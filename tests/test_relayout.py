@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import CORPUS_FILES, REPO, by_step, launch_env, write_corpus
+from helpers import CORPUS_FILES, REPO, by_step, launch_env, read_metrics, write_corpus
 
 K = 4  # steps before the save
 RUN_LOCAL = str(REPO / "tools" / "run_local.py")
@@ -98,5 +98,8 @@ def test_a_mixture_of_experts_resumes_on_another_layout(saved, saved_moe, name):
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = by_step(saved["work"] / "runs" / f"moe-{name}")
     assert sorted(got) == [K + 1, K + 2]
+    # Every stage's layers in the log (a pipeline gathers them from both stages)
+    logged = [m for m in read_metrics(saved["work"] / "runs" / f"moe-{name}") if "loss" in m][-1]
+    assert {"moe/max_load_0", "moe/max_load_1"} <= logged.keys(), logged
     for step in (K + 1, K + 2):
         assert abs(got[step] - saved_moe["losses"][step]) <= 1e-4, (step, got, saved_moe)

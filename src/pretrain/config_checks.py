@@ -69,13 +69,19 @@ def _check_model(cfg: Config, p: list[str]) -> None:
         p.append(f"model.d_ff={m.d_ff} must be positive (or null for the default width)")
     if not 0 <= m.dropout < 1:
         p.append(f"model.dropout={m.dropout} must be in [0, 1)")
-    _check_moe(m, p)
+    _check_moe(cfg, p)
 
 
-def _check_moe(m, p: list[str]) -> None:
-    """A mixture of experts' routing against its expert count."""
+def _check_moe(cfg: Config, p: list[str]) -> None:
+    """A mixture of experts' routing against its expert count; compile needs bf16."""
+    m = cfg.model
     if not m.moe_experts:
         return
+    if cfg.train.compile and cfg.precision.name != "auto" and cfg.precision.compute_dtype != \
+            "bfloat16":
+        p.append(f"train.compile with a mixture of experts needs bf16 compute (the grouped "
+                 f"GEMMs compile in bf16 only; precision={cfg.precision.name} computes in "
+                 f"{cfg.precision.compute_dtype}): use precision=bf16 or train.compile=false")
     if m.moe_experts < 0 or not 1 <= m.moe_top_k <= m.moe_experts:
         p.append(f"model.moe_top_k={m.moe_top_k} must be between 1 and model.moe_experts="
                  f"{m.moe_experts} (each token goes to top_k of the experts)")

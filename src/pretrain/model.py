@@ -195,8 +195,14 @@ class GPT(nn.Module):
         stage or holds only shards. Also rebuilds the RoPE tables, which a meta-device
         construction leaves empty."""
         init_parameters(self, seed, self.init_rule)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The buffers a meta-device construction leaves empty: the RoPE tables and each
+        MoE layer's bias and token counts (a checkpoint then overwrites the bias)."""
         self.init_rope()
-        for _, moe in moe_layers(self):  # buffers a meta-device construction leaves empty
+        for _, moe in moe_layers(self):
             moe.reset_state()
 
     @torch.no_grad()

@@ -74,15 +74,17 @@ class AuxLoss(torch.autograd.Function):
 
 
 def _grouped_mm_runs(x: torch.Tensor, *dims: int) -> bool:
-    """torch._grouped_mm runs bf16 on Hopper and newer GPUs and any float dtype on CPU,
-    with rows 16-byte aligned."""
-    if not hasattr(torch, "_grouped_mm"):
+    """Whether torch._grouped_mm takes these operands: rows 16-byte aligned, and bf16 where
+    it is traced (its meta kernel, which torch.compile runs, accepts bf16 only; eager CPU
+    takes fp32 too). On GPUs PyTorch runs it on every architecture from sm80, with
+    dedicated kernels on sm90+ (torchtitan's choice there)."""
+    if not hasattr(torch, "_grouped_mm") or x.device.type not in ("cpu", "cuda"):
         return False
-    aligned = all(d * x.element_size() % 16 == 0 for d in dims)
-    if x.device.type == "cuda":
-        return (x.dtype == torch.bfloat16 and aligned
-                and torch.cuda.get_device_capability(x.device) >= (9, 0))
-    return x.device.type == "cpu" and aligned
+    if not all(d * x.element_size() % 16 == 0 for d in dims):
+        return False
+    if x.dtype == torch.bfloat16:
+        return True
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -136,6 +138,7 @@ class MoE(nn.Module):
                              persistent=False)
         self.register_buffer("step_tokens", torch.zeros(cfg.moe_experts), persistent=False)
         self.last_aux: torch.Tensor | None = None
+        self.counting = True  # off for forwards that are not training steps (uncounted)
 
     @torch.no_grad()
     def reset_state(self) -> None:
@@ -173,7 +176,10 @@ class MoE(nn.Module):
         logits, experts, weights = self.route(x)
         flat = experts.reshape(-1)
         counts = torch.bincount(flat, minlength=self.n_experts)
-        if torch._C._current_graph_task_id() == -1:  # not an activation-checkpoint recompute
+        # Training forwards only (not evaluation or sampling). An activation-checkpoint
+        # recompute counts a layer's tokens twice: harmless, as both readers use ratios
+        # within a layer (max over mean; sign of mean - load).
+        if self.training and self.counting:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
                 self.step_tokens += counts.to(self.step_tokens.dtype)
@@ -186,7 +192,8 @@ class MoE(nn.Module):
             y = y + self.shared(x)
         aux = self._aux(logits, experts, counts) if self.training else None
         if aux is not None and torch.is_grad_enabled():
-            self.last_aux = aux.detach()
+            if self.counting:
+                self.last_aux = aux.detach()
             y = AuxLoss.apply(y, aux)
         return y.reshape(shape)
 
@@ -195,28 +202,43 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
+@contextlib.contextmanager
+def uncounted(model: nn.Module) -> Iterator[None]:
+    """Forwards in train mode that are not training steps: torch's pipeline stage runs one
+    on its first step, on stand-in inputs, to learn its output shapes. Their tokens must
+    not reach the load the log shows or aux_free's bias follows."""
+    layers = [m for _, m in moe_layers(model)]
+    for m in layers:
+        m.counting = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.counting = True
+
+
 @torch.no_grad()
-def update_biases(model: nn.Module, sum_over_dp) -> None:
+def update_biases(model: nn.Module, sum_over_replicas) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing, after an optimizer step: each
     ``aux_free`` layer's bias moves by ``gamma`` against its expert's load on this step
-    (token counts summed over the data-parallel ranks by ``sum_over_dp``)."""
+    (token counts summed over the data-parallel ranks by ``sum_over_replicas``)."""
     layers = [m for _, m in moe_layers(model) if m.balance == "aux_free"]
     if not layers:
         return
-    counts = sum_over_dp(torch.stack([m.step_tokens for m in layers]))
+    counts = sum_over_replicas(torch.stack([m.step_tokens for m in layers]))
     for m, load in zip(layers, counts, strict=True):
         m.expert_bias += m.bias_rate * torch.sign(load.mean() - load)
         m.step_tokens.zero_()
 
 
-def routing_stats(model: nn.Module, sum_over_dp) -> dict[str, float]:
+def routing_stats(model: nn.Module, sum_over_replicas) -> dict[str, float]:
     """Per MoE layer, the busiest expert's tokens over the mean (1 = balanced) since the
     last read, and the last micro batch's auxiliary loss; then the counts start again."""
     out: dict[str, float] = {}
     layers = moe_layers(model)
     if not layers:
         return out
-    counts = sum_over_dp(torch.stack([m.tokens_per_expert for _, m in layers]))
+    counts = sum_over_replicas(torch.stack([m.tokens_per_expert for _, m in layers]))
     for (name, m), load in zip(layers, counts.tolist(), strict=True):
         layer = name.split(".")[-2] if name.endswith(".moe") else name
         mean = sum(load) / len(load)

@@ -197,7 +197,7 @@ class TrainModule:
         grad_norm = self._clipped_grad_norm().detach()
         self._update(grad_norm, step)
         for part in self.parts:  # aux_free MoE layers: their biases follow the step's load
-            update_biases(part, self.sum_over_dp)
+            update_biases(part, self.parallel.sum_over_replicas)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return loss.detach(), grad_norm, small_sq
@@ -205,8 +205,9 @@ class TrainModule:
     def routing_stats(self) -> dict[str, float]:
         """MoE layers' load (busiest expert over the mean) since the last call and their
         auxiliary losses (moe.routing_stats; a host read: on logging steps)."""
-        return {k: v for part in self.parts for k, v in
-                routing_stats(part, self.sum_over_dp).items()}
+        local = {k: v for part in self.parts for k, v in
+                 routing_stats(part, self.parallel.sum_over_replicas).items()}
+        return self.parallel.gather_over_stages(local)
 
     def _clipped_grad_norm(self) -> torch.Tensor:
         """The whole model's gradients made whole (tied embeddings summed, fp16 unscaled)
