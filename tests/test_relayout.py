@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import CORPUS_FILES, REPO, by_step, launch_env, write_corpus
+from helpers import CORPUS_FILES, REPO, by_step, launch_env, read_metrics, write_corpus
 
 K = 4  # steps before the save
 RUN_LOCAL = str(REPO / "tools" / "run_local.py")
@@ -71,3 +71,35 @@ def test_resume_on_another_layout(saved, name):
     assert sorted(got) == [K + 1, K + 2]  # continued from the checkpoint's step
     for step in (K + 1, K + 2):
         assert abs(got[step] - saved["losses"][step]) <= 1e-4, (step, got, saved["losses"])
+
+
+MOE = ["model.mlp=swiglu", "model.bias=false", "model.moe_experts=4", "model.moe_top_k=2",
+       "model.moe_d_ff=32", "model.moe_balance=aux_free", "model.moe_bias_rate=0.01"]
+
+
+@pytest.fixture(scope="module")
+def saved_moe(saved) -> dict:
+    """The same with a mixture of experts whose aux_free biases (model state, not
+    parameters) have moved: saved by two zero3 ranks at step K, then finished there."""
+    work = saved["work"]
+    args = [*MOE, "parallel=zero3", "parallel.dp=2", "run_name=moe-dp2"]
+    first = launch(work, *args, f"train.exit_interval={K}")
+    assert first.returncode == 75, first.stderr[-4000:]
+    second = launch(work, *args)
+    assert second.returncode == 0, second.stderr[-4000:]
+    return {"ckpt": work / "runs" / "moe-dp2" / "checkpoints" / f"step_{K:07d}",
+            "losses": by_step(work / "runs" / "moe-dp2")}
+
+
+@pytest.mark.parametrize("name", ["one", "pp2"])
+def test_a_mixture_of_experts_resumes_on_another_layout(saved, saved_moe, name):
+    proc = launch(saved["work"], *MOE, *LAYOUTS[name], f"run_name=moe-{name}",
+                  f"checkpoint.resume_from={saved_moe['ckpt']}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = by_step(saved["work"] / "runs" / f"moe-{name}")
+    assert sorted(got) == [K + 1, K + 2]
+    # Every stage's layers in the log (a pipeline gathers them from both stages)
+    logged = [m for m in read_metrics(saved["work"] / "runs" / f"moe-{name}") if "loss" in m][-1]
+    assert {"moe/max_load_0", "moe/max_load_1"} <= logged.keys(), logged
+    for step in (K + 1, K + 2):
+        assert abs(got[step] - saved_moe["losses"][step]) <= 1e-4, (step, got, saved_moe)

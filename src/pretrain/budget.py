@@ -15,9 +15,14 @@ Conventions (stated once, used everywhere: plan, logs, MFU, scaling-law fits):
   whose lookups cost nothing; the output head counts whether tied or not, padded rows
   included: the GEMM computes them), and the second
   term is the attention scores and values (forward + backward, no causal discount).
-- Scaling rules use N = n_params (Hoffmann et al. 2022) unless ``budget.param_count`` is
-  ``non_embedding`` (Kaplan et al.), and compute C = 6 * N * D (``run_compute``;
-  a run's ``compute`` is that C with N = n_params, the C the scaling-law fits use).
+- ``n_params_active``: the parameters one token uses. A mixture of experts counts its
+  ``moe_top_k`` routed experts of ``moe_experts`` (plus router and shared experts); for a
+  dense model it is ``n_params``. Mixtral 8x7B: 46.7B total, 12.9B active.
+- Scaling rules use N = n_params_active (Hoffmann et al. 2022; n_params for a dense model)
+  unless ``budget.param_count`` is ``non_embedding`` (Kaplan et al.; active too), and
+  compute C = 6 * N * D (``run_compute``; a run's ``compute`` is that C with N =
+  n_params_active, the C the scaling-law fits use). ``flops_per_token`` counts the active
+  matmuls likewise.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 
 from pretrain.config import BudgetConfig, ModelConfig
 from pretrain.model import GPT
+from pretrain.moe import moe_layers
 
 # C = 6 N D: about 6 FLOPs per parameter and token for a forward and backward pass (Kaplan et
 # al. 2020, section 2.1; Hoffmann et al. 2022). The one definition of a run's compute: the
@@ -41,8 +47,8 @@ FLOPS_PER_PARAM_TOKEN = 6
 
 
 def run_compute(n_params: float, tokens: float) -> float:
-    """C = 6 N D of a run of ``n_params`` parameters (all of them, as ``plan.json``'s
-    ``n_params``) trained on ``tokens`` tokens."""
+    """C = 6 N D of a run of ``n_params`` parameters (the active ones, as ``plan.json``'s
+    ``n_params_active``; all of them for a dense model) trained on ``tokens`` tokens."""
     return float(FLOPS_PER_PARAM_TOKEN) * n_params * tokens
 
 
@@ -56,8 +62,17 @@ def compute_tokens(flops: float, n_params: float) -> int:
 class ParamCounts:
     total: int  # without the vocabulary padding
     non_embedding: int
-    matmul: int  # with it (hardware work)
+    matmul: int  # those one token multiplies by, padding included (hardware work)
     padding: int = 0  # parameters in the padded vocabulary rows (embedding, untied head)
+    inactive: int = 0  # routed experts' parameters a token does not use (MoE)
+
+    @property
+    def active(self) -> int:
+        return self.total - self.inactive
+
+    @property
+    def non_embedding_active(self) -> int:
+        return self.non_embedding - self.inactive
 
 
 def count_params(cfg: ModelConfig) -> ParamCounts:
@@ -70,9 +85,11 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     pad_rows = model.tok_emb.weight.shape[0] - cfg.vocab_size
     padding = pad_rows * cfg.d_model * (1 if cfg.tie_embeddings else 2)
     non_embedding = stored - tok - pos - (0 if cfg.tie_embeddings else padding // 2)
-    matmul = stored - pos - (0 if cfg.tie_embeddings else tok)
+    inactive = sum(sum(p.numel() for p in moe.experts.parameters())
+                   * (moe.n_experts - moe.top_k) // moe.n_experts for _, moe in moe_layers(model))
+    matmul = stored - pos - (0 if cfg.tie_embeddings else tok) - inactive
     return ParamCounts(total=stored - padding, non_embedding=non_embedding, matmul=matmul,
-                       padding=padding)
+                       padding=padding, inactive=inactive)
 
 
 def flops_per_token(cfg: ModelConfig, counts: ParamCounts | None = None) -> int:
@@ -85,6 +102,7 @@ def flops_per_token(cfg: ModelConfig, counts: ParamCounts | None = None) -> int:
 class Budget:
     n_params: int
     n_params_non_embedding: int
+    n_params_active: int  # per token: n_params for a dense model, k of E experts for MoE
     n_params_padding: int  # padded vocabulary rows, stored and computed, not in n_params
     tokens: int
     steps: int
@@ -107,7 +125,8 @@ def rule_tokens(model: ModelConfig, budget: BudgetConfig, global_batch_size: int
     """Tokens D the budget rule asks for (before rounding up to whole steps), and the rule
     in words."""
     counts = counts or count_params(model)
-    n = counts.non_embedding if budget.param_count == "non_embedding" else counts.total
+    n = (counts.non_embedding_active if budget.param_count == "non_embedding"
+         else counts.active)
     batch_tokens = global_batch_size * model.seq_len
     kind = budget.kind
     if kind == "tokens":
@@ -139,12 +158,13 @@ def resolve_budget(model: ModelConfig, budget: BudgetConfig, global_batch_size: 
     return Budget(
         n_params=counts.total,
         n_params_non_embedding=counts.non_embedding,
+        n_params_active=counts.active,
         n_params_padding=counts.padding,
         tokens=steps * batch_tokens,
         steps=steps,
         global_batch_tokens=batch_tokens,
         flops_per_token=fpt,
         total_flops=float(fpt) * steps * batch_tokens,
-        compute=run_compute(counts.total, steps * batch_tokens),
+        compute=run_compute(counts.active, steps * batch_tokens),
         rule=rule,
     )

@@ -54,6 +54,9 @@ BudgetKind = _choice("BudgetKind", "tokens tokens_per_param flops steps")
 ParamCount = _choice("ParamCount", "total non_embedding")
 WandbMode = _choice("WandbMode", "disabled offline online")
 Device = _choice("Device", "auto cpu cuda")
+# Mixture-of-experts load balancing: the Switch/GShard auxiliary loss, DeepSeek-V3's
+# auxiliary-loss-free bias, or none.
+MoeBalance = _choice("MoeBalance", "aux_loss aux_free none")
 
 
 @dataclass
@@ -83,6 +86,28 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     attention: AttentionBackend = AttentionBackend.auto
+    # RMSNorm of the whole query and key projections before RoPE (OLMoE, OLMo 2).
+    qk_norm: bool = False
+    # Mixture of experts (pretrain/moe.py): 0 experts is the dense model. Each MoE layer
+    # routes every token to moe_top_k of moe_experts SwiGLU/GELU experts of width moe_d_ff
+    # (None: d_ff's rule), plus moe_shared_experts always-on experts of that width; the
+    # first moe_first_dense layers stay dense (DeepSeek). Router in fp32, softmax over all
+    # experts, top-k; moe_norm_topk renormalises the k weights to sum to one (Mixtral: yes,
+    # OLMoE: no).
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_d_ff: int | None = None
+    moe_shared_experts: int = 0
+    moe_first_dense: int = 0
+    moe_norm_topk: bool = True
+    moe_balance: MoeBalance = MoeBalance.aux_loss
+    # Switch/GShard auxiliary loss coefficient (alpha; 0.01 in Switch, Mixtral, OLMoE).
+    moe_aux_coeff: float = 0.01
+    # Router z-loss coefficient (ST-MoE; 0.001 in OLMoE); 0 = off.
+    moe_z_coeff: float = 0.0
+    # aux_free: each step the bias of an over-loaded expert goes down by this much and an
+    # under-loaded one's up (DeepSeek-V3's gamma, 0.001).
+    moe_bias_rate: float = 0.001
 
 
 @dataclass

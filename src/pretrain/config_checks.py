@@ -69,6 +69,30 @@ def _check_model(cfg: Config, p: list[str]) -> None:
         p.append(f"model.d_ff={m.d_ff} must be positive (or null for the default width)")
     if not 0 <= m.dropout < 1:
         p.append(f"model.dropout={m.dropout} must be in [0, 1)")
+    _check_moe(cfg, p)
+
+
+def _check_moe(cfg: Config, p: list[str]) -> None:
+    """A mixture of experts' routing against its expert count; compile needs bf16."""
+    m = cfg.model
+    if not m.moe_experts:
+        return
+    if cfg.train.compile and cfg.precision.name != "auto" and cfg.precision.compute_dtype != \
+            "bfloat16":
+        p.append(f"train.compile with a mixture of experts needs bf16 compute (the grouped "
+                 f"GEMMs compile in bf16 only; precision={cfg.precision.name} computes in "
+                 f"{cfg.precision.compute_dtype}): use precision=bf16 or train.compile=false")
+    if m.moe_experts < 0 or not 1 <= m.moe_top_k <= m.moe_experts:
+        p.append(f"model.moe_top_k={m.moe_top_k} must be between 1 and model.moe_experts="
+                 f"{m.moe_experts} (each token goes to top_k of the experts)")
+    if not 0 <= m.moe_first_dense < m.n_layer:
+        p.append(f"model.moe_first_dense={m.moe_first_dense} must leave at least one of the "
+                 f"{m.n_layer} layers an MoE layer (0 = every layer)")
+    for key in ("moe_aux_coeff", "moe_z_coeff", "moe_bias_rate"):
+        if getattr(m, key) < 0:
+            p.append(f"model.{key}={getattr(m, key)} must be >= 0")
+    if m.moe_d_ff is not None and m.moe_d_ff <= 0:
+        p.append(f"model.moe_d_ff={m.moe_d_ff} must be positive (or null for d_ff's width)")
 
 
 def _check_precision(cfg: Config, p: list[str]) -> None:

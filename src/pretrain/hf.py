@@ -8,6 +8,10 @@ Two architectures map one to one:
 - LLaMA style (RoPE with the rotate-half convention, RMSNorm, SwiGLU, optional GQA,
   biases off) <-> ``LlamaForCausalLM``. Our MLP is w2(silu(w1 x) * w3 x): w1 is HF's
   gate_proj, w3 its up_proj, w2 its down_proj.
+- The same with a mixture of experts in every layer <-> ``MixtralForCausalLM`` (top-k
+  weights renormalised, no QK-norm) or ``OlmoeForCausalLM`` (QK-norm, not renormalised).
+  The router is HF's ``mlp.gate``; our experts' w1 and w3 stacked are its
+  ``experts.gate_up_proj`` (experts x 2 hidden x d), w2 its ``experts.down_proj``.
 
 The exported vocabulary is the tokenizer's (``model.vocab_size``), without padding rows.
 """
@@ -33,12 +37,33 @@ def architecture(cfg: ModelConfig) -> str:
                               "no grouped-query attention (model.n_kv_head=null)")
         return "gpt2"
     if (cfg.pos_emb, cfg.norm, cfg.mlp) == ("rope", "rmsnorm", "swiglu"):
-        return "llama"
+        return _llama_family(cfg)
     raise ExportError(
         f"no transformers architecture matches pos_emb={cfg.pos_emb}, norm={cfg.norm}, "
         f"mlp={cfg.mlp}: export supports GPT-2 (learned, layernorm, gelu) and LLaMA "
         "(rope, rmsnorm, swiglu)"
     )
+
+
+def _llama_family(cfg: ModelConfig) -> str:
+    if not cfg.moe_experts:
+        if cfg.qk_norm:
+            raise ExportError("a dense model with model.qk_norm has no transformers "
+                              "architecture here (export supports QK-norm with experts: OLMoE)")
+        return "llama"
+    unsupported = [f"{k}={getattr(cfg, k)}" for k, ok in (
+        ("moe_shared_experts", not cfg.moe_shared_experts),
+        ("moe_first_dense", not cfg.moe_first_dense), ("bias", not cfg.bias),
+        ("moe_balance", cfg.moe_balance != "aux_free")) if not ok]
+    if unsupported:  # aux_free: HF routes without the selection bias
+        raise ExportError("Mixtral/OLMoE export needs an MoE in every layer, no shared "
+                          "experts, no biases and no aux_free selection bias; this model has "
+                          + ", ".join(unsupported))
+    if cfg.qk_norm != (not cfg.moe_norm_topk):
+        raise ExportError("MoE export: Mixtral renormalises the top-k weights without "
+                          "QK-norm (model.moe_norm_topk=true, qk_norm=false), OLMoE has "
+                          "QK-norm without it (moe_norm_topk=false, qk_norm=true)")
+    return "olmoe" if cfg.qk_norm else "mixtral"
 
 
 def hf_config(cfg: ModelConfig):
@@ -54,8 +79,26 @@ def hf_config(cfg: ModelConfig):
             initializer_range=cfg.init_std, tie_word_embeddings=True,
             architectures=["GPT2LMHeadModel"],
         )
-    from pretrain.model import ffn_dim
+    from pretrain.model import expert_dim, ffn_dim
 
+    if architecture(cfg) in ("mixtral", "olmoe"):
+        from transformers import MixtralConfig, OlmoeConfig
+
+        common = dict(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+            intermediate_size=expert_dim(cfg), num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head or cfg.n_head,
+            max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps,
+            rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+            initializer_range=cfg.init_std, num_experts_per_tok=cfg.moe_top_k,
+            router_aux_loss_coef=cfg.moe_aux_coeff, hidden_act="silu")
+        if architecture(cfg) == "mixtral":
+            return MixtralConfig(**common, num_local_experts=cfg.moe_experts,
+                                 head_dim=cfg.d_model // cfg.n_head,
+                                 architectures=["MixtralForCausalLM"])
+        return OlmoeConfig(**common, num_experts=cfg.moe_experts, norm_topk_prob=False,
+                           attention_bias=False, clip_qkv=None,
+                           architectures=["OlmoeForCausalLM"])
     return LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=ffn_dim(cfg),
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
@@ -89,13 +132,17 @@ def _llama_pairs(cfg: ModelConfig):
     for i in range(cfg.n_layer):
         h, o = f"model.layers.{i}.", f"layers.{i}."
         names = [("self_attn.q_proj", "attn.wq"), ("self_attn.k_proj", "attn.wk"),
-                 ("self_attn.v_proj", "attn.wv"), ("self_attn.o_proj", "attn.wo"),
-                 ("mlp.gate_proj", "mlp.w1"), ("mlp.up_proj", "mlp.w3"),
-                 ("mlp.down_proj", "mlp.w2")]
+                 ("self_attn.v_proj", "attn.wv"), ("self_attn.o_proj", "attn.wo")]
+        names += ([("mlp.gate", "moe.router")] if cfg.moe_experts else
+                  [("mlp.gate_proj", "mlp.w1"), ("mlp.up_proj", "mlp.w3"),
+                   ("mlp.down_proj", "mlp.w2")])
         for hf_n, ours in names:
             yield h + hf_n + ".weight", o + ours + ".weight"
             if cfg.bias:
                 yield h + hf_n + ".bias", o + ours + ".bias"
+        if cfg.qk_norm:
+            yield h + "self_attn.q_norm.weight", o + "attn.q_norm.weight"
+            yield h + "self_attn.k_norm.weight", o + "attn.k_norm.weight"
         yield h + "input_layernorm.weight", o + "attn_norm.weight"
         yield h + "post_attention_layernorm.weight", o + "mlp_norm.weight"
     yield "model.norm.weight", "norm.weight"
@@ -122,6 +169,10 @@ def to_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str,
     else:
         for hf_n, ours in _llama_pairs(cfg):
             out[hf_n] = sd[ours][:v] if ours in unpad else sd[ours]
+        for i in range(cfg.n_layer if cfg.moe_experts else 0):
+            e, h = f"layers.{i}.moe.experts.", f"model.layers.{i}.mlp.experts."
+            out[h + "gate_up_proj"] = torch.cat([sd[e + "w1"], sd[e + "w3"]], dim=1)
+            out[h + "down_proj"] = sd[e + "w2"]
         if cfg.tie_embeddings:
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return {k: t.detach().contiguous() for k, t in out.items()}
@@ -152,6 +203,10 @@ def from_hf_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor],
     else:
         for hf_n, ours in _llama_pairs(cfg):
             sd[ours] = hf[hf_n]
+        for i in range(cfg.n_layer if cfg.moe_experts else 0):
+            e, h = f"layers.{i}.moe.experts.", f"model.layers.{i}.mlp.experts."
+            sd[e + "w1"], sd[e + "w3"] = hf[h + "gate_up_proj"].chunk(2, dim=1)
+            sd[e + "w2"] = hf[h + "down_proj"]
         sd["tok_emb.weight"] = pad(sd["tok_emb.weight"])
         sd["lm_head.weight"] = (sd["tok_emb.weight"] if cfg.tie_embeddings
                                 else pad(sd["lm_head.weight"]))
@@ -167,18 +222,24 @@ def model_config_from_hf(hf_cfg) -> dict:
                     seq_len=hf_cfg.n_positions, norm_eps=hf_cfg.layer_norm_epsilon,
                     pos_emb="learned", norm="layernorm", mlp="gelu", bias=True,
                     tie_embeddings=True, n_kv_head=None)
+    if kind not in ("llama", "mixtral", "olmoe"):
+        raise ExportError(f"cannot import a transformers model of type {kind!r}: gpt2, llama, "
+                          "mixtral and olmoe are supported")
+    fields = dict(n_layer=hf_cfg.num_hidden_layers, n_head=hf_cfg.num_attention_heads,
+                  n_kv_head=hf_cfg.num_key_value_heads, d_model=hf_cfg.hidden_size,
+                  vocab_size=hf_cfg.vocab_size, seq_len=hf_cfg.max_position_embeddings,
+                  norm_eps=hf_cfg.rms_norm_eps,
+                  rope_theta=float(getattr(hf_cfg, "rope_theta", None)
+                                   or hf_cfg.rope_parameters["rope_theta"]),
+                  pos_emb="rope", norm="rmsnorm", mlp="swiglu",
+                  bias=bool(getattr(hf_cfg, "attention_bias", False)),
+                  tie_embeddings=bool(hf_cfg.tie_word_embeddings))
     if kind == "llama":
-        return dict(n_layer=hf_cfg.num_hidden_layers, n_head=hf_cfg.num_attention_heads,
-                    n_kv_head=hf_cfg.num_key_value_heads, d_model=hf_cfg.hidden_size,
-                    d_ff=hf_cfg.intermediate_size, vocab_size=hf_cfg.vocab_size,
-                    seq_len=hf_cfg.max_position_embeddings, norm_eps=hf_cfg.rms_norm_eps,
-                    rope_theta=float(getattr(hf_cfg, "rope_theta", None)
-                                     or hf_cfg.rope_parameters["rope_theta"]),
-                    pos_emb="rope", norm="rmsnorm", mlp="swiglu",
-                    bias=bool(hf_cfg.attention_bias),
-                    tie_embeddings=bool(hf_cfg.tie_word_embeddings))
-    raise ExportError(f"cannot import a transformers model of type {kind!r}: gpt2 and llama are "
-                      "supported")
+        return {**fields, "d_ff": hf_cfg.intermediate_size}
+    experts = hf_cfg.num_local_experts if kind == "mixtral" else hf_cfg.num_experts
+    return {**fields, "moe_experts": experts, "moe_top_k": hf_cfg.num_experts_per_tok,
+            "moe_d_ff": hf_cfg.intermediate_size, "qk_norm": kind == "olmoe",
+            "moe_norm_topk": kind == "mixtral" or bool(hf_cfg.norm_topk_prob)}
 
 
 def check_matches(cfg: ModelConfig, hf_cfg) -> None:
@@ -187,10 +248,10 @@ def check_matches(cfg: ModelConfig, hf_cfg) -> None:
     from pretrain.model import ffn_dim
 
     have = {k: getattr(cfg, k) for k in want}
-    if want.get("d_ff") is None:
+    if "d_ff" in want and want["d_ff"] is None:
         want.pop("d_ff")
         have.pop("d_ff")
-    else:
+    elif "d_ff" in want:
         have["d_ff"] = ffn_dim(cfg)
     have["n_kv_head"] = cfg.n_kv_head or cfg.n_head
     if want.get("n_kv_head") is None:
@@ -225,7 +286,36 @@ def read_hf_weights(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     prefix = "transformer." if architecture(cfg) == "gpt2" else "model."
     if not any(k.startswith(prefix) for k in tensors):
         tensors = {(k if k == "lm_head.weight" else prefix + k): t for k, t in tensors.items()}
+    if cfg.moe_experts:
+        tensors = _stack_experts(tensors, cfg)
     return {k: t.float() for k, t in tensors.items()}
+
+
+# One expert's matrices in the published checkpoints' per-expert layout: (gate, up, down).
+_EXPERT_FILES = {"mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
+                             "block_sparse_moe.experts.{e}.w2"),
+                 "olmoe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj",
+                           "mlp.experts.{e}.down_proj")}
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Mixtral's and OLMoE's files keep one matrix per expert (what save_pretrained writes
+    too): stacked here into transformers' in-memory layout, which the mapping reads."""
+    gate, up, down = _EXPERT_FILES[architecture(cfg)]
+    out = dict(tensors)
+    for i in range(cfg.n_layer):
+        h = f"model.layers.{i}."
+        if h + gate.format(e=0) + ".weight" not in out:
+            continue  # already stacked
+        take = [[out.pop(h + name.format(e=e) + ".weight") for e in range(cfg.moe_experts)]
+                for name in (gate, up, down)]
+        out[h + "mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(take[0], take[1], strict=True)])
+        out[h + "mlp.experts.down_proj"] = torch.stack(take[2])
+        router = h + "block_sparse_moe.gate.weight"
+        if router in out:
+            out[h + "mlp.gate.weight"] = out.pop(router)
+    return out
 
 
 def load_hf_weights(model: torch.nn.Module, cfg: ModelConfig, path: str) -> None:

@@ -5,7 +5,8 @@ which process holds it or on which device: a parameter is cut into fixed tiles o
 ``TILE = (rows, cols)`` elements, each tile drawn from its own CPU generator seeded by a hash
 of (seed, name, global shape, tile index). A rank fills its shard (a DTensor's local piece:
 a tensor-parallel slice, an FSDP2 shard, or the whole tensor) by drawing only the tiles that
-shard overlaps, so initialising costs memory and time in proportion to the shard, and one
+shard overlaps (a 3-D experts x out x in tensor: each expert's matrix as its own 2-D
+parameter), so initialising costs memory and time in proportion to the shard, and one
 process, every TP x PP x DP layout, CPU and GPU start from bit-identical global weights.
 
 What each parameter's distribution is (normal with a std, zeros, ones) is the model's to
@@ -64,8 +65,8 @@ def _as_2d(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, .
         return (1, shape[0]), (0, offsets[0]), (1, sizes[0])
     if len(shape) == 2:
         return shape, offsets, sizes
-    raise NotImplementedError(f"initialising a {len(shape)}-D parameter: only 1-D and 2-D "
-                              "are tiled")
+    raise NotImplementedError(f"initialising a {len(shape)}-D parameter: only 1-D, 2-D and "
+                              "3-D (experts x out x in) are tiled")
 
 
 @torch.no_grad()
@@ -74,6 +75,11 @@ def fill_normal_(local: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int
     """Write N(0, std) into ``local``, the piece of the global ``shape`` tensor that starts
     at ``offsets``, drawing only the tiles it overlaps (on the CPU, in fp32)."""
     if local.numel() == 0:
+        return
+    if len(shape) == 3:  # experts x out x in: each expert's matrix its own stream
+        for i in range(local.shape[0]):
+            e = offsets[0] + i
+            fill_normal_(local[i], offsets[1:], shape[1:], std, seed, f"{key}[{e}]")
         return
     (rows, cols), (r_off, c_off), (r_len, c_len) = _as_2d(shape, offsets, tuple(local.shape))
     view = local if local.dim() == 2 else local.unsqueeze(0)

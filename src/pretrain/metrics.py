@@ -189,6 +189,9 @@ def format_metrics(m: dict[str, Any]) -> str:
             parts.append(f.format(m[key]))
     if m.get("skipped_steps"):
         parts.append(f"{m['skipped_steps']} skipped")
+    loads = [v for k, v in m.items() if k.startswith("moe/max_load")]
+    if loads:  # a mixture of experts: the busiest expert over the mean, worst layer
+        parts.append(f"expert load {max(loads):.2f}x")
     return " | ".join(parts)
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from pretrain.attention import KERNELS, kernel
 from pretrain.config import ModelConfig
 from pretrain.initialization import Init, init_parameters
+from pretrain.moe import MoE, is_moe_layer, moe_layers
 
 
 def padded_vocab_size(cfg: ModelConfig) -> int:
@@ -69,14 +70,22 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=cfg.bias)
         self.wo = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
+        # OLMoE / OLMo 2: RMSNorm over each whole projection (all heads) before RoPE.
+        self.q_norm = nn.RMSNorm(self.n_head * self.head_dim, eps=cfg.norm_eps) \
+            if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.n_kv_head * self.head_dim, eps=cfg.norm_eps) \
+            if cfg.qk_norm else None
         self.dropout = cfg.dropout
         self.kernel = KERNELS["sdpa"]  # set by set_attention_backend
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 rather than n_head: under tensor parallelism each rank holds a slice of heads.
-        q = self.wq(x).view(b, t, -1, self.head_dim)
-        k = self.wk(x).view(b, t, -1, self.head_dim)
+        q, k = self.wq(x), self.wk(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, t, -1, self.head_dim)
+        k = k.view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
@@ -84,10 +93,24 @@ class Attention(nn.Module):
         return self.wo(y.reshape(b, t, -1))
 
 
+def expert_dim(cfg: ModelConfig) -> int:
+    """One routed (or shared) expert's hidden width."""
+    return cfg.moe_d_ff or ffn_dim(cfg)
+
+
+def ffn_token_width(cfg: ModelConfig) -> int:
+    """The feed-forward hidden units one token goes through: the MLP's, or in a mixture of
+    experts top_k routed plus the shared experts' (what activations per token scale with;
+    the planner assumes every layer is an MoE layer when there are experts)."""
+    if not cfg.moe_experts:
+        return ffn_dim(cfg)
+    return (cfg.moe_top_k + cfg.moe_shared_experts) * expert_dim(cfg)
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
-        hidden = ffn_dim(cfg)
+        hidden = hidden or ffn_dim(cfg)
         self.swiglu = cfg.mlp == "swiglu"
         self.w1 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)  # up (and SiLU input)
         self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)  # down
@@ -100,17 +123,29 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Attention then the feed-forward: a dense MLP (``mlp``), or in an MoE layer a mixture
+    of experts (``moe``, pretrain/moe.py)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        if is_moe_layer(cfg, layer):
+            width = expert_dim(cfg)
+            shared = (MLP(cfg, width * cfg.moe_shared_experts) if cfg.moe_shared_experts
+                      else None)
+            self.moe = MoE(cfg, width, shared)
+        else:
+            self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x) if hasattr(self, "moe") else self.mlp(x)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), rope))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        return x + self.dropout(self.ffn(self.mlp_norm(x)))
 
 
 class GPT(nn.Module):
@@ -123,7 +158,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         # A dict keyed by the global layer index keeps names stable when a pipeline stage
         # deletes the layers it does not own (the torchtitan convention).
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layer)})
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, vocab, bias=False)
         head_dim = cfg.d_model // cfg.n_head
@@ -145,10 +180,10 @@ class GPT(nn.Module):
         module, _, kind = name.rpartition(".")
         if kind == "bias":
             return Init("zeros")
-        if module.endswith("norm"):  # norm, attn_norm, mlp_norm
+        if module.endswith("norm"):  # norm, attn_norm, mlp_norm, q_norm, k_norm
             return Init("ones")
         std = self.cfg.init_std
-        if module.endswith(("attn.wo", "mlp.w2")):
+        if module.endswith(("attn.wo", "mlp.w2", "shared.w2")) or name.endswith("experts.w2"):
             std /= math.sqrt(2 * self.cfg.n_layer)
         tied = self.cfg.tie_embeddings and name == "lm_head.weight"
         return Init("normal", std, key="tok_emb.weight" if tied else None)
@@ -160,7 +195,15 @@ class GPT(nn.Module):
         stage or holds only shards. Also rebuilds the RoPE tables, which a meta-device
         construction leaves empty."""
         init_parameters(self, seed, self.init_rule)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The buffers a meta-device construction leaves empty: the RoPE tables and each
+        MoE layer's bias and token counts (a checkpoint then overwrites the bias)."""
         self.init_rope()
+        for _, moe in moe_layers(self):
+            moe.reset_state()
 
     @torch.no_grad()
     def init_rope(self) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pretrain.loss import cross_entropy
+from pretrain.moe import aux_loss_scale, moe_layers
 from pretrain.parallel.apply import ParallelModel
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.pipeline import build_schedule
@@ -57,6 +58,7 @@ class AccumulationStep:
                  grad_sq_norm: Callable[[], torch.Tensor]):
         self.parallel, self.layout, self.device = parallel, parallel.layout, parallel.device
         self.scaler, self.small_seqs, self.grad_sq_norm = scaler, small_seqs, grad_sq_norm
+        self.has_moe = bool(moe_layers(self.model))  # fp16 + MoE: the scale, read per step
 
     @staticmethod
     def eval_sizes(layout: Layout) -> tuple[int, int]:
@@ -89,7 +91,11 @@ class AccumulationStep:
                 loss = cross_entropy(self.model(xs), ys)
                 # an ordinary step divides by n: the same bits as before the halves existed
                 loss = loss * weight if split else loss / n
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                # an MoE layer's auxiliary losses count as this micro batch's loss does
+                unit = (weight if split else 1 / n) * (
+                    self.scaler.get_scale() if self.scaler and self.has_moe else 1.0)
+                with aux_loss_scale(unit):
+                    (self.scaler.scale(loss) if self.scaler else loss).backward()
                 total += local(loss.detach())
                 if measure and i == 0:
                     # the mean gradient of this micro batch: the loss was weighted
@@ -154,7 +160,10 @@ class PipelineStep:
                 self.scaler.scale(torch.ones((), device=self.device))
                 self.loss.scale = self.scaler.get_scale()
             try:  # return_outputs=False: the last stage keeps no micro batch's logits
-                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+                # the schedule divides every gradient by the micro batch count itself
+                with aux_loss_scale(self.loss.scale or 1.0):
+                    self.schedule.step(*args, target=target, losses=losses,
+                                       return_outputs=False)
             finally:
                 scale, self.loss.scale = self.loss.scale or 1.0, None
             if not pm.has_last_stage:

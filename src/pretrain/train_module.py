@@ -23,6 +23,7 @@ import torch
 from pretrain.config import Config
 from pretrain.fp8 import after_optimizer_step, fp8_all_gather
 from pretrain.initialization import local_region
+from pretrain.moe import routing_stats, update_biases
 from pretrain.nonfinite import NonFiniteSteps, device_skip_supported, step_unless
 from pretrain.optim import build_optimizer, build_scheduler
 from pretrain.parallel import mesh as dist_env
@@ -195,9 +196,18 @@ class TrainModule:
         loss, small_sq = self.strategy.forward_backward(x, y, measure)
         grad_norm = self._clipped_grad_norm().detach()
         self._update(grad_norm, step)
+        for part in self.parts:  # aux_free MoE layers: their biases follow the step's load
+            update_biases(part, self.parallel.sum_over_replicas)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return loss.detach(), grad_norm, small_sq
+
+    def routing_stats(self) -> dict[str, float]:
+        """MoE layers' load (busiest expert over the mean) since the last call and their
+        auxiliary losses (moe.routing_stats; a host read: on logging steps)."""
+        local = {k: v for part in self.parts for k, v in
+                 routing_stats(part, self.parallel.sum_over_replicas).items()}
+        return self.parallel.gather_over_stages(local)
 
     def _clipped_grad_norm(self) -> torch.Tensor:
         """The whole model's gradients made whole (tied embeddings summed, fp16 unscaled)

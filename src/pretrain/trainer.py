@@ -68,6 +68,7 @@ class Trainer:
         self.first_val_loss: float | None = None
         self.last_val_loss: float | None = None
         self.exit_code = 0
+        self.expert_loads: list[float] = []  # MoE: busiest expert over the mean, per log
         self.noise = NoiseScaleProbe(self.cfg, self.layout, self.budget.global_batch_tokens)
         self.prefetch = self.lock = None
 
@@ -102,9 +103,12 @@ class Trainer:
             log.info(describe(plan["hparam_rules"]))
         log.info(self.noise.describe())
         log.info(
-            "model %s: %s params (%s non-embedding%s), %s FLOPs/token | budget %s -> %s tokens "
-            "in %d steps of %s tokens | precision %s | attention %s%s | layout %s | device %s",
+            "model %s: %s params (%s non-embedding%s%s), %s FLOPs/token | budget %s -> %s "
+            "tokens in %d steps of %s tokens | precision %s | attention %s%s | layout %s | "
+            "device %s",
             cfg.model.name, f"{budget.n_params:,}", f"{budget.n_params_non_embedding:,}",
+            f"; {budget.n_params_active:,} active per token"
+            if budget.n_params_active != budget.n_params else "",
             f"; + {budget.n_params_padding:,} in the vocabulary padded to "
             f"{cfg.model.pad_vocab_to}" if budget.n_params_padding else "",
             f"{budget.flops_per_token:,}", budget.rule, f"{budget.tokens:,}",
@@ -359,11 +363,16 @@ class Trainer:
     def _step_metrics(self, loss: float, grad_norm: float, tokens_per_s: float) -> dict:
         memory = memory_metrics(self.device, max_over_ranks)  # the fullest rank's
         mfu = self.peak.mfu(tokens_per_s * self.budget.flops_per_token)
+        routing = self.module.routing_stats()  # MoE: expert load and auxiliary losses
+        loads = [v for k, v in routing.items() if k.startswith("moe/max_load")]
+        if loads:
+            self.expert_loads.append(sum(loads) / len(loads))
         return {
             "step": self.step, "loss": loss, "lr": self.module.lr, "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s, "mfu": mfu, **memory,
             "tokens": self.step * self.budget.global_batch_tokens,
             "loss_scale": self.module.loss_scale, "skipped_steps": self.module.skipped_steps,
+            **routing,
         }
 
     def _reduce_window(self, window: LossWindow) -> tuple[float, float]:
@@ -433,6 +442,12 @@ class Trainer:
                   "skipped_steps": self.module.skipped_steps,
                   "val_batches": self.evaluator.batch_count() if self.evaluator else None,
                   "noise_scale": self.noise.value}
+        if self.expert_loads:
+            result["expert_max_load"] = sum(self.expert_loads) / len(self.expert_loads)
+            log.info("expert load: the busiest expert of an MoE layer took %.2fx the mean "
+                     "tokens (averaged over layers and the %d logged windows; 1 = balanced, "
+                     "%s balancing)", result["expert_max_load"], len(self.expert_loads),
+                     self.cfg.model.moe_balance)
         if self.noise.value is not None:
             log.info(compare_batch(tokens_per_step, self.noise.value))
         text = sample(self.module, self.cfg.train, self.train_data.path / "tokenizer.json",

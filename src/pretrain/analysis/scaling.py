@@ -9,7 +9,8 @@ L-BFGS-B started from the best points of a grid of initialisations (the objectiv
 local minima). Uncertainty comes from a bootstrap over runs, the only honest error bar when
 the runs themselves are the samples.
 
-Units: N is ``plan.json``'s ``n_params`` (every parameter, as Hoffmann et al.), D the
+Units: N is ``plan.json``'s ``n_params_active`` (every parameter, as Hoffmann et al., for a
+dense model; those one token uses for a mixture of experts), D the
 tokens trained, C = 6 N D (``budget.run_compute``).
 
 Needs scipy (the ``analysis`` extra): ``pip install -e '.[analysis]'``.
@@ -71,7 +72,8 @@ def collect_runs(root: Path | str) -> list[RunPoint]:
     C is ``run_compute`` of the plan's N and the tokens trained: the plan's own ``compute``."""
     root, points = Path(root), []
     for run_dir, plan, result in finished_runs(root):
-        n, d = float(plan["n_params"]), float(result.get("tokens") or plan["tokens"])
+        n = float(plan.get("n_params_active", plan["n_params"]))  # = n_params when dense
+        d = float(result.get("tokens") or plan["tokens"])
         name = str(run_dir.relative_to(root)) if run_dir != root else root.name
         points.append(RunPoint(name=name, n_params=n, tokens=d, flops=run_compute(n, d),
                                loss=float(result["final_val_loss"])))

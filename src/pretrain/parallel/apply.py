@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from pretrain.config import Config
@@ -98,6 +99,23 @@ class ParallelModel:
             torch.zeros(value.shape, device=self.device)
         return all_reduce(share.clone())
 
+    def sum_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over the data-parallel ranks of a value each rank holds for its own part
+        of the model (a stage's MoE token counts; every TP rank holds the same): one
+        all-reduce over the DP group, not the world, so each stage sums its own layers."""
+        if self.mesh is None or self.layout.dp == 1:
+            return value
+        return all_reduce(value.float().clone(), group=self.mesh.dp.get_group())
+
+    def gather_over_stages(self, local: dict) -> dict:
+        """Every pipeline stage's ``local`` entries, on every rank (a host exchange over
+        the pipeline group: for logging steps only)."""
+        if self.pp_group is None:
+            return local
+        every: list[dict | None] = [None] * self.layout.pp
+        dist.all_gather_object(every, local, group=self.pp_group)
+        return {k: v for part in every for k, v in part.items()}
+
 
 def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
                 device: torch.device, policy: Policy) -> ParallelModel:
@@ -160,5 +178,5 @@ def materialize(pm: ParallelModel, device: torch.device, seed: int | None) -> No
         part.tie_weights()
         if seed is not None:
             part.init_weights(seed)
-        elif part.rope is not None:  # not in a checkpoint: computed, never learned
-            part.init_rope()
+        else:  # buffers: RoPE is computed, never saved; a checkpoint overwrites the rest
+            part.init_buffers()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.mesh import Meshes
@@ -29,6 +30,16 @@ def needs_wrapper(layout: Layout, mixed: bool) -> bool:
     autocast. ``mixed``: ``Policy.mixed`` (compute dtype below the parameter dtype); the
     planner (planning/memory.py) asks the same question of a config."""
     return layout.dp > 1 or mixed
+
+
+def shard_dim(shape: tuple[int, ...], dp_shard: int) -> int:
+    """The dimension FSDP2 shards a parameter along: dim 0, except a mixture of experts'
+    3-D (experts x out x in) tensor whose expert count the shard ranks do not divide
+    (Mixtral's 8 experts over 64 ranks): dim 1 then, as torchtitan shards experts, so no
+    rank holds a padded whole expert. The planner (planning/params.py) counts by it."""
+    if len(shape) == 3 and shape[0] % dp_shard:
+        return 1
+    return 0
 
 
 def mixed_precision(policy: Policy) -> MixedPrecisionPolicy:
@@ -51,6 +62,11 @@ def apply_data_parallel(part: nn.Module, blocks: list[nn.Module], mesh: Meshes,
         return
     dp_mesh = mesh.fsdp
     reshard = layout.dp_mode == "zero3"
+
+    def placement(param: nn.Parameter) -> Shard:
+        return Shard(shard_dim(tuple(param.shape), layout.dp_shard))
+
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,
+                    shard_placement_fn=placement)
     fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)

@@ -114,10 +114,12 @@ def broadcast_from_rank0(obj: object) -> object:
     return box[0]
 
 
-def all_reduce(value: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In place over all ranks (gloo has no AVG: average as a sum of pre-divided values)."""
+def all_reduce(value: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """In place over all ranks, or ``group``'s (gloo has no AVG: average as a sum of
+    pre-divided values)."""
     if dist.is_initialized():
-        dist.all_reduce(value, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+        dist.all_reduce(value, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op],
+                        group=group)
     return value
 
 

@@ -27,6 +27,7 @@ from torch.distributed.pipelining._utils import _make_tensor_from_meta
 from torch.distributed.pipelining.stage import _RecvInfo
 
 from pretrain.model import GPT
+from pretrain.moe import uncounted
 from pretrain.parallel.layout import Layout
 
 
@@ -66,6 +67,13 @@ class BoundedStage(PipelineStage):
     def _setup_backward_recv_info(self, num_microbatches: int) -> None:
         self.chunks = num_microbatches
         self.grad_recv_info = _MadeOnUse(lambda: self._create_grad_recv_info(self.act_send_info))
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        # torch runs the stage once on stand-in inputs (the first step) to learn its output
+        # shapes: a forward in train mode that is not a training step, which an MoE layer
+        # must not count (moe.uncounted).
+        with uncounted(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)

@@ -66,6 +66,14 @@ def tp_problems(m: ModelConfig, tp: int, sequence_parallel: bool,
     if ffn_dim(m) % tp:
         p.append(f"the MLP width {ffn_dim(m)} (model.d_ff) is not divisible by "
                  f"parallel.tp={tp}; choose a d_ff that is")
+    if m.moe_experts:
+        p.append(f"tensor parallelism (parallel.tp={tp}) does not shard a mixture of experts "
+                 f"(model.moe_experts={m.moe_experts}) yet: its experts are 3-D tensors the TP "
+                 "plan does not cover. Use data parallelism (zero3 shards the experts) or "
+                 "pipeline parallelism, with parallel.tp=1")
+    if m.qk_norm:
+        p.append(f"model.qk_norm normalises each whole query/key projection, which parallel."
+                 f"tp={tp} would split over ranks; use parallel.tp=1 with qk_norm")
     if sequence_parallel and m.seq_len % tp:
         p.append(f"parallel.sequence_parallel shards model.seq_len={m.seq_len} over "
                  f"parallel.tp={tp}; use a seq_len divisible by {tp}")

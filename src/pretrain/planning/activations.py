@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from pretrain.config import ModelConfig
 from pretrain.loss import chunk_rows, is_chunked
-from pretrain.model import ffn_dim, padded_vocab_size
+from pretrain.model import ffn_token_width, padded_vocab_size
 from pretrain.parallel.activation_checkpoint import block_linears, recomputed_linears
 
 
@@ -80,7 +80,7 @@ def layer_terms(m: ModelConfig, a: ActivationSetup) -> dict[str, float]:
     s, b, h, t = m.seq_len, a.micro_batch, m.d_model, a.tp
     heads, kv = m.n_head, m.n_kv_head or m.n_head
     hd = h // heads
-    q_dim, kv_dim, f = heads * hd, kv * hd, ffn_dim(m)
+    q_dim, kv_dim, f = heads * hd, kv * hd, ffn_token_width(m)
     e = a.compute_bytes
     sb = s * b
     seq_div = t if a.sequence_parallel else 1  # tensors sharded along the sequence by SP
@@ -126,7 +126,7 @@ def linear_out_features(m: ModelConfig, name: str) -> int:
     """Output width of block Linear ``name`` (``wo`` and ``w2`` project back to d_model)."""
     hd = m.d_model // m.n_head
     return {"wq": m.n_head * hd, "wk": (m.n_kv_head or m.n_head) * hd,
-            "wv": (m.n_kv_head or m.n_head) * hd, "w1": ffn_dim(m), "w3": ffn_dim(m)
+            "wv": (m.n_kv_head or m.n_head) * hd, "w1": ffn_token_width(m), "w3": ffn_token_width(m)
             }.get(name, m.d_model)
 
 
@@ -173,7 +173,7 @@ def backward_working_bytes(m: ModelConfig, a: ActivationSetup) -> float:
     one residual-stream gradient. A stated allowance, checked against CPU measurements."""
     s, b, t = m.seq_len, a.micro_batch, a.tp
     seq_div = t if a.sequence_parallel else 1
-    widest = a.compute_bytes * s * b * ffn_dim(m) / t
+    widest = a.compute_bytes * s * b * ffn_token_width(m) / t
     if a.attention in ("eager", "megatron"):
         widest = max(widest, a.compute_bytes * m.n_head * s * s * b / t)
     return widest + a.residual_bytes * s * b * m.d_model / seq_div

@@ -123,6 +123,9 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
     # Compute (+ fp8 speed-up on the block Linears) and recomputation.
     layer_matmul = sum(math.prod(q.shape) for q in inventory(m) if q.layer is not None
                        and q.matmul)  # the whole model's block Linear parameters
+    if m.moe_experts:  # plus the routed experts a token uses (top_k of moe_experts)
+        layer_matmul += sum(math.prod(q.shape) for q in inventory(m) if ".experts." in
+                            q.name) * m.moe_top_k // m.moe_experts
     attn_fwd = 4 * m.n_layer * m.d_model * m.seq_len  # per token, forward only
     block_fwd = 2 * layer_matmul + attn_fwd
     extra = {"full": block_fwd, "selective": _selective_recompute(cfg, block_fwd),

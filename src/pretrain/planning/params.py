@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 from pretrain.config import ModelConfig
+from pretrain.parallel.data_parallel import shard_dim
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.pipeline import stage_indices, stage_layers
 from pretrain.parallel.tensor_parallel import tp_shard_dim
@@ -82,10 +83,14 @@ def tp_local_shape(p: Param, tp: int, tp_rank: int = 0) -> tuple[int, ...]:
 
 
 def fsdp_numel(shape: tuple[int, ...], dp_shard: int) -> int:
-    """Elements FSDP2 allocates per rank for a tensor of ``shape``: dim 0 padded to
-    ceil(d0 / dp_shard) rows (the same on every rank)."""
-    rest = math.prod(shape[1:])
-    return math.ceil(shape[0] / dp_shard) * rest if shape else 1
+    """Elements FSDP2 allocates per rank for a tensor of ``shape``: the sharded dimension
+    (``parallel.data_parallel.shard_dim``: 0, or 1 for experts the ranks do not divide)
+    padded to ceil(d / dp_shard) (the same on every rank)."""
+    if not shape:
+        return 1
+    dim = shard_dim(shape, dp_shard)
+    rest = math.prod(shape) // shape[dim]
+    return math.ceil(shape[dim] / dp_shard) * rest
 
 
 @dataclass(frozen=True)

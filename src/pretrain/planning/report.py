@@ -111,7 +111,9 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, run_plan: dict,
 
 def format_plan(p: dict) -> str:
     auto = " (auto)" if p.get("precision_auto") else ""
-    lines = [f"plan: {p['model']} ({p['n_params']:,} params), {p['precision']}{auto}, "
+    active = (f", {p['n_params_active']:,} active" if p.get("n_params_active", p["n_params"])
+              != p["n_params"] else "")
+    lines = [f"plan: {p['model']} ({p['n_params']:,} params{active}), {p['precision']}{auto}, "
              f"{p['gpus']} x {p['gpu']} ({p['gpu_memory_gib']:g} GiB)",
              f"layout: {p['layout_text']}"]
     if p.get("parallel_auto"):

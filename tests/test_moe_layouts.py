@@ -1,0 +1,67 @@
+"""A mixture of experts trains like one process on every layout that carries it (CPU, gloo,
+fp32), with the same machinery and bounds as tests/test_parallel_layouts.py.
+
+The nano GPT with 4 SwiGLU experts of width 32, 2 per token, in both layers: the auxiliary
+loss and the z-loss on (their gradient travels through AuxLoss with each micro batch's
+weight), and an aux_free run whose biases follow the load summed over the DP ranks. ZeRO-3
+shards the 3-D expert tensors, DDP replicates them, a pipeline puts one MoE layer on each
+stage. Tensor parallelism refuses an MoE (test_moe.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from helpers import run_group
+from test_parallel_layouts import COMMON, FEWER_EVAL_BATCHES, assert_same_training
+
+MOE = ["model.mlp=swiglu", "model.bias=false", "model.moe_experts=4", "model.moe_top_k=2",
+       "model.moe_d_ff=32", "model.moe_z_coeff=0.001"]
+AUX_FREE = ["model.moe_balance=aux_free", "model.moe_bias_rate=0.01"]
+
+LAYOUTS = {
+    "zero3_dp2": ["parallel.dp=2", "parallel.dp_mode=zero3"],
+    "ddp2": ["parallel.dp=2", "parallel.dp_mode=ddp"],
+    "pp2_1f1b": ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=1f1b"],
+    "zero3_dp2_aux_free": ["parallel.dp=2", "parallel.dp_mode=zero3", *AUX_FREE],
+    # each stage moves its own layer's bias on its own counts (not the other stage's)
+    "pp2_1f1b_aux_free": ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=1f1b",
+                          *AUX_FREE],
+}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def moe_env(tmp_path_factory, markov_root):
+    root = tmp_path_factory.mktemp("moe_layouts")
+    return root, [*COMMON, *MOE, f"data.root={markov_root}", f"runs_dir={root / 'runs'}"]
+
+
+@pytest.fixture(scope="module")
+def runs(moe_env):
+    @functools.cache
+    def get(nproc: int) -> dict[str, dict]:
+        if nproc == 1:
+            return run_group(*moe_env, 1, {"single": ["parallel.dp=1"],
+                                           "single_aux_free": ["parallel.dp=1", *AUX_FREE]},
+                             [FEWER_EVAL_BATCHES])
+        return run_group(*moe_env, 2, LAYOUTS, [FEWER_EVAL_BATCHES])
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_layout_trains_like_one_process(runs, name):
+    ref = runs(1)["single_aux_free" if name.endswith("aux_free") else "single"]
+    got = runs(2)[name]
+    assert abs(got["losses"][0] - ref["losses"][0]) <= 1e-6  # step 1, fp32
+    diffs = assert_same_training(got, ref)
+    print(f"moe {name}: max loss diff {diffs['loss']:.1e}, param {diffs['param']:.1e}, "
+          f"update {diffs['update']:.1e}")
+
+
+def test_the_moe_reference_learns(runs):
+    for name in ("single", "single_aux_free"):
+        losses = runs(1)[name]["losses"]
+        assert losses[-1] < losses[0] - 0.05, (name, losses)
