@@ -205,6 +205,8 @@ class TrainModule:
     def routing_stats(self) -> dict[str, float]:
         """MoE layers' load (busiest expert over the mean) since the last call and their
         auxiliary losses (moe.routing_stats; a host read: on logging steps)."""
+        if not self.cfg.model.moe_experts:  # dense: nothing to read, no collective
+            return {}
         local = {k: v for part in self.parts for k, v in
                  routing_stats(part, self.parallel.sum_over_replicas).items()}
         return self.parallel.gather_over_stages(local)
