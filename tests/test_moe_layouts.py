@@ -24,9 +24,21 @@ LAYOUTS = {
     "ddp2": ["parallel.dp=2", "parallel.dp_mode=ddp"],
     "pp2_1f1b": ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=1f1b"],
     "zero3_dp2_aux_free": ["parallel.dp=2", "parallel.dp_mode=zero3", *AUX_FREE],
+    # expert parallelism: 2 experts per rank, tokens exchanged by all-to-all
+    "ep2_zero3": ["parallel.dp=2", "parallel.dp_mode=zero3", "parallel.ep=2"],
+    "ep2_zero2_aux_free": ["parallel.dp=2", "parallel.dp_mode=zero2", "parallel.ep=2",
+                           *AUX_FREE],
     # each stage moves its own layer's bias on its own counts (not the other stage's)
     "pp2_1f1b_aux_free": ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=1f1b",
                           *AUX_FREE],
+}
+
+# Four processes: EP inside a bigger FSDP group (each rank's 2 experts sharded over the
+# 2 ranks outside its EP group) and EP on each stage of a pipeline.
+LAYOUTS_4 = {
+    "ep2_dp4_zero3": ["parallel.dp=4", "parallel.dp_mode=zero3", "parallel.ep=2", *AUX_FREE],
+    "ep2_pp2_dp2": ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=1f1b",
+                    "parallel.ep=2"],
 }
 
 pytestmark = pytest.mark.slow
@@ -46,15 +58,17 @@ def runs(moe_env):
             return run_group(*moe_env, 1, {"single": ["parallel.dp=1"],
                                            "single_aux_free": ["parallel.dp=1", *AUX_FREE]},
                              [FEWER_EVAL_BATCHES])
-        return run_group(*moe_env, 2, LAYOUTS, [FEWER_EVAL_BATCHES])
+        return run_group(*moe_env, nproc, LAYOUTS if nproc == 2 else LAYOUTS_4,
+                         [FEWER_EVAL_BATCHES])
 
     return get
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [*LAYOUTS, *LAYOUTS_4])
 def test_moe_layout_trains_like_one_process(runs, name):
-    ref = runs(1)["single_aux_free" if name.endswith("aux_free") else "single"]
-    got = runs(2)[name]
+    ref = runs(1)["single_aux_free" if "aux_free" in " ".join(
+        LAYOUTS.get(name) or LAYOUTS_4[name]) else "single"]
+    got = runs(2 if name in LAYOUTS else 4)[name]
     assert abs(got["losses"][0] - ref["losses"][0]) <= 1e-6  # step 1, fp32
     diffs = assert_same_training(got, ref)
     print(f"moe {name}: max loss diff {diffs['loss']:.1e}, param {diffs['param']:.1e}, "

@@ -194,6 +194,10 @@ class ParallelConfig:
     dp_shard: int | None = None
     dp_replicate: int = 1
     dp_mode: DpMode = DpMode.zero3
+    # Expert parallelism (a mixture of experts, zero2/zero3): each MoE layer's experts split
+    # over ``ep`` ranks carved out of dp_shard (torchtitan's way), tokens sent to their
+    # experts' rank by all-to-all; the experts are sharded by FSDP over dp_shard / ep.
+    ep: int = 1
     pp_schedule: PipelineSchedule = PipelineSchedule["1f1b"]
     # Stages per pipeline rank: 1 for gpipe/1f1b, >= 2 for interleaved_1f1b, 2 for zbv.
     virtual_stages: int = 1

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from pretrain.config import ModelConfig
 
@@ -109,12 +110,19 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n, hidden, d_model)) if swiglu else None  # gate
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        h = grouped_linear(x, self.w1, counts)
+        """Rows sorted by expert, ``counts`` rows for each expert this module holds (all of
+        them, or with expert parallelism this rank's: then the weights are DTensors split
+        along the experts, and each rank runs its own slice)."""
+        h = grouped_linear(x, _local(self.w1), counts)
         if self.w3 is not None:
-            h = F.silu(h) * grouped_linear(x, self.w3, counts)
+            h = F.silu(h) * grouped_linear(x, _local(self.w3), counts)
         else:
             h = F.gelu(h, approximate="tanh")
-        return grouped_linear(h, self.w2, counts)
+        return grouped_linear(h, _local(self.w2), counts)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class MoE(nn.Module):

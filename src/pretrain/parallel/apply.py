@@ -18,6 +18,7 @@ from pretrain.config import Config
 from pretrain.model import GPT, set_attention_backend
 from pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from pretrain.parallel.data_parallel import apply_data_parallel, needs_wrapper
+from pretrain.parallel.expert_parallel import apply_expert_parallel
 from pretrain.parallel.grad_clip import clip_grad_norm, global_grad_norm
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.mesh import Meshes, all_reduce
@@ -137,6 +138,8 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
     for part in parts:
         if mesh is not None and layout.tp > 1:
             apply_tensor_parallel(part, mesh.tp, layout.sequence_parallel, fp8_tensorwise=fp8_tp)
+        if mesh is not None and mesh.ep is not None:
+            apply_expert_parallel(part, mesh.ep)
         # Checkpointing, then compile (torchtitan's order): each block compiles as one
         # graph with its checkpoint region inside (fullgraph=True: a graph break is an
         # error, not a silent slowdown), the selective policy applied by the partitioner.

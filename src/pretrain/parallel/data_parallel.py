@@ -17,6 +17,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from pretrain.moe import GroupedExperts
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.mesh import Meshes
 from pretrain.precision import Policy
@@ -66,6 +67,18 @@ def apply_data_parallel(part: nn.Module, blocks: list[nn.Module], mesh: Meshes,
     def placement(param: nn.Parameter) -> Shard:
         return Shard(shard_dim(tuple(param.shape), layout.dp_shard))
 
+    if mesh.experts_fsdp is not None:  # expert parallelism: experts first, on their own mesh
+        for experts in (m for b in blocks for m in b.modules() if isinstance(m, GroupedExperts)):
+            # Sharded along dim 1 (dim 0 is EP's); each rank's expert gradients already sum
+            # the tokens of its EP peers, so they are divided by every DP rank, not only by
+            # the dp_shard / ep ranks this reduce-scatter spans (torchtitan does the same).
+            fully_shard(experts, mesh=mesh.experts_fsdp, reshard_after_forward=reshard,
+                        mp_policy=mp, shard_placement_fn=lambda p: Shard(1))
+            experts.set_gradient_divide_factor(float(layout.dp))
+            # gloo has no PREMUL_SUM: sum, then divide. Not on a one-rank group, where
+            # torch 2.13 divides the copied gradient by the factor and then again.
+            if mesh.experts_fsdp.device_type != "cuda" and mesh.experts_fsdp.size() > 1:
+                experts.set_force_sum_reduction_for_comms(True)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,
                     shard_placement_fn=placement)

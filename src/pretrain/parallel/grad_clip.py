@@ -22,15 +22,10 @@ def global_grad_norm(params: list[torch.nn.Parameter],
 
     ``params`` must hold each parameter of the model once over the pipeline ranks (a
     weight tied across stages on one of them only)."""
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-            by_mesh.setdefault(key, []).append(p.grad)
     device = params[0].device if params else torch.device("cpu")
     total_sq = torch.zeros((), device=device, dtype=torch.float32)
-    for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    for group in _by_mesh(params).values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         total_sq += norm.float() ** 2
@@ -47,5 +42,17 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float,
     pipeline stages), scaled but counted once."""
     norm = global_grad_norm([p for p in params if id(p) not in duplicates], pp_group)
     if max_norm > 0 and math.isfinite(max_norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for group in _by_mesh(params).values():  # its foreach kernels take one mesh at a time
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
+
+
+def _by_mesh(params: list[torch.nn.Parameter]) -> dict[object, list[torch.nn.Parameter]]:
+    """Parameters with a gradient, grouped by the device mesh it lives on (None: a plain
+    tensor). Expert parallelism adds a mesh beside TP's and FSDP's."""
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    return groups

@@ -63,6 +63,7 @@ class Layout:
     microbatches: int
     sequence_parallel: bool
     activation_checkpointing: str
+    ep: int = 1  # expert-parallel ranks, within dp_shard (ep x dp_shard/ep = dp_shard)
 
     @property
     def world_size(self) -> int:
@@ -89,6 +90,8 @@ class Layout:
     def describe(self) -> str:
         dp = f"dp={self.dp} ({self.dp_mode}"
         dp += f", {self.dp_replicate} replicas x {self.dp_shard} shards)" if self.hsdp else ")"
+        if self.ep > 1:
+            dp += f" with ep={self.ep} (experts over {self.ep} of its ranks)"
         text = f"tp={self.tp}{' +SP' if self.sequence_parallel else ''} x pp={self.pp} x {dp}"
         if self.pp > 1:
             text += f", {self.pp_schedule} over {self.n_stages} stages"
@@ -114,5 +117,5 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
         micro_batch_size=par.micro_batch_size,
         microbatches=cfg.train.global_batch_size // (par.micro_batch_size * dp),
         sequence_parallel=par.sequence_parallel,
-        activation_checkpointing=par.activation_checkpointing,
+        activation_checkpointing=par.activation_checkpointing, ep=par.ep,
     )

@@ -21,6 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from pretrain.parallel.layout import Layout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# With expert parallelism dp_shard is built from (dp_shard_mod_ep, ep), ep innermost: an
+# EP group is adjacent ranks (one node, where the all-to-all is fastest).
+EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 
 def init_distributed(device: torch.device, timeout_minutes: float = 30) -> torch.device:
@@ -52,9 +55,13 @@ class Meshes:
     dp: DeviceMesh  # all data-parallel ranks, flattened: data slices, DDP, loss averages
     fsdp: DeviceMesh  # dp, or (dp_replicate, dp_shard) for HSDP
     tp: DeviceMesh
+    ep: DeviceMesh | None = None  # expert parallelism: the ranks one MoE layer's experts span
+    experts_fsdp: DeviceMesh | None = None  # what FSDP shards each rank's experts over
 
 
 def build_mesh(layout: Layout, device: torch.device) -> Meshes:
+    if layout.ep > 1:
+        return _build_ep_mesh(layout, device)
     root = init_device_mesh(
         device.type,
         (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
@@ -64,6 +71,20 @@ def build_mesh(layout: Layout, device: torch.device) -> Meshes:
     dp = root["dp_replicate", "dp_shard"]._flatten("dp")
     fsdp = root["dp_replicate", "dp_shard"] if layout.hsdp else dp
     return Meshes(root=root, pp=root["pp"], dp=dp, fsdp=fsdp, tp=root["tp"])
+
+
+def _build_ep_mesh(layout: Layout, device: torch.device) -> Meshes:
+    """torchtitan's expert-parallel mesh: dp_shard split into (dp_shard / ep, ep). The
+    non-expert parameters are sharded over all of dp_shard, as without EP; each rank's
+    experts over dp_shard / ep (HSDP with EP is refused by rules.ep_problems)."""
+    root = init_device_mesh(
+        device.type,
+        (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep, layout.ep, layout.tp),
+        mesh_dim_names=EP_MESH_DIMS,
+    )
+    dp = root["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
+    return Meshes(root=root, pp=root["pp"], dp=dp, fsdp=dp, tp=root["tp"], ep=root["ep"],
+                  experts_fsdp=root["dp_shard_mod_ep"])
 
 
 def rank() -> int:

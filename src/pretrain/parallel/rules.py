@@ -146,6 +146,41 @@ def dp_mode_problems(par: ParallelConfig, dp: int) -> list[str]:
     return []
 
 
+def ep_problems(cfg: Config, dp: int) -> list[str]:
+    """Expert parallelism: an MoE whose experts split evenly over ep ranks carved out of
+    the FSDP shard group (torchtitan's composition); EP x HSDP, EP x TP (refused for any
+    MoE by tp_problems) and EP under torch.compile are not supported."""
+    par, experts = cfg.parallel, cfg.model.moe_experts
+    ep = par.ep
+    if ep == 1:
+        return []
+    if ep < 1:
+        return [f"parallel.ep={ep} must be a positive integer (1: no expert parallelism)"]
+    if not experts:
+        return [f"parallel.ep={ep} splits a mixture of experts over ranks, but the model has "
+                "none (model.moe_experts=0); set parallel.ep=1 or model.moe_experts"]
+    p = []
+    if experts % ep:
+        p.append(f"model.moe_experts={experts} is not divisible by parallel.ep={ep}: each EP "
+                 f"rank holds the same number of whole experts; use an ep that divides "
+                 f"{experts}")
+    if par.dp_mode == "ddp":
+        p.append(f"parallel.ep={ep} runs with FSDP (parallel.dp_mode=zero3 or zero2), which "
+                 "shards the experts over the data-parallel ranks outside each EP group; "
+                 "set parallel.dp_mode=zero3")
+    elif par.dp_replicate > 1:
+        p.append(f"parallel.ep={ep} with HSDP (parallel.dp_replicate={par.dp_replicate}) is "
+                 "not supported yet; use parallel.dp_replicate=1")
+    elif dp > 0 and dp % ep:
+        p.append(f"parallel.ep={ep} must divide the data-parallel size dp={dp}: the EP "
+                 f"ranks are carved out of the data-parallel ranks; use dp a multiple of {ep}")
+    if cfg.train.compile:
+        p.append(f"parallel.ep={ep} reads the all-to-all split sizes on the host, which "
+                 "torch.compile's whole-block graphs (fullgraph) cannot hold; set "
+                 "train.compile=false")
+    return p
+
+
 def layout_problems(cfg: Config, world_size: int) -> list[str]:
     """Every problem of ``cfg.parallel`` against the world size, the model shape and the
     batch ([] for a sound layout). Sizes that are not positive are left to the caller's
@@ -160,6 +195,7 @@ def layout_problems(cfg: Config, world_size: int) -> list[str]:
     p += batch_problems(cfg.train.global_batch_size, par.micro_batch_size, dp)
     p += pipeline_problems(cfg, dp)
     p += dp_mode_problems(par, dp)
+    p += ep_problems(cfg, dp)
     if par.ac_every_n_layers < 0:
         p.append(f"parallel.ac_every_n_layers={par.ac_every_n_layers} must be >= 0")
     return p
