@@ -28,6 +28,9 @@ LAYOUTS = {
     "ep2_zero3": ["parallel.dp=2", "parallel.dp_mode=zero3", "parallel.ep=2"],
     "ep2_zero2_aux_free": ["parallel.dp=2", "parallel.dp_mode=zero2", "parallel.ep=2",
                            *AUX_FREE],
+    # compiled the torchtitan way: attention, norms and the router whole, experts eager
+    "ep2_zero3_compile": ["parallel.dp=2", "parallel.dp_mode=zero3", "parallel.ep=2",
+                          "train.compile=true", "parallel.activation_checkpointing=full"],
     # each stage moves its own layer's bias on its own counts (not the other stage's)
     "pp2_1f1b_aux_free": ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=1f1b",
                           *AUX_FREE],

@@ -91,9 +91,15 @@ def saved_moe(saved) -> dict:
             "losses": by_step(work / "runs" / "moe-dp2")}
 
 
-@pytest.mark.parametrize("name", ["one", "pp2"])
+EP2 = ["parallel=zero3", "parallel.dp=2", "parallel.ep=2"]  # 2 experts on each rank
+
+
+@pytest.mark.parametrize("name", ["one", "pp2", "ep2"])
 def test_a_mixture_of_experts_resumes_on_another_layout(saved, saved_moe, name):
-    proc = launch(saved["work"], *MOE, *LAYOUTS[name], f"run_name=moe-{name}",
+    """Saved without expert parallelism (EP=1), resumed on one process, on a pipeline,
+    and with the experts split over two ranks (EP=2)."""
+    layout = EP2 if name == "ep2" else LAYOUTS[name]
+    proc = launch(saved["work"], *MOE, *layout, f"run_name=moe-{name}",
                   f"checkpoint.resume_from={saved_moe['ckpt']}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = by_step(saved["work"] / "runs" / f"moe-{name}")
@@ -101,5 +107,21 @@ def test_a_mixture_of_experts_resumes_on_another_layout(saved, saved_moe, name):
     # Every stage's layers in the log (a pipeline gathers them from both stages)
     logged = [m for m in read_metrics(saved["work"] / "runs" / f"moe-{name}") if "loss" in m][-1]
     assert {"moe/max_load_0", "moe/max_load_1"} <= logged.keys(), logged
+    for step in (K + 1, K + 2):
+        assert abs(got[step] - saved_moe["losses"][step]) <= 1e-4, (step, got, saved_moe)
+
+
+def test_an_expert_parallel_checkpoint_resumes_on_one_process(saved, saved_moe):
+    """EP=2 -> EP=1: saved by two ranks holding two experts each (DCP keeps whole expert
+    tensors), resumed by one process holding all four; the continuation is the EP=1 run's."""
+    work = saved["work"]
+    first = launch(work, *MOE, *EP2, "run_name=moe-ep2-saved", f"train.exit_interval={K}")
+    assert first.returncode == 75, first.stderr[-4000:]
+    ckpt = work / "runs" / "moe-ep2-saved" / "checkpoints" / f"step_{K:07d}"
+    proc = launch(work, *MOE, *LAYOUTS["one"], "run_name=moe-from-ep2",
+                  f"checkpoint.resume_from={ckpt}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = by_step(work / "runs" / "moe-from-ep2")
+    assert sorted(got) == [K + 1, K + 2]
     for step in (K + 1, K + 2):
         assert abs(got[step] - saved_moe["losses"][step]) <= 1e-4, (step, got, saved_moe)

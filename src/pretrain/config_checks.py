@@ -77,11 +77,13 @@ def _check_moe(cfg: Config, p: list[str]) -> None:
     m = cfg.model
     if not m.moe_experts:
         return
-    if cfg.train.compile and cfg.precision.name != "auto" and cfg.precision.compute_dtype != \
-            "bfloat16":
+    # Under expert parallelism the experts run eager (parallel/apply.compile_block).
+    if cfg.train.compile and cfg.parallel.ep == 1 and cfg.precision.name != "auto" and \
+            cfg.precision.compute_dtype != "bfloat16":
         p.append(f"train.compile with a mixture of experts needs bf16 compute (the grouped "
                  f"GEMMs compile in bf16 only; precision={cfg.precision.name} computes in "
-                 f"{cfg.precision.compute_dtype}): use precision=bf16 or train.compile=false")
+                 f"{cfg.precision.compute_dtype}): use precision=bf16, train.compile=false, "
+                 f"or parallel.ep > 1 (the experts then run eager)")
     if m.moe_experts < 0 or not 1 <= m.moe_top_k <= m.moe_experts:
         p.append(f"model.moe_top_k={m.moe_top_k} must be between 1 and model.moe_experts="
                  f"{m.moe_experts} (each token goes to top_k of the experts)")

@@ -183,7 +183,10 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         logits, experts, weights = self.route(x)
         flat = experts.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        # bincount's output shape depends on the values; this one's does not (fake tensors
+        # of --simulate, compile), and integer sums are exact in any order
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=flat.device)
+        counts = counts.scatter_add_(0, flat, torch.ones_like(flat))
         # Training forwards only (not evaluation or sampling). An activation-checkpoint
         # recompute counts a layer's tokens twice: harmless, as both readers use ratios
         # within a layer (max over mean; sign of mean - load).

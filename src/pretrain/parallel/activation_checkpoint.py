@@ -41,6 +41,8 @@ def _save_list() -> set:
         torch.ops.aten._scaled_dot_product_efficient_attention.default,
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        # expert parallelism's token exchange: kept, so recomputation sends nothing again
+        torch.ops._c10d_functional.all_to_all_single.default,
         # fp8: the amax of a tensor, cheap to keep, a reduction to recompute
         torch.ops.aten.abs.default,
         torch.ops.aten.max.default,

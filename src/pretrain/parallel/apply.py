@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from pretrain.config import Config
 from pretrain.model import GPT, set_attention_backend
+from pretrain.moe import GroupedExperts, MoE
 from pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from pretrain.parallel.data_parallel import apply_data_parallel, needs_wrapper
 from pretrain.parallel.expert_parallel import apply_expert_parallel
@@ -147,7 +148,7 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
                                        cfg.parallel.ac_every_n_layers)
         if cfg.train.compile:  # regional: each block once, the same code for all of them
             for block in part.layers.values():
-                block.compile(fullgraph=True)
+                compile_block(block, expert_parallel=mesh is not None and mesh.ep is not None)
         if mesh is not None and needs_wrapper(layout, policy.mixed):
             apply_data_parallel(part, list(part.layers.values()), mesh, layout, policy)
     pm = ParallelModel(parts=parts, layout=layout, device=device, mesh=mesh,
@@ -155,6 +156,23 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
     if mesh is not None:
         pm.tied = tied_embedding(cfg.model.tie_embeddings, parts, stage_ids, layout, mesh.root)
     return pm
+
+
+def compile_block(block: nn.Module, expert_parallel: bool) -> None:
+    """Compile a transformer block in place (its parameter names unchanged) as one graph.
+    An MoE block under expert parallelism reads its all-to-all split sizes on the host,
+    which no full graph holds: there (torchtitan's way) its attention and shared experts
+    compile whole instead, and the norms, the routing, the token dispatch, the routed
+    experts and the combine run eager."""
+    inner = getattr(block, "_checkpoint_wrapped_module", block)
+    if not (expert_parallel and any(isinstance(m, GroupedExperts) for m in inner.modules())):
+        block.compile(fullgraph=True)
+        return
+    parts = [c for c in inner.children() if not isinstance(c, MoE)]
+    parts += [c.shared for c in inner.children() if isinstance(c, MoE)]
+    for part in parts:  # torch's own leaf modules (norms, the router) stay eager: dynamo
+        if type(part).__module__.startswith("pretrain."):  # skips their frames
+            part.compile(fullgraph=True)
 
 
 def parallelize_gpt(cfg: Config, layout: Layout, mesh: Meshes | None, device: torch.device,

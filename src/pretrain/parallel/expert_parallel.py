@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
@@ -43,6 +44,8 @@ def _dispatch(mod: nn.Module, inputs: tuple, mesh: DeviceMesh):
     x, counts = inputs
     group, ep = mesh.get_group(), mesh.size()
     counts = counts.to(torch.int64)
+    if isinstance(counts, FakeTensor):
+        return _dispatch_balanced(mod, x, counts, mesh)
     # received[s, e]: rows source rank s sends for this rank's local expert e
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
@@ -57,6 +60,19 @@ def _dispatch(mod: nn.Module, inputs: tuple, mesh: DeviceMesh):
     expert_of_row = expert_of_row.repeat_interleave(received.reshape(-1))
     ex.order = expert_of_row.argsort(stable=True)  # by local expert, then source rank
     return rows[ex.order], received.sum(0)
+
+
+def _dispatch_balanced(mod: nn.Module, x: torch.Tensor, counts: torch.Tensor,
+                       mesh: DeviceMesh):
+    """``tools/plan.py --simulate`` (fake tensors: shapes, no values): every rank sends
+    and receives an equal share of the rows, the balanced load the planner assumes."""
+    ep, rows = mesh.size(), x.shape[0]
+    ex: _Exchange = mod._ep_exchange
+    ex.sent = ex.received = [rows // ep + (r < rows % ep) for r in range(ep)]
+    out = funcol.all_to_all_single_autograd(x, ex.received, ex.sent, mesh.get_group())
+    out = funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    ex.order = torch.arange(rows, device=x.device)
+    return out, counts.view(ep, -1).sum(0)
 
 
 def _combine(mod: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -149,7 +149,7 @@ def dp_mode_problems(par: ParallelConfig, dp: int) -> list[str]:
 def ep_problems(cfg: Config, dp: int) -> list[str]:
     """Expert parallelism: an MoE whose experts split evenly over ep ranks carved out of
     the FSDP shard group (torchtitan's composition); EP x HSDP, EP x TP (refused for any
-    MoE by tp_problems) and EP under torch.compile are not supported."""
+    MoE by tp_problems) and EP under op-level selective checkpointing are not supported."""
     par, experts = cfg.parallel, cfg.model.moe_experts
     ep = par.ep
     if ep == 1:
@@ -174,10 +174,12 @@ def ep_problems(cfg: Config, dp: int) -> list[str]:
     elif dp > 0 and dp % ep:
         p.append(f"parallel.ep={ep} must divide the data-parallel size dp={dp}: the EP "
                  f"ranks are carved out of the data-parallel ranks; use dp a multiple of {ep}")
-    if cfg.train.compile:
-        p.append(f"parallel.ep={ep} reads the all-to-all split sizes on the host, which "
-                 "torch.compile's whole-block graphs (fullgraph) cannot hold; set "
-                 "train.compile=false")
+    if par.activation_checkpointing == "selective" and par.ac_every_n_layers == 0:
+        p.append(f"parallel.ep={ep} with op-level selective checkpointing is not supported "
+                 "(torch 2.13's selective checkpointing fails when the experts' FSDP hooks "
+                 "run inside a recomputed block): use "
+                 "parallel.activation_checkpointing=full or none, or selective with "
+                 "parallel.ac_every_n_layers")
     return p
 
 

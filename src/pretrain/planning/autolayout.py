@@ -125,12 +125,24 @@ def enumerate_parallel(cfg: Config, n_gpus: int, gpu: GpuSpec) -> Iterator[Paral
     for (tp, pp, dp), mbs in itertools.product(_shapes(cfg, n_gpus, gpu), MICRO_BATCHES):
         for (schedule, v), (mode, rep, shard) in itertools.product(_schedules(pp),
                                                                    _dp_modes(dp, tp, gpu)):
-            par = ParallelConfig(
-                name="auto", tp=tp, pp=pp, dp=dp, dp_mode=mode, dp_replicate=rep,
-                dp_shard=shard, pp_schedule=schedule, virtual_stages=v, micro_batch_size=mbs,
-                sequence_parallel=tp > 1, activation_checkpointing="none")
-            if _whole_rounds(par, gbs) and not layout_problems(with_parallel(cfg, par), n_gpus):
-                yield par
+            for ep in _ep_options(cfg, dp, tp, gpu):
+                par = ParallelConfig(
+                    name="auto", tp=tp, pp=pp, dp=dp, dp_mode=mode, dp_replicate=rep,
+                    dp_shard=shard, ep=ep, pp_schedule=schedule, virtual_stages=v,
+                    micro_batch_size=mbs, sequence_parallel=tp > 1,
+                    activation_checkpointing="none")
+                if (_whole_rounds(par, gbs)
+                        and not layout_problems(with_parallel(cfg, par), n_gpus)):
+                    yield par
+
+
+def _ep_options(cfg: Config, dp: int, tp: int, gpu: GpuSpec) -> list[int]:
+    """Expert-parallel degrees to try: 1, and for a mixture of experts every divisor of
+    the expert count that divides dp with the EP group (times TP) inside a node, where the
+    all-to-all runs over NVLink (torchtitan and Megatron-LM keep EP in a node too)."""
+    experts = cfg.model.moe_experts
+    return [1] + [e for e in divisors(experts) if e > 1 and dp % e == 0
+                  and e * tp <= gpu.gpus_per_node] if experts else [1]
 
 
 def with_parallel(cfg: Config, parallel: ParallelConfig) -> Config:
@@ -164,7 +176,10 @@ def search(cfg: Config, n_gpus: int, gpu: GpuSpec) -> tuple[list[Candidate], Can
     smallest: Candidate | None = None
     for base in enumerate_parallel(cfg, n_gpus, gpu):
         for ac in CHECKPOINTING:
-            cand = evaluate(cfg, replace(base, activation_checkpointing=ac), gpu, budget)
+            par = replace(base, activation_checkpointing=ac)
+            if ac != "none" and layout_problems(with_parallel(cfg, par), n_gpus):
+                continue  # e.g. op-level selective under expert parallelism
+            cand = evaluate(cfg, par, gpu, budget)
             if smallest is None or cand.memory.total < smallest.memory.total:
                 smallest = cand
             if cand.fits:
@@ -242,7 +257,7 @@ def why_first(cands: list[Candidate]) -> str:
     a, b = cands[0].cost, cands[1].cost
     names = {"compute": "compute", "recompute": "recomputation", "tp_comm": "TP traffic",
              "pp_bubble": "pipeline bubble", "pp_p2p": "pipeline p2p",
-             "dp_exposed": "exposed DP traffic"}
+             "dp_exposed": "exposed DP traffic", "ep_comm": "EP all-to-all"}
     deltas = sorted(((getattr(b, k) - getattr(a, k), v) for k, v in names.items()),
                     key=lambda x: -abs(x[0]))
     gain = [f"{v} {d * 1e3:+.3g} ms" for d, v in deltas[:3] if abs(d) > 1e-12]

@@ -31,6 +31,11 @@ Stated assumptions (an idealised model for ranking layouts, not a promise of thr
   compute) and the zero2 all-gather behind the first forward (1/3); zero3's per-microbatch
   traffic hides behind the whole step's compute. With a pipeline, torch 2.13 runs the DP
   reduction after the last backward (``PipelineStage``), so it is fully exposed.
+- Expert parallelism: per MoE layer and microbatch, each token's top_k copies go to their
+  experts' ranks and come back (dispatch and combine, b s k h in the compute dtype), and the
+  same again in backward; an all-to-all sends (ep - 1)/ep of them off the rank. Over NVLink
+  when the EP group (times TP) fits in a node. Not overlapped. The experts' FSDP traffic
+  spans dp_shard / ep ranks, the rest of the model's dp_shard.
 - Every call (collective or p2p, one per FSDP unit for DP) also costs a fixed latency: 10 us
   within a node, 30 us across nodes (NCCL small-message latencies are of this order); it only
   matters for small models, where bandwidth terms vanish.
@@ -46,7 +51,8 @@ from pretrain.config import Config
 from pretrain.hardware.gpus import GpuSpec
 from pretrain.parallel.activation_checkpoint import recomputed_linears
 from pretrain.parallel.layout import Layout
-from pretrain.planning.params import inventory, rank_params
+from pretrain.parallel.pipeline import stage_indices, stage_layers
+from pretrain.planning.params import expert_share, inventory, rank_params
 from pretrain.precision import dtype_bytes
 
 
@@ -62,11 +68,12 @@ class StepCost:
     dp_comm: float  # total DP traffic time
     dp_exposed: float  # the part not hidden behind compute
     mfu: float  # model FLOPs / (step time x peak): an upper bound for the real MFU
+    ep_comm: float = 0.0  # expert parallelism's all-to-all token exchange
 
     @property
     def total(self) -> float:
         return (self.compute + self.recompute + self.tp_comm + self.pp_bubble + self.pp_p2p
-                + self.dp_exposed)
+                + self.dp_exposed + self.ep_comm)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -164,11 +171,35 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
         act = e * layout.micro_batch_size * m.seq_len * m.d_model / seq_div
         p2p = 2 * mb * v * (act / _link(gpu, t * d + 1) + _alpha(gpu, t * d + 1))
 
+    ep_comm = _expert_parallel(cfg, layout, gpu)
     dp_comm, dp_exposed = _data_parallel(cfg, layout, gpu, compute + recompute)
-    total = compute + recompute + tp_comm + bubble + p2p + dp_exposed
+    total = compute + recompute + tp_comm + bubble + p2p + dp_exposed + ep_comm
     bf16_peak = gpu.peak_flops("bfloat16") or peak
     return StepCost(compute, recompute, tp_comm, bubble, p2p, dp_comm, dp_exposed,
-                    mfu=model_flops / (total * bf16_peak))
+                    mfu=model_flops / (total * bf16_peak), ep_comm=ep_comm)
+
+
+def moe_layers_per_rank(cfg: Config, layout: Layout) -> int:
+    """MoE layers on the pipeline rank with the most of them (rank 0 holds the most)."""
+    m = cfg.model
+    if not m.moe_experts:
+        return 0
+    return sum(1 for s in stage_indices(layout, 0)
+               for layer in stage_layers(m.n_layer, s, layout.n_stages)
+               if layer >= m.moe_first_dense)
+
+
+def _expert_parallel(cfg: Config, layout: Layout, gpu: GpuSpec) -> float:
+    """Seconds per step of the all-to-all token exchange (0 without EP)."""
+    ep, m = layout.ep, cfg.model
+    if ep == 1:
+        return 0.0
+    rows = layout.micro_batch_size * m.seq_len * m.moe_top_k
+    send = rows * m.d_model * dtype_bytes(cfg.precision.compute_dtype) * (ep - 1) / ep
+    calls = 4 + (2 if layout.activation_checkpointing == "full" else 0)
+    n = moe_layers_per_rank(cfg, layout) * layout.microbatches * calls
+    span = ep * layout.tp
+    return n * (send / _link(gpu, span) + 2 * _alpha(gpu, span))  # + the counts' exchange
 
 
 def _data_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, compute: float
@@ -189,12 +220,16 @@ def _data_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, compute: float
         gather = 0.0
     else:
         shard, rep = layout.dp_shard, layout.dp_replicate
-        rs = ((shard - 1) / shard * red * n / _link(gpu, t * shard)
-              + units * _alpha(gpu, t * shard))
+        experts = expert_share(cfg.model, layout) if layout.ep > 1 else 0
+        # one call per MoE layer where the experts' FSDP group has more than one rank
+        ecalls = moe_layers_per_rank(cfg, layout) if shard > layout.ep else 0
+        rs = _ring(red, n - experts, shard, units, gpu, t) + _ring(
+            red, experts, shard // layout.ep, ecalls, gpu, t)
         if rep > 1:  # HSDP: all-reduce of the shard across replicas
             rs += (2 * (rep - 1) / rep * red * n / shard / _link(gpu, t * d)
                    + units * _alpha(gpu, t * d))
-        ag = (shard - 1) / shard * e * n / _link(gpu, t * shard) + units * _alpha(gpu, t * shard)
+        ag = _ring(e, n - experts, shard, units, gpu, t) + _ring(
+            e, experts, shard // layout.ep, ecalls, gpu, t)
         if layout.dp_mode == "zero2":
             reduce, gather = rs, ag
         elif layout.pp > 1:  # gathered in each backward, kept for the next forward
@@ -209,3 +244,11 @@ def _data_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, compute: float
     exposed = max(0.0, reduce - 2 / 3 * per_mb) + max(0.0, gather - per_mb / 3)
     return total, exposed
 
+
+
+def _ring(nbytes: int, n: int, ranks: int, calls: int, gpu: GpuSpec, t: int) -> float:
+    """One reduce-scatter or all-gather of ``n`` elements of ``nbytes`` over ``ranks``
+    (ranks t apart), in ``calls`` calls."""
+    if n == 0:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes * n / _link(gpu, t * ranks) + calls * _alpha(gpu, t * ranks)

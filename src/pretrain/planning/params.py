@@ -16,6 +16,9 @@ placed the way ``pretrain.parallel`` places it:
 - FSDP2 (zero2 / zero3, over dp_shard ranks): dim 0 of the TP-local tensor, padded to
   ceil(d0 / dp_shard) rows on every rank (FSDP2 pads so all-gathers are even). DDP
   (``replicate``) keeps whole tensors.
+- expert parallelism (``parallel.ep``): each MoE layer's 3-D expert tensors split along the
+  experts over ep ranks, then sharded by FSDP2 along dim 1 over the dp_shard / ep ranks
+  outside the EP group (``parallel.expert_parallel``, ``parallel.data_parallel``).
 
 Rank coordinates default to 0, the rank with the largest shards.
 """
@@ -41,6 +44,11 @@ class Param:
     layer: int | None  # transformer block index, None for embeddings / final norm / head
     tp_dim: int | None  # dimension TP shards, None when replicated over TP
     matmul: bool  # an nn.Linear parameter (autocast casts it; fp8 converts it)
+
+    @property
+    def expert(self) -> bool:
+        """A routed expert tensor (experts x out x in), the one expert parallelism splits."""
+        return ".experts." in self.name
 
 
 def inventory(model: ModelConfig) -> tuple[Param, ...]:
@@ -117,10 +125,16 @@ class _Sum:
     n_tensors: int = 0
     n_linear: int = 0
 
-    def add(self, p: Param, tp: int, tp_rank: int, dp_shard: int, sharded: bool) -> _Sum:
+    def add(self, p: Param, tp: int, tp_rank: int, dp_shard: int, sharded: bool, ep: int
+            ) -> _Sum:
         shape = tp_local_shape(p, tp, tp_rank)
-        full = math.prod(shape)
-        local = fsdp_numel(shape, dp_shard) if sharded else full
+        if ep > 1 and p.expert:  # this rank's experts, FSDP-sharded on dim 1 outside EP
+            shape = (shape[0] // ep, *shape[1:])
+            full = math.prod(shape)
+            local = math.ceil(shape[1] / (dp_shard // ep)) * full // shape[1]
+        else:
+            full = math.prod(shape)
+            local = fsdp_numel(shape, dp_shard) if sharded else full
         linear = p.matmul and p.layer is not None and p.name.endswith("weight")
         return _Sum(self.local + local, self.unsharded + full,
                     self.matmul + (full if p.matmul else 0), self.n_tensors + 1,
@@ -132,7 +146,20 @@ def rank_params(model: ModelConfig, layout: Layout, pp_rank: int = 0, tp_rank: i
     """What pipeline rank ``pp_rank`` (TP rank ``tp_rank``) holds under ``layout``."""
     sharded = layout.dp_mode in ("zero2", "zero3") and layout.dp_shard > 1
     return _rank_params(dataclasses.astuple(model), layout.tp, tp_rank, layout.dp_shard,
-                        sharded, tuple(stage_indices(layout, pp_rank)), layout.n_stages)
+                        sharded, layout.ep, tuple(stage_indices(layout, pp_rank)),
+                        layout.n_stages)
+
+
+def expert_share(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> int:
+    """Of ``rank_params(...).unsharded``, the elements of routed experts (after EP): FSDP
+    gathers and reduces them over dp_shard / ep ranks, not dp_shard."""
+    params = inventory(model)
+    per_layer = {p.layer: 0 for p in params if p.layer is not None}
+    for p in params:
+        if p.expert:
+            per_layer[p.layer] += math.prod(p.shape) // layout.ep
+    return sum(per_layer[layer] for s in stage_indices(layout, pp_rank)
+               for layer in stage_layers(model.n_layer, s, layout.n_stages))
 
 
 def _root_params(model: ModelConfig, params: tuple[Param, ...], first: bool, last: bool
@@ -156,33 +183,44 @@ def _root_params(model: ModelConfig, params: tuple[Param, ...], first: bool, las
     return out
 
 
-def _sum(params: list[Param], tp: int, tp_rank: int, dp_shard: int, sharded: bool) -> _Sum:
+def _sum(params: list[Param], tp: int, tp_rank: int, dp_shard: int, sharded: bool, ep: int
+         ) -> _Sum:
     total = _Sum()
     for p in params:
-        total = total.add(p, tp, tp_rank, dp_shard, sharded)
+        total = total.add(p, tp, tp_rank, dp_shard, sharded, ep)
     return total
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_params(fields: tuple, tp: int, tp_rank: int, dp_shard: int, sharded: bool,
+def _rank_params(fields: tuple, tp: int, tp_rank: int, dp_shard: int, sharded: bool, ep: int,
                  stages: tuple[int, ...], n_stages: int) -> StageParams:
     model = ModelConfig(*fields)
     params = inventory(model)
-    shard = (tp, tp_rank, dp_shard, sharded)
-    # Every block has the same parameters: sum block 0 once, count blocks per stage.
-    block = _sum([p for p in params if p.layer == 0], *shard)
-    n_blocks = sum(len(stage_layers(model.n_layer, s, n_stages)) for s in stages)
+    shard = (tp, tp_rank, dp_shard, sharded, ep)
+    # Blocks of one kind have the same parameters (dense, or MoE after the first
+    # model.moe_first_dense): sum one of each kind once.
+    kinds: dict[tuple, _Sum] = {}
+    blocks = []
+    for s in stages:
+        for layer in stage_layers(model.n_layer, s, n_stages):
+            mine = [p for p in params if p.layer == layer]
+            kind = tuple((p.name.split(".", 2)[-1], p.shape) for p in mine)
+            if kind not in kinds:
+                kinds[kind] = _sum(mine, *shard)
+            blocks.append(kinds[kind])
     parts = [_sum(_root_params(model, params, s == 0, s == n_stages - 1), *shard)
-             for s in stages]
+             for s in stages] + blocks
     total = _Sum(*(sum(getattr(part, f) for part in parts) for f in ("local", "unsharded",
-                                                                      "matmul", "n_tensors")))
+                                                                      "matmul", "n_tensors",
+                                                                      "n_linear")))
+    root = parts[:len(stages)]
     return StageParams(
-        local=total.local + n_blocks * block.local,
-        unsharded=total.unsharded + n_blocks * block.unsharded,
-        matmul_unsharded=total.matmul + n_blocks * block.matmul,
-        block_matmul=n_blocks * block.matmul,
-        blocks=(block.unsharded,) * n_blocks,
-        root=total.unsharded,
-        n_tensors=total.n_tensors + n_blocks * block.n_tensors,
-        n_linear=n_blocks * block.n_linear,
+        local=total.local,
+        unsharded=total.unsharded,
+        matmul_unsharded=total.matmul,
+        block_matmul=sum(b.matmul for b in blocks),
+        blocks=tuple(b.unsharded for b in blocks),
+        root=sum(r.unsharded for r in root),
+        n_tensors=total.n_tensors,
+        n_linear=total.n_linear,
     )

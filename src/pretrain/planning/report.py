@@ -120,10 +120,11 @@ def format_plan(p: dict) -> str:
         lines.append("parallel=auto, top candidates (model step time; memory per GPU):")
         for i, c in enumerate(p["parallel_auto"], 1):
             cst = c["cost"]
+            ep = f", EP {cst['ep_comm']:.3g}" if cst.get("ep_comm") else ""
             lines.append(f"  {i}. {c['layout']}: {c['step_s']:.4g} s/step (compute "
                          f"{cst['compute'] + cst['recompute']:.4g}, TP {cst['tp_comm']:.3g}, "
                          f"bubble {cst['pp_bubble']:.3g}, p2p {cst['pp_p2p']:.3g}, DP exposed "
-                         f"{cst['dp_exposed']:.3g}); {c['memory_gib']:.1f} GiB")
+                         f"{cst['dp_exposed']:.3g}{ep}); {c['memory_gib']:.1f} GiB")
         lines.append(f"  why #1: {p['auto_why']}")
     if p.get("hparam_rules"):
         from pretrain.hparams import describe
