@@ -175,9 +175,9 @@ def test_moe_tiny_has_the_dense_models_active_parameters_and_compute(compose):
     # expert parallelism: what it composes with, refused before any work
     (["parallel.dp=2", "parallel.ep=3"], "moe_experts=8 is not divisible by parallel.ep=3"),
     (["parallel.dp=2", "parallel.ep=2", "parallel.dp_mode=ddp"], "runs with FSDP"),
-    (["parallel.dp=4", "parallel.ep=2", "parallel.dp_replicate=2", "parallel.dp_shard=2"],
-     "with HSDP"),
-    (["parallel.dp=2", "parallel.ep=4"], "must divide the data-parallel size dp=2"),
+    (["parallel.dp=4", "parallel.ep=2", "parallel.dp_replicate=4", "parallel.dp_shard=1"],
+     "must divide the data-parallel shard group"),
+    (["parallel.dp=2", "parallel.ep=4"], "must divide the data-parallel shard group"),
     (["parallel.dp=2", "parallel.ep=2", "parallel.activation_checkpointing=selective"],
      "op-level selective checkpointing is not supported"),
     (["model=llama-tiny", "parallel.dp=2", "parallel.ep=2"], "the model has none"),

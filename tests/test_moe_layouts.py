@@ -42,6 +42,9 @@ LAYOUTS_4 = {
     "ep2_dp4_zero3": ["parallel.dp=4", "parallel.dp_mode=zero3", "parallel.ep=2", *AUX_FREE],
     "ep2_pp2_dp2": ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=1f1b",
                     "parallel.ep=2"],
+    # HSDP: 2 replicas of a 2-rank shard group that is the EP group
+    "ep2_hsdp_2x2": ["parallel.dp=4", "parallel.dp_mode=zero3", "parallel.dp_replicate=2",
+                     "parallel.dp_shard=2", "parallel.ep=2"],
 }
 
 pytestmark = pytest.mark.slow

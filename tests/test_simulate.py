@@ -71,17 +71,23 @@ def test_fp8_ranks_simulate_with_their_float8_shards():
     assert "step_peak_bytes" not in result  # --no-step
 
 
-def test_an_expert_parallel_rank_holds_what_the_planner_counts():
-    """Rank 5 of 16 with the experts split over 4 ranks (ep coordinate 1) and each rank's
-    experts sharded by FSDP over the other 4 (dim 1): its parameter and optimizer bytes,
-    and the fake step with its all-to-all, against the planner's."""
+@pytest.mark.parametrize(("hsdp", "rank", "coordinate"), [
+    ([], 5, {"ep": 1, "dp_shard_mod_ep": 1}),
+    (["parallel.dp_replicate=2", "parallel.dp_shard=8"], 13,
+     {"dp_replicate": 1, "dp_shard_mod_ep": 1, "ep": 1}),
+])
+def test_an_expert_parallel_rank_holds_what_the_planner_counts(hsdp, rank, coordinate):
+    """A rank of 16 with the experts split over 4 ranks and each rank's experts sharded by
+    FSDP over the rest of its shard group (dim 1), alone or in one of 2 HSDP replicas: its
+    parameter and optimizer bytes, and the fake step with its all-to-all, against the
+    planner's."""
     code, out, err = simulate("+recipe=moe-tiny", "precision=bf16", "parallel=zero3",
-                              "parallel.dp=16", "train.global_batch_size=16",
+                              "parallel.dp=16", *hsdp, "train.global_batch_size=16",
                               "parallel.micro_batch_size=1", "parallel.ep=4", "model.n_layer=2",
-                              "--gpu", "h100-80gb", "--simulate", "--rank", "5")
+                              "--gpu", "h100-80gb", "--simulate", "--rank", str(rank))
     assert code == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["coordinate"]["ep"] == 1 and result["coordinate"]["dp_shard_mod_ep"] == 1
+    assert coordinate.items() <= result["coordinate"].items()
     pred = result["predicted"]
     assert result["local_param_bytes"] == pred["local_param_bytes"] > 0
     assert result["local_optimizer_bytes"] == pred["local_optimizer_bytes"]

@@ -77,7 +77,8 @@ def apply_data_parallel(part: nn.Module, blocks: list[nn.Module], mesh: Meshes,
             experts.set_gradient_divide_factor(float(layout.dp))
             # gloo has no PREMUL_SUM: sum, then divide. Not on a one-rank group, where
             # torch 2.13 divides the copied gradient by the factor and then again.
-            if mesh.experts_fsdp.device_type != "cuda" and mesh.experts_fsdp.size() > 1:
+            shards = mesh.experts_fsdp.size(mesh.experts_fsdp.ndim - 1)  # HSDP: (rep, shard)
+            if mesh.experts_fsdp.device_type != "cuda" and shards > 1:
                 experts.set_force_sum_reduction_for_comms(True)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,

@@ -76,15 +76,20 @@ def build_mesh(layout: Layout, device: torch.device) -> Meshes:
 def _build_ep_mesh(layout: Layout, device: torch.device) -> Meshes:
     """torchtitan's expert-parallel mesh: dp_shard split into (dp_shard / ep, ep). The
     non-expert parameters are sharded over all of dp_shard, as without EP; each rank's
-    experts over dp_shard / ep (HSDP with EP is refused by rules.ep_problems)."""
+    experts over dp_shard / ep. Under HSDP both keep the replicate dimension outside."""
     root = init_device_mesh(
         device.type,
         (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep, layout.ep, layout.tp),
         mesh_dim_names=EP_MESH_DIMS,
     )
     dp = root["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
-    return Meshes(root=root, pp=root["pp"], dp=dp, fsdp=dp, tp=root["tp"], ep=root["ep"],
-                  experts_fsdp=root["dp_shard_mod_ep"])
+    if layout.hsdp:
+        root["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        fsdp, experts = root["dp_replicate", "dp_shard"], root["dp_replicate", "dp_shard_mod_ep"]
+    else:
+        fsdp, experts = dp, root["dp_shard_mod_ep"]
+    return Meshes(root=root, pp=root["pp"], dp=dp, fsdp=fsdp, tp=root["tp"], ep=root["ep"],
+                  experts_fsdp=experts)
 
 
 def rank() -> int:

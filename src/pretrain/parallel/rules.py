@@ -148,8 +148,9 @@ def dp_mode_problems(par: ParallelConfig, dp: int) -> list[str]:
 
 def ep_problems(cfg: Config, dp: int) -> list[str]:
     """Expert parallelism: an MoE whose experts split evenly over ep ranks carved out of
-    the FSDP shard group (torchtitan's composition); EP x HSDP, EP x TP (refused for any
-    MoE by tp_problems) and EP under op-level selective checkpointing are not supported."""
+    the FSDP shard group (torchtitan's composition, HSDP's replicas outside it); EP x TP
+    (refused for any MoE by tp_problems) and EP under op-level selective checkpointing are
+    not supported."""
     par, experts = cfg.parallel, cfg.model.moe_experts
     ep = par.ep
     if ep == 1:
@@ -168,12 +169,11 @@ def ep_problems(cfg: Config, dp: int) -> list[str]:
         p.append(f"parallel.ep={ep} runs with FSDP (parallel.dp_mode=zero3 or zero2), which "
                  "shards the experts over the data-parallel ranks outside each EP group; "
                  "set parallel.dp_mode=zero3")
-    elif par.dp_replicate > 1:
-        p.append(f"parallel.ep={ep} with HSDP (parallel.dp_replicate={par.dp_replicate}) is "
-                 "not supported yet; use parallel.dp_replicate=1")
-    elif dp > 0 and dp % ep:
-        p.append(f"parallel.ep={ep} must divide the data-parallel size dp={dp}: the EP "
-                 f"ranks are carved out of the data-parallel ranks; use dp a multiple of {ep}")
+    elif dp > 0 and (par.dp_shard or dp // max(par.dp_replicate, 1)) % ep:
+        shard = par.dp_shard or dp // max(par.dp_replicate, 1)
+        p.append(f"parallel.ep={ep} must divide the data-parallel shard group ({shard} ranks: "
+                 f"dp={dp} / dp_replicate={par.dp_replicate}): the EP ranks are carved out "
+                 f"of it; use a dp_shard that is a multiple of {ep}")
     if par.activation_checkpointing == "selective" and par.ac_every_n_layers == 0:
         p.append(f"parallel.ep={ep} with op-level selective checkpointing is not supported "
                  "(torch 2.13's selective checkpointing fails when the experts' FSDP hooks "

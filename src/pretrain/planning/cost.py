@@ -225,8 +225,9 @@ def _data_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, compute: float
         ecalls = moe_layers_per_rank(cfg, layout) if shard > layout.ep else 0
         rs = _ring(red, n - experts, shard, units, gpu, t) + _ring(
             red, experts, shard // layout.ep, ecalls, gpu, t)
-        if rep > 1:  # HSDP: all-reduce of the shard across replicas
-            rs += (2 * (rep - 1) / rep * red * n / shard / _link(gpu, t * d)
+        if rep > 1:  # HSDP: all-reduce of the shard across replicas (experts: their shard)
+            held = (n - experts) / shard + experts / (shard // layout.ep)
+            rs += (2 * (rep - 1) / rep * red * held / _link(gpu, t * d)
                    + units * _alpha(gpu, t * d))
         ag = _ring(e, n - experts, shard, units, gpu, t) + _ring(
             e, experts, shard // layout.ep, ecalls, gpu, t)
