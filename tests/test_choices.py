@@ -53,6 +53,7 @@ BAD_CHOICES = [
     ("precision.fp8_recipe", "delayed", "tensorwise, rowwise"),
     ("precision.fp8_filter", "none", "auto, all"),
     ("parallel.dp_mode", "zero1", "ddp, zero2, zero3"),
+    ("parallel.offload", "optimizer", "none, params"),
     ("parallel.pp_schedule", "dualpipe", "gpipe, 1f1b, interleaved_1f1b, zbv"),
     ("parallel.activation_checkpointing", "half", "none, selective, full"),
     ("optim.lr_scaling", "cube", "none, sqrt, linear"),

@@ -70,6 +70,9 @@ LAYOUTS = {
     "ddp2": (2, ["parallel.dp=2", "parallel.dp_mode=ddp"]),
     "zero2_dp2": (2, ["parallel.dp=2", "parallel.dp_mode=zero2"]),
     "zero3_dp2": (2, ["parallel.dp=2", "parallel.dp_mode=zero3"]),
+    # FSDP2's CPUOffloadPolicy (a no-op move on the CPU: the same FSDP path, pinned nothing)
+    "zero3_dp2_offload": (2, ["parallel.dp=2", "parallel.dp_mode=zero3",
+                              "parallel.offload=params"]),
     # activation checkpointing composed with TP+SP and with a pipeline
     "tp2_sp_full_ac": (2, ["parallel.tp=2", "parallel.dp=1", "parallel.sequence_parallel=true",
                            "parallel.activation_checkpointing=full"]),
@@ -106,6 +109,7 @@ def reference(layout_env) -> dict[str, dict]:
     """One process: the plain run and its activation-checkpointing variants."""
     single = {"single": ["parallel.dp=1"]}
     single.update({name: ["parallel.dp=1", *extra] for name, extra in AC_VARIANTS.items()})
+    single["offload_params"] = ["parallel.dp=1", "parallel.offload=params"]
     return run_group(*layout_env, 1, single, [FEWER_EVAL_BATCHES])
 
 
@@ -160,6 +164,17 @@ def test_reference_learns(reference):
 @pytest.mark.parametrize("name", list(AC_VARIANTS))
 def test_activation_checkpointing_changes_no_number(reference, name):
     got, ref = reference[name], reference["single"]
+    assert got["losses"] == ref["losses"]
+    assert got["grad_norms"] == ref["grad_norms"]
+    for key, value in ref["final"].items():
+        assert torch.equal(got["final"][key], value), key
+
+
+def test_offloading_changes_no_number_on_one_process(reference):
+    """parallel.offload=params on one process: FSDP2 over a group of one with its
+    CPUOffloadPolicy, against the plain run (on the CPU the host is the device: what this
+    shows is the offload path's numbers, not its copies)."""
+    got, ref = reference["offload_params"], reference["single"]
     assert got["losses"] == ref["losses"]
     assert got["grad_norms"] == ref["grad_norms"]
     for key, value in ref["final"].items():

@@ -105,6 +105,7 @@ def test_unknown_schedule(compose):
     (["parallel.dp_replicate=2", "parallel.dp_shard=2"], "must equal dp=2; set dp_shard=1"),
     (["model.seq_len=63"], "use a seq_len divisible by 2"),
     (["model.d_ff=255"], "the MLP width 255 (model.d_ff) is not divisible by parallel.tp=2"),
+    (["parallel.dp_mode=ddp", "parallel.offload=params"], "DDP (parallel.dp_mode=ddp) has none"),
 ])
 def test_other_layout_errors(compose, overrides, needle):
     assert needle in only_problem(compose, overrides)

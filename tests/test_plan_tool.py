@@ -171,3 +171,26 @@ def test_a_run_and_the_plan_take_mfu_against_the_same_peak():
         policy = resolve_policy(prec, torch.device("cpu"))
         assert gpu.mfu_peak(policy.peak_dtype) == gpu.mfu_peak(prec.compute_dtype)
     assert gpu.mfu_peak("bfloat16") == 989e12 and gpu.mfu_peak("float32") == 67e12
+
+
+def test_offloading_makes_gpt2_1_5b_fit_one_24gb_gpu_and_the_plan_says_what_moves(capsys):
+    """GPT-2 1.5B on one A10G (22.5 GiB) at micro batch 1 with full checkpointing does not
+    fit; the plan suggests parallel.offload=params (zero2 first: one copy of the weights a
+    step), which fits, and states the host memory (parameters, gradients, AdamW state) and
+    the bytes moved over PCIe."""
+    from pretrain.tools import plan as plan_tool
+
+    base = ["+recipe=gpt2-124m", "model=gpt2-1.5b", "--gpus", "1", "--gpu", "a10g",
+            "parallel.micro_batch_size=1", "parallel.activation_checkpointing=full"]
+    assert plan_tool.main([*base, "--json"]) == 1
+    plan = json.loads(capsys.readouterr().out)
+    assert not plan["fits"] and "host_memory_gib" not in plan
+    assert plan["suggestions"][0].startswith("parallel.offload=params parallel.dp_mode=zero2")
+    assert plan_tool.main([*base, "parallel.offload=params", "parallel.dp_mode=zero2",
+                           "--json"]) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert off["fits"] and off["memory_gib"]["optimizer state"] == 0
+    assert off["host_memory_gib"] == {k: plan["memory_gib"][k] for k in
+                                      ("parameters", "gradients", "optimizer state")}
+    # zero2 copies the fp32 shard to the GPU once a step and the gradient back once
+    assert off["offload_transfer_gb"] == pytest.approx(2 * 4 * 1_557_686_400 / 1e9, rel=0.01)

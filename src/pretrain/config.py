@@ -45,6 +45,7 @@ MasterDtype = _choice("MasterDtype", "float32")
 Fp8Recipe = _choice("Fp8Recipe", "tensorwise rowwise")  # torchao's recipe names
 Fp8Filter = _choice("Fp8Filter", "auto all")
 DpMode = _choice("DpMode", "ddp zero2 zero3")
+Offload = _choice("Offload", "none params")
 PipelineSchedule = _choice("PipelineSchedule", "gpipe 1f1b interleaved_1f1b zbv")
 ActivationCheckpointing = _choice("ActivationCheckpointing", "none selective full")
 LrScaling = _choice("LrScaling", "none sqrt linear")
@@ -198,6 +199,10 @@ class ParallelConfig:
     # over ``ep`` ranks carved out of dp_shard (torchtitan's way), tokens sent to their
     # experts' rank by all-to-all; the experts are sharded by FSDP over dp_shard / ep.
     ep: int = 1
+    # params: FSDP2's CPUOffloadPolicy (zero2/zero3; one device too): each rank's parameter
+    # shards, their gradients and so the optimizer state and step live in host memory,
+    # copied to the GPU for each all-gather (torchtitan's training.enable_cpu_offload).
+    offload: Offload = Offload.none
     pp_schedule: PipelineSchedule = PipelineSchedule["1f1b"]
     # Stages per pipeline rank: 1 for gpipe/1f1b, >= 2 for interleaved_1f1b, 2 for zbv.
     virtual_stages: int = 1

@@ -86,7 +86,7 @@ class TrainModule:
         self.device = place.device
         self.parallel = self._build_model(place.mesh, attention, initialise)
         self.optimizer = build_optimizer(
-            torch.nn.ModuleList(self.parts), cfg.optim, lr, self.device,
+            torch.nn.ModuleList(self.parts), cfg.optim, lr, self.parallel.param_device,
             also_embeddings=self.parallel.tied.params if self.parallel.tied is not None else (),
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, steps, batch_tokens)

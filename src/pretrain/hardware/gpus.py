@@ -24,7 +24,7 @@ GIB = 1024**3
 CONF_GPU_DIR = CONF_DIR / "gpu"
 ENV_VAR = "PRETRAIN_GPU_TABLE"
 KEYS = ("name", "match", "memory_gib", "peak_tflops", "nvlink_gbps", "network_gbps",
-        "gpus_per_node", "default_mfu", "kernel_efficiency")
+        "gpus_per_node", "default_mfu", "kernel_efficiency", "pcie_gbps")
 
 
 class GpuError(ValueError):
@@ -40,6 +40,9 @@ class GpuSpec:
     network_gbps: float
     gpus_per_node: int = 8
     default_mfu: float = 0.4
+    # GB/s one way between host and GPU memory (parallel.offload's copies): PCIe 4.0 x16
+    # about 25 usable by default, PCIe 5.0 x16 about 50 (H100/H200), GH200's NVLink-C2C 450.
+    pcie_gbps: float = 25.0
     # Fraction of the dense peak this project's compiled kernels reach, calibrated on
     # measured runs (docs/benchmarks.md): the cost model's compute runs at peak x this.
     kernel_efficiency: float = 1.0

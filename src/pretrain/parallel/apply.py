@@ -59,6 +59,12 @@ class ParallelModel:
         return self.mesh.pp.get_group() if self.mesh is not None and self.layout.pp > 1 \
             else None
 
+    @property
+    def param_device(self) -> torch.device:
+        """Where the parameter shards, gradients and optimizer state live: the host when
+        FSDP2 offloads them, else the run's device."""
+        return torch.device("cpu") if self.layout.offload == "params" else self.device
+
     def parameters(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
         for part in self.parts:
@@ -83,13 +89,14 @@ class ParallelModel:
             self.tied.sync_grads()
         if unscale is not None:
             unscale()
-        return clip_grad_norm(self.parameters(), max_norm, self.pp_group, self.duplicate_params)
+        return clip_grad_norm(self.parameters(), max_norm, self.pp_group, self.duplicate_params,
+                              device=self.device)
 
     def grad_sq_norm(self) -> torch.Tensor:
         """The squared global norm of the gradients held now (every DP, TP and pipeline
         shard, each tied weight once); a device tensor, no host sync."""
         params = [p for p in self.parameters() if id(p) not in self.duplicate_params]
-        return global_grad_norm(params, self.pp_group).float() ** 2
+        return global_grad_norm(params, self.pp_group, self.device).float() ** 2
 
     def sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         """The sum over DP ranks of a value the last pipeline stage holds (every TP rank
@@ -195,9 +202,18 @@ def materialize(pm: ParallelModel, device: torch.device, seed: int | None) -> No
     initialising, for a run about to load a checkpoint over them.
     """
     for part in pm.parts:
-        part.to_empty(device=device)
+        part.to_empty(device=pm.param_device)  # the host, when FSDP2 offloads them
         part.tie_weights()
         if seed is not None:
             part.init_weights(seed)
         else:  # buffers: RoPE is computed, never saved; a checkpoint overwrites the rest
             part.init_buffers()
+        if pm.param_device != device:  # buffers stay beside the compute
+            _move_buffers(part, device)
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for sub in module.modules():
+        for name, buf in list(sub.named_buffers(recurse=False)):
+            sub.register_buffer(name, buf.to(device),
+                                persistent=name not in sub._non_persistent_buffers_set)

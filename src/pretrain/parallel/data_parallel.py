@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import Shard
 
 from pretrain.moe import GroupedExperts
@@ -30,7 +35,7 @@ def needs_wrapper(layout: Layout, mixed: bool) -> bool:
     This is how a bf16 run gets bf16 compute everywhere, one device included, without
     autocast. ``mixed``: ``Policy.mixed`` (compute dtype below the parameter dtype); the
     planner (planning/memory.py) asks the same question of a config."""
-    return layout.dp > 1 or mixed
+    return layout.dp > 1 or mixed or layout.offload != "none"
 
 
 def shard_dim(shape: tuple[int, ...], dp_shard: int) -> int:
@@ -56,6 +61,9 @@ def apply_data_parallel(part: nn.Module, blocks: list[nn.Module], mesh: Meshes,
                         layout: Layout, policy: Policy) -> None:
     """Wrap ``blocks`` (the transformer layers of ``part``) and then ``part`` in place."""
     mp = mixed_precision(policy)
+    # FSDP2's own offload; pinned host memory only where there is a GPU to copy to
+    offload = (CPUOffloadPolicy(pin_memory=mesh.fsdp.device_type == "cuda")
+               if layout.offload == "params" else OffloadPolicy())
     if layout.dp_mode == "ddp":
         for block in blocks:
             replicate(block, mesh=mesh.dp, mp_policy=mp)
@@ -73,7 +81,8 @@ def apply_data_parallel(part: nn.Module, blocks: list[nn.Module], mesh: Meshes,
             # the tokens of its EP peers, so they are divided by every DP rank, not only by
             # the dp_shard / ep ranks this reduce-scatter spans (torchtitan does the same).
             fully_shard(experts, mesh=mesh.experts_fsdp, reshard_after_forward=reshard,
-                        mp_policy=mp, shard_placement_fn=lambda p: Shard(1))
+                        mp_policy=mp, offload_policy=offload,
+                        shard_placement_fn=lambda p: Shard(1))
             experts.set_gradient_divide_factor(float(layout.dp))
             # gloo has no PREMUL_SUM: sum, then divide. Not on a one-rank group, where
             # torch 2.13 divides the copied gradient by the factor and then again.
@@ -82,5 +91,6 @@ def apply_data_parallel(part: nn.Module, blocks: list[nn.Module], mesh: Meshes,
                 experts.set_force_sum_reduction_for_comms(True)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,
-                    shard_placement_fn=placement)
-    fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+                    offload_policy=offload, shard_placement_fn=placement)
+    fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,
+                offload_policy=offload)

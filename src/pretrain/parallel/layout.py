@@ -64,6 +64,7 @@ class Layout:
     sequence_parallel: bool
     activation_checkpointing: str
     ep: int = 1  # expert-parallel ranks, within dp_shard (ep x dp_shard/ep = dp_shard)
+    offload: str = "none"  # params: parameter shards, gradients, optimizer state on the host
 
     @property
     def world_size(self) -> int:
@@ -92,6 +93,8 @@ class Layout:
         dp += f", {self.dp_replicate} replicas x {self.dp_shard} shards)" if self.hsdp else ")"
         if self.ep > 1:
             dp += f" with ep={self.ep} (experts over {self.ep} of its ranks)"
+        if self.offload != "none":
+            dp += ", parameters, gradients and optimizer state offloaded to host memory"
         text = f"tp={self.tp}{' +SP' if self.sequence_parallel else ''} x pp={self.pp} x {dp}"
         if self.pp > 1:
             text += f", {self.pp_schedule} over {self.n_stages} stages"
@@ -118,4 +121,5 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
         microbatches=cfg.train.global_batch_size // (par.micro_batch_size * dp),
         sequence_parallel=par.sequence_parallel,
         activation_checkpointing=par.activation_checkpointing, ep=par.ep,
+        offload=str(par.offload),
     )

@@ -183,6 +183,14 @@ def ep_problems(cfg: Config, dp: int) -> list[str]:
     return p
 
 
+def offload_problems(par: ParallelConfig) -> list[str]:
+    """Offloading is FSDP2's (``CPUOffloadPolicy``): it needs FSDP, not DDP's replicate."""
+    if par.offload == "params" and par.dp_mode == "ddp":
+        return ["parallel.offload=params moves FSDP2's parameter shards to host memory; DDP "
+                "(parallel.dp_mode=ddp) has none: set parallel.dp_mode=zero3"]
+    return []
+
+
 def layout_problems(cfg: Config, world_size: int) -> list[str]:
     """Every problem of ``cfg.parallel`` against the world size, the model shape and the
     batch ([] for a sound layout). Sizes that are not positive are left to the caller's
@@ -198,6 +206,7 @@ def layout_problems(cfg: Config, world_size: int) -> list[str]:
     p += pipeline_problems(cfg, dp)
     p += dp_mode_problems(par, dp)
     p += ep_problems(cfg, dp)
+    p += offload_problems(par)
     if par.ac_every_n_layers < 0:
         p.append(f"parallel.ac_every_n_layers={par.ac_every_n_layers} must be >= 0")
     return p

@@ -36,6 +36,12 @@ Stated assumptions (an idealised model for ranking layouts, not a promise of thr
   same again in backward; an all-to-all sends (ep - 1)/ep of them off the rank. Over NVLink
   when the EP group (times TP) fits in a node. Not overlapped. The experts' FSDP traffic
   spans dp_shard / ep ranks, the rest of the model's dp_shard.
+- Offload (``parallel.offload=params``, FSDP2's CPUOffloadPolicy): each all-gather first
+  copies the rank's parameter shard host-to-device, each reduce-scatter copies the
+  gradient shard back, over PCIe at the GPU type's ``pcie_gbps`` (one direction), and the
+  optimizer step runs on the host, reading and writing 28 bytes per fp32 parameter (weight,
+  gradient, two moments in; weight and moments out) at ``HOST_STEP_GBPS`` of host memory
+  bandwidth per GPU. Not overlapped (an upper bound on what offloading costs).
 - Every call (collective or p2p, one per FSDP unit for DP) also costs a fixed latency: 10 us
   within a node, 30 us across nodes (NCCL small-message latencies are of this order); it only
   matters for small models, where bandwidth terms vanish.
@@ -69,11 +75,12 @@ class StepCost:
     dp_exposed: float  # the part not hidden behind compute
     mfu: float  # model FLOPs / (step time x peak): an upper bound for the real MFU
     ep_comm: float = 0.0  # expert parallelism's all-to-all token exchange
+    offload: float = 0.0  # host<->device copies and the optimizer step on the host
 
     @property
     def total(self) -> float:
         return (self.compute + self.recompute + self.tp_comm + self.pp_bubble + self.pp_p2p
-                + self.dp_exposed + self.ep_comm)
+                + self.dp_exposed + self.ep_comm + self.offload)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -173,10 +180,38 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
 
     ep_comm = _expert_parallel(cfg, layout, gpu)
     dp_comm, dp_exposed = _data_parallel(cfg, layout, gpu, compute + recompute)
-    total = compute + recompute + tp_comm + bubble + p2p + dp_exposed + ep_comm
+    off = offload_seconds(cfg, layout, gpu)
+    total = compute + recompute + tp_comm + bubble + p2p + dp_exposed + ep_comm + off
     bf16_peak = gpu.peak_flops("bfloat16") or peak
     return StepCost(compute, recompute, tp_comm, bubble, p2p, dp_comm, dp_exposed,
-                    mfu=model_flops / (total * bf16_peak), ep_comm=ep_comm)
+                    mfu=model_flops / (total * bf16_peak), ep_comm=ep_comm, offload=off)
+
+
+# Host memory bandwidth one GPU's share of a CPU optimizer step gets (8 GPUs sharing two
+# sockets of ~300 GB/s DDR5 stream bandwidth, about 40 GB/s each; a stated assumption).
+HOST_STEP_GBPS = 40
+
+
+def offload_bytes(cfg: Config, layout: Layout) -> tuple[float, float]:
+    """(host-to-device, device-to-host) bytes per step of parallel.offload=params: the
+    parameter shard once per all-gather, the gradient shard once per reduce-scatter."""
+    if layout.offload != "params":
+        return 0.0, 0.0
+    local = rank_params(cfg.model, layout).local * dtype_bytes(cfg.precision.param_dtype)
+    mb = layout.microbatches
+    if layout.dp_mode == "zero2" or layout.pp > 1:
+        gathers, reduces = (1 if layout.dp_mode == "zero2" else mb), 1
+    else:  # zero3: gathered for each forward and backward, reduced per microbatch
+        gathers, reduces = 2 * mb, mb
+    return gathers * local, reduces * local
+
+
+def offload_seconds(cfg: Config, layout: Layout, gpu: GpuSpec) -> float:
+    h2d, d2h = offload_bytes(cfg, layout)
+    if not h2d:
+        return 0.0
+    params = rank_params(cfg.model, layout).local
+    return (h2d + d2h) / (gpu.pcie_gbps * 1e9) + 28 * params / (HOST_STEP_GBPS * 1e9)
 
 
 def moe_layers_per_rank(cfg: Config, layout: Layout) -> int:

@@ -67,10 +67,15 @@ PARTS = (
 )
 
 
+# What parallel.offload=params keeps in host memory instead (FSDP2's CPUOffloadPolicy).
+OFFLOADED = ("parameters", "gradients", "optimizer state")
+
+
 @dataclass
 class RankMemory:
     pp_rank: int
     parts: dict[str, float]
+    host: dict[str, float] = field(default_factory=dict)  # offloaded, per GPU
 
     @property
     def total(self) -> float:
@@ -219,10 +224,11 @@ def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda")
         "pipeline buffers": _pipeline_buffers(cfg, layout, a, pp_rank),
         "fp8 scaling state": 4.0 * sp.n_linear if prec.fp8 else 0.0,
     }
+    host = {k: parts.pop(k) for k in OFFLOADED} if layout.offload == "params" else {}
     if device == "cuda":
         parts["allocator fragmentation"] = FRAGMENTATION * sum(parts.values())
         parts["CUDA context + NCCL"] = (1 + (layout.world_size > 1)) * GIB
-    return RankMemory(pp_rank, parts)
+    return RankMemory(pp_rank, parts, host)
 
 
 def estimate_memory(cfg: Config, layout: Layout, gpu: GpuSpec | None = None,

@@ -17,7 +17,7 @@ from pretrain.planning.autolayout import (
     tp_options,
     with_parallel,
 )
-from pretrain.planning.cost import step_cost
+from pretrain.planning.cost import offload_bytes, offload_seconds, step_cost
 from pretrain.planning.memory import PARTS, checkpoint_bytes, estimate_memory
 
 
@@ -53,6 +53,11 @@ def suggestions(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> li
     if layout.dp > 1 and layout.dp_mode != "zero3":
         tries.append(("parallel.dp_mode=zero3", replace(par, dp_mode="zero3", dp_replicate=1,
                                                         dp_shard=None)))
+    if layout.offload == "none":  # the weights and optimizer state in host memory; zero2
+        for mode in ("zero2", "zero3"):  # copies them to the GPU once a step, zero3 per pass
+            text = "parallel.offload=params" + (
+                f" parallel.dp_mode={mode}" if mode != layout.dp_mode else "")
+            tries.append((text, replace(par, offload="params", dp_mode=mode)))
     out = []
     for text, new in tries:
         if layout_problems(with_parallel(cfg, new), n):  # invalid, or another GPU count
@@ -62,6 +67,17 @@ def suggestions(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> li
             out.append(f"{text} -> {_gib(cand.memory.total)} GiB per GPU, "
                        f"{cand.cost.total:.4g} s/step (model)")
     return out[:4]
+
+
+def _offload_facts(cfg: Config, layout: Layout, gpu: GpuSpec, host: dict) -> dict:
+    """What parallel.offload=params puts in host memory and moves each step."""
+    if not host:
+        return {}
+    h2d, d2h = offload_bytes(cfg, layout)
+    return {"host_memory_gib": {k: _gib(v) for k, v in host.items()},
+            "host_memory_total_gib": _gib(sum(host.values())),
+            "offload_transfer_gb": round((h2d + d2h) / 1e9, 3),
+            "offload_seconds": offload_seconds(cfg, layout, gpu)}
 
 
 def _vocab_note(cfg: Config) -> list[str]:
@@ -98,6 +114,7 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, run_plan: dict,
         "layout_text": layout.describe(),
         "memory_gib": {k: _gib(worst.parts.get(k, 0.0)) for k in PARTS},
         "memory_total_gib": _gib(worst.total), "fullest_pp_rank": worst.pp_rank,
+        **_offload_facts(cfg, layout, gpu, worst.host),
         "checkpoint_gib": _gib(checkpoint_bytes(cfg)),
         "fits": mem.fits,
         "mfu": mfu, "peak_tflops": peak / 1e12,
@@ -135,6 +152,12 @@ def format_plan(p: dict) -> str:
         if v:
             lines.append(f"  {k:<28} {v:10.2f} GiB")
     lines.append(f"  {'total':<28} {p['memory_total_gib']:10.2f} GiB of {p['gpu_memory_gib']:g}")
+    if p.get("host_memory_gib"):
+        lines.append(f"host memory per GPU (parallel.offload=params): "
+                     f"{p['host_memory_total_gib']:.2f} GiB ("
+                     + ", ".join(f"{k} {v:.2f}" for k, v in p["host_memory_gib"].items())
+                     + f"); {p['offload_transfer_gb']:,.1f} GB over PCIe and the optimizer "
+                     f"step on the host: {p['offload_seconds']:.3g} s per step (model)")
     lines.append(f"one checkpoint on disk: {p['checkpoint_gib']:,.2f} GiB (weights and AdamW "
                  "state; a run checks for this much free space before it starts)")
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
