@@ -123,17 +123,15 @@ def enumerate_parallel(cfg: Config, n_gpus: int, gpu: GpuSpec) -> Iterator[Paral
     applies) accept, checkpointing left at none."""
     gbs = cfg.train.global_batch_size
     for (tp, pp, dp), mbs in itertools.product(_shapes(cfg, n_gpus, gpu), MICRO_BATCHES):
-        for (schedule, v), (mode, rep, shard) in itertools.product(_schedules(pp),
-                                                                   _dp_modes(dp, tp, gpu)):
-            for ep in _ep_options(cfg, dp, tp, gpu):
-                par = ParallelConfig(
-                    name="auto", tp=tp, pp=pp, dp=dp, dp_mode=mode, dp_replicate=rep,
-                    dp_shard=shard, ep=ep, pp_schedule=schedule, virtual_stages=v,
-                    micro_batch_size=mbs, sequence_parallel=tp > 1,
-                    activation_checkpointing="none")
-                if (_whole_rounds(par, gbs)
-                        and not layout_problems(with_parallel(cfg, par), n_gpus)):
-                    yield par
+        for (schedule, v), (mode, rep, shard), ep in itertools.product(
+                _schedules(pp), _dp_modes(dp, tp, gpu), _ep_options(cfg, dp, tp, gpu)):
+            par = ParallelConfig(
+                name="auto", tp=tp, pp=pp, dp=dp, dp_mode=mode, dp_replicate=rep,
+                dp_shard=shard, ep=ep, pp_schedule=schedule, virtual_stages=v,
+                micro_batch_size=mbs, sequence_parallel=tp > 1,
+                activation_checkpointing="none")
+            if _whole_rounds(par, gbs) and not layout_problems(with_parallel(cfg, par), n_gpus):
+                yield par
 
 
 def _ep_options(cfg: Config, dp: int, tp: int, gpu: GpuSpec) -> list[int]:

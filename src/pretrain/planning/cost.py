@@ -152,20 +152,7 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
     slow = kernel_slowdown(cfg, gpu)
     compute, recompute = compute * slow, recompute * slow
 
-    # Tensor parallel collectives.
-    tp_comm = 0.0
-    if t > 1:
-        act = e * layout.micro_batch_size * m.seq_len * m.d_model
-        # recomputation repeats forward collectives: both under full, the SP all-gathers
-        # (not the saved reduce-scatters) under op-level selective
-        ac = layout.activation_checkpointing
-        per_block = 6 if ac == "full" else (
-            5 if ac == "selective" and layout.sequence_parallel else 4)
-        blocks = m.n_layer // p
-        volume = blocks * mb * per_block * 2 * (t - 1) / t * act
-        volume += mb * 2 * 2 * (t - 1) / t * act  # vocab-parallel embedding and head
-        calls = blocks * mb * per_block + 4 * mb
-        tp_comm = volume / _link(gpu, t) + calls * _alpha(gpu, t)
+    tp_comm = _tensor_parallel(cfg, layout, gpu)
 
     # Pipeline bubble and point-to-point.
     bubble = p2p = 0.0
@@ -212,6 +199,25 @@ def offload_seconds(cfg: Config, layout: Layout, gpu: GpuSpec) -> float:
         return 0.0
     params = rank_params(cfg.model, layout).local
     return (h2d + d2h) / (gpu.pcie_gbps * 1e9) + 28 * params / (HOST_STEP_GBPS * 1e9)
+
+
+def _tensor_parallel(cfg: Config, layout: Layout, gpu: GpuSpec) -> float:
+    """Seconds per step of the TP collectives (0 without TP)."""
+    m, t, mb = cfg.model, layout.tp, layout.microbatches
+    if t == 1:
+        return 0.0
+    act = dtype_bytes(cfg.precision.compute_dtype) * layout.micro_batch_size * m.seq_len * \
+        m.d_model
+    # recomputation repeats forward collectives: both under full, the SP all-gathers
+    # (not the saved reduce-scatters) under op-level selective
+    ac = layout.activation_checkpointing
+    per_block = 6 if ac == "full" else (
+        5 if ac == "selective" and layout.sequence_parallel else 4)
+    blocks = m.n_layer // layout.pp
+    volume = blocks * mb * per_block * 2 * (t - 1) / t * act
+    volume += mb * 2 * 2 * (t - 1) / t * act  # vocab-parallel embedding and head
+    calls = blocks * mb * per_block + 4 * mb
+    return volume / _link(gpu, t) + calls * _alpha(gpu, t)
 
 
 def moe_layers_per_rank(cfg: Config, layout: Layout) -> int:
