@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -335,3 +336,30 @@ def test_tool_on_degenerate_sweeps_explains_and_still_writes(tmp_path, capsys, r
         assert "compute_law" not in fit
     else:  # flat: fitted, and told the exponent is not determined
         assert any(w.startswith("b = 0 is on a bound") for w in fit["compute_law"]["warnings"])
+
+
+# Besiroglu et al. 2024's estimates of Chinchilla's L(N, D) with their bootstrap standard
+# errors (their repository's data_analysis.ipynb, "Parameter estimates and their standard
+# errors": the paper's Table 1), and their Huber / L-BFGS grid fit, Hoffmann et al.'s method
+# and this project's (same notebook, "Best fit parameters").
+BESIROGLU = {"A": (482.00572, 124.52232), "B": (2085.43420, 1293.28410),
+             "E": (1.81686, 0.02566), "alpha": (0.34781, 0.01540), "beta": (0.36585, 0.02060)}
+BESIROGLU_HUBER = {"A": 477.84171, "B": 2143.86379, "E": 1.81724, "alpha": 0.34731,
+                   "beta": 0.36718}
+
+
+def test_chinchillas_own_runs_give_the_replications_estimates(tmp_path):
+    """tools/scaling_law.py on Chinchilla's runs as Besiroglu et al. extracted them
+    (tests/data, 245 runs, the 5 highest losses left out as they did): every constant
+    within their standard error of their estimate, and within 0.5% of their own Huber fit."""
+    from pretrain.tools import scaling_law
+
+    csv = Path(__file__).parent / "data" / "chinchilla_besiroglu2024.csv"
+    assert scaling_law.main(["--points", str(csv), "--exclude-highest-loss", "5",
+                             "--bootstrap", "20", "--no-plots", "--out", str(tmp_path)]) == 0
+    fit = json.loads((tmp_path / "fit.json").read_text())
+    assert len(fit["runs"]) == 240
+    law = fit["chinchilla_law"]
+    for name, (value, stderr) in BESIROGLU.items():
+        assert abs(law[name] - value) <= stderr, (name, law[name], value, stderr)
+        assert law[name] == pytest.approx(BESIROGLU_HUBER[name], rel=5e-3), name

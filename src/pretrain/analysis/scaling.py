@@ -66,6 +66,32 @@ def finished_runs(root: Path | str) -> Iterator[tuple[Path, dict, dict]]:
         yield result_path.parent, plan, result
 
 
+def read_points(path: Path | str) -> list[RunPoint]:
+    """Published or other outside runs from a CSV file with the columns ``n_params``,
+    ``tokens`` and ``loss`` (lines starting with ``#`` are comments, for the source);
+    C = 6 N D as for this project's runs."""
+    import csv
+
+    lines = [ln for ln in Path(path).read_text().splitlines() if not ln.startswith("#")]
+    rows = list(csv.DictReader(lines))
+    missing = {"n_params", "tokens", "loss"} - set(rows[0] if rows else {})
+    if missing:
+        raise ValueError(f"{path}: needs the columns n_params, tokens, loss (missing "
+                         f"{', '.join(sorted(missing))})")
+    return [RunPoint(f"{Path(path).stem}:{i}", float(r["n_params"]), float(r["tokens"]),
+                     run_compute(float(r["n_params"]), float(r["tokens"])), float(r["loss"]))
+            for i, r in enumerate(rows)]
+
+
+def without_highest_losses(points: list[RunPoint], k: int) -> list[RunPoint]:
+    """``points`` less the ``k`` with the highest loss (Besiroglu et al. 2024 leave out
+    Chinchilla's 5 highest before fitting)."""
+    if k <= 0:
+        return list(points)
+    cut = sorted(p.loss for p in points)[-k]
+    return [p for p in points if p.loss < cut]
+
+
 def collect_runs(root: Path | str) -> list[RunPoint]:
     """Every finished run under ``root``: a directory holding ``result.json`` (written only
     when a run finished its budget) with ``final_val_loss`` and a ``plan.json`` beside it.

@@ -5,6 +5,8 @@
         --target-flops 1e15 --out runs/scaling
     python tools/scaling_law.py --chinchilla 5.76e23 1e24               # no runs needed
     python tools/scaling_law.py --hparams runs/sweeps/hparam-tiny       # lr(C), batch(C)
+    python tools/scaling_law.py --points tests/data/chinchilla_besiroglu2024.csv \
+        --exclude-highest-loss 5 --out runs/chinchilla                  # published runs
 
 ``--hparams``: the best learning rate and batch of each compute budget of an LR x batch sweep
 (recipes/hparam-tiny.yaml), smoothed by a quadratic in (log lr, log batch) per budget, then
@@ -19,7 +21,8 @@ of ``budget=flops``; not its ``total_flops``, the hardware work). Fits
 L(C) = a C^b + c (needs 3+ runs) and L(N, D) = E + A/N^alpha + B/D^beta (needs 6+ runs at
 different tokens per parameter: an iso-FLOP sweep, not a pure 20-tokens-per-param
 ladder), each with a Huber objective on log loss (Hoffmann et al. 2022) and a bootstrap
-over runs for the error bars. Writes ``fit.json``, ``loss_vs_compute.png`` and
+over runs for the error bars. ``--points FILE.csv`` adds runs from elsewhere (columns
+n_params, tokens, loss), such as Chinchilla's own, as Besiroglu et al. 2024 extracted them. Writes ``fit.json``, ``loss_vs_compute.png`` and
 ``isoflop.png`` into ``--out`` (default: ``<first folder>/scaling_law``).
 """
 
@@ -39,8 +42,10 @@ from pretrain.analysis.scaling import (
     isoflop_bracketed,
     isoflop_groups,
     isoflop_minimum,
+    read_points,
     report_chinchilla_law,
     report_compute_law,
+    without_highest_losses,
 )
 
 
@@ -190,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hparams", action="store_true",
                     help="fit lr(C) and batch(C) to an LR x batch sweep instead")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--points", type=Path, action="append", default=[], metavar="CSV",
+                    help="runs from a CSV file (n_params, tokens, loss), repeatable")
+    ap.add_argument("--exclude-highest-loss", type=int, default=0, metavar="K",
+                    help="leave out the K runs with the highest loss before fitting")
     args = ap.parse_args(argv)
 
     if args.hparams:
@@ -200,16 +209,18 @@ def main(argv: list[str] | None = None) -> int:
         print_chinchilla(args.chinchilla)
         if not args.dirs:
             return 0
-    if not args.dirs:
-        ap.error("give one or more folders of runs, or --chinchilla C")
+    if not args.dirs and not args.points:
+        ap.error("give one or more folders of runs, --points CSV, or --chinchilla C")
 
     points = [p for d in args.dirs for p in collect_runs(d)]
+    points = without_highest_losses(points + [p for f in args.points for p in read_points(f)],
+                                    args.exclude_highest_loss)
     if not points:
         print(f"no finished runs (result.json + plan.json) under {', '.join(map(str, args.dirs))}",
               file=sys.stderr)
         return 1
     target = args.target_flops or 10 * max(p.flops for p in points)
-    out = args.out or args.dirs[0] / "scaling_law"
+    out = args.out or (args.dirs[0] if args.dirs else Path("runs")) / "scaling_law"
     out.mkdir(parents=True, exist_ok=True)
     print(f"{len(points)} finished runs (C = 6ND, the plan's 'compute')")
     print_runs(points)
