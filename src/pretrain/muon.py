@@ -103,6 +103,18 @@ class ShardedMuon(torch.optim.Muon):
         p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
 
 
+class _EitherState(ChainMap):
+    """Both optimizers' states as one mapping. A plain ChainMap would look a key up in the
+    first map, a defaultdict, and so make (and return) an empty state for every AdamW
+    parameter there: the AdamW state would vanish from state_dict and checkpoints."""
+
+    def __getitem__(self, key):
+        for states in self.maps:
+            if key in states:
+                return states[key]
+        raise KeyError(key)
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
     """Two torch optimizers as one: ``param_groups`` are Muon's groups then AdamW's (the
     same dicts: a scheduler's LR reaches them), ``state`` a live view of both states, and
@@ -115,7 +127,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _link(self) -> None:
         self.param_groups = self.muon.param_groups + self.adamw.param_groups
-        self.state = ChainMap(self.muon.state, self.adamw.state)
+        self.state = _EitherState(self.muon.state, self.adamw.state)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -107,10 +107,15 @@ def _momentum(cfg: OptimConfig, default: float) -> float:
     return default if cfg.momentum is None else cfg.momentum
 
 
-def _adamw(decay: list, no_decay: list, cfg: OptimConfig, lr: float, device: torch.device
-           ) -> torch.optim.AdamW:
+def _adamw(decay: list, no_decay: list, cfg: OptimConfig, lr: float, device: torch.device,
+           drop_empty: bool = False) -> torch.optim.AdamW:
+    """torch's AdamW on the two groups; ``drop_empty``: without an empty group (torch
+    2.13's ``set_optimizer_state_dict`` gives an empty group the hyperparameters of the
+    last group it read, and that group none, so a load behind Muon would break)."""
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if drop_empty:
+        groups = [g for g in groups if g["params"]]
     fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
 
@@ -125,7 +130,7 @@ def _muon(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torch.dev
     muon = ShardedMuon(matrices, lr=lr, weight_decay=cfg.weight_decay,
                        momentum=_momentum(cfg, 0.95), ns_steps=cfg.ns_steps,
                        adjust_lr_fn="match_rms_adamw")
-    return MuonWithAdamW(muon, _adamw(decay, no_decay, cfg, lr, device))
+    return MuonWithAdamW(muon, _adamw(decay, no_decay, cfg, lr, device, drop_empty=True))
 
 
 def warmup_steps(cfg: ScheduleConfig, global_batch_tokens: int) -> int:
