@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import HERE, compose_all, failed, one_thread, run_script, write_spec
+from helpers import HERE, compose_all, failed, one_thread, problems, run_script, write_spec
 from test_parallel_layouts import (
     COMMON,
     FEWER_EVAL_BATCHES,
@@ -54,9 +54,6 @@ RESUMES = {
     "lars_zero3": ("lars", "zero3_dp2", {"same": "zero3_dp2"}),
     "muon_zero3": ("muon", "zero3_dp2", {"same": "zero3_dp2", "tp2": "tp2"}),
 }
-
-pytestmark = pytest.mark.slow
-
 
 def _run(root, common: list[str], nproc: int, layouts: dict, resumes: dict) -> dict:
     """helpers.run_group with tests/optim_worker.py (layouts, then resumes)."""
@@ -95,12 +92,14 @@ def runs(tmp_path_factory, markov_root) -> dict[int, dict]:
     return {1: one, 2: two}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt", list(OPTIMS))
 def test_the_reference_learns(runs, opt):
     losses = runs[1][opt]["losses"]
     assert losses[-1] < losses[0] - 0.05, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("opt", list(OPTIMS))
 def test_trains_like_one_process(runs, opt, layout):
@@ -114,6 +113,7 @@ def test_trains_like_one_process(runs, opt, layout):
           f"update {diffs['update']:.1e}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RESUMES))
 def test_resumes_exactly_from_a_checkpoint(runs, name):
     """The optimizer state loads as it was saved, bit for bit, on any layout; on the
@@ -262,3 +262,36 @@ def test_muon_on_shards_equals_one_process(tmp_path):
     assert max(result["torch_muon"].values()) > 1e-3
     # LAMB's norms are sums over the shards, in another order: rounding apart
     assert max(result["lamb"].values()) <= 1e-6
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["optim=lamb", "optim.lr_rule=deepseek"],
+     "optim.lr_rule=deepseek does not apply to optim=lamb (LAMB's step is lr x each "
+     "tensor's norm"),
+    (["optim=lars", "optim.lr_rule=deepseek"], "use optim.lr_rule=fixed|power"),
+    (["optim=lars", "optim.lr_scaling=sqrt", "optim.ref_batch_tokens=4096"],
+     "optim.lr_scaling=sqrt does not apply to optim=lars"),
+    (["optim=lamb", "optim.lr_scaling=linear", "optim.ref_batch_tokens=4096"],
+     "use optim.lr_scaling=none|sqrt"),
+    (["optim=muon", "optim.momentum=1.0"], "optim.momentum=1.0 must be in [0, 1)"),
+    (["optim=muon", "optim.ns_steps=0"], "optim.ns_steps=0 must be at least 1"),
+])
+def test_rules_an_optimizer_does_not_take_are_refused(compose, overrides, needle):
+    """Before any work, naming the key, the reason and what to use."""
+    found = problems(compose(["+recipe=tiny", *overrides]))
+    assert any(needle in p for p in found), found
+
+
+@pytest.mark.parametrize("opt", ["muon", "lamb", "lars"])
+def test_rules_an_optimizer_takes_pass(compose, opt):
+    from pretrain.config_checks import check
+
+    extra = ["optim.lr_rule=deepseek"] if opt == "muon" else ["optim.lr_rule=power",
+                                                              "optim.lr_law=[1.0,-0.1]"]
+    check(compose(["+recipe=tiny", f"optim={opt}", *extra]))
+
+
+def test_muon_is_chosen_by_the_config_group(compose):
+    cfg = compose(["optim=muon"])
+    assert (cfg.optim.name, cfg.optim.momentum, cfg.optim.ns_steps) == ("muon", 0.95, 5)
+    assert compose([]).optim.name == "adamw"  # the default run: AdamW as before

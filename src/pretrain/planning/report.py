@@ -135,7 +135,7 @@ def format_plan(p: dict) -> str:
         if v:
             lines.append(f"  {k:<28} {v:10.2f} GiB")
     lines.append(f"  {'total':<28} {p['memory_total_gib']:10.2f} GiB of {p['gpu_memory_gib']:g}")
-    lines.append(f"one checkpoint on disk: {p['checkpoint_gib']:,.2f} GiB (weights and AdamW "
+    lines.append(f"one checkpoint on disk: {p['checkpoint_gib']:,.2f} GiB (weights and optimizer "
                  "state; a run checks for this much free space before it starts)")
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
     lines.append(f"verdict: {verdict} ({p['memory_total_gib']:.1f} / {p['gpu_memory_gib']:g} GiB)")
