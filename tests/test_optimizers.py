@@ -31,7 +31,7 @@ from test_parallel_layouts import (
     assert_same_training,
 )
 
-from pretrain.muon import muon_matrix
+from pretrain.muon import muon_matrix, orthogonalisation_bytes
 
 # The LR of each, for the nano model: LARS's step is lr x eta x ||w|| per matrix (AdamW's
 # 1e-3 per element is ~lr x 1e-3 x 0.02 here) and plain momentum SGD on the rest.
@@ -251,7 +251,7 @@ def test_muon_state_round_trips_through_state_dict():
 
 def test_muon_on_shards_equals_one_process(tmp_path):
     """A 9 x 6 matrix sharded on dim 0 (unevenly) and on dim 1 (FSDP's and TP's
-    placements) over 2 ranks:
+    placements) over 2 ranks (and the memory one orthogonalisation takes):
     ShardedMuon's update equals the one-process update exactly; torch.optim.Muon on the
     same DTensors does not (it runs Newton-Schulz on the shards)."""
     proc = run_script(HERE / "optim_shard_worker.py", str(tmp_path), nproc=2, cwd=tmp_path)
@@ -262,6 +262,10 @@ def test_muon_on_shards_equals_one_process(tmp_path):
     assert max(result["torch_muon"].values()) > 1e-3
     # LAMB's norms are sums over the shards, in another order: rounding apart
     assert max(result["lamb"].values()) <= 1e-6
+    # what the planner counts as Muon's step transient, measured by torch's MemTracker:
+    # bf16 working set only on one process, plus the gathered fp32 matrix on shards
+    assert result["transient"] == {"one": orthogonalisation_bytes((96, 40), 0),
+                                   "Shard(0)": orthogonalisation_bytes((96, 40), 4)}
 
 
 @pytest.mark.parametrize("overrides,needle", [

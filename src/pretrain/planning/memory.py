@@ -215,8 +215,9 @@ def optimizer_state_bytes(name: str, sp: StageParams, pb: int) -> int:
 
 
 def _optimizer_transient(cfg: Config, layout: Layout, sp: StageParams, pb: int) -> float:
-    """Muon's one matrix at a time: gathered when FSDP or TP shards it (every block matrix
-    is TP-sharded), then orthogonalised in bf16."""
+    """Muon's one matrix at a time: gathered when FSDP or TP shards it over more than one
+    rank (every block matrix is TP-sharded; on a mesh of one rank ``full_tensor`` returns
+    the shard itself, no copy: measured), then orthogonalised in bf16."""
     if cfg.optim.name != "muon" or not sp.muon_largest:
         return 0.0
     fsdp = layout.dp_mode in ("zero2", "zero3") and layout.dp_shard > 1
