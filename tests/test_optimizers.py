@@ -299,3 +299,27 @@ def test_muon_is_chosen_by_the_config_group(compose):
     cfg = compose(["optim=muon"])
     assert (cfg.optim.name, cfg.optim.momentum, cfg.optim.ns_steps) == ("muon", 0.95, 5)
     assert compose([]).optim.name == "adamw"  # the default run: AdamW as before
+
+
+@pytest.mark.parametrize("saved,now,refused", [
+    ({"name": "adamw"}, "muon", True),
+    ({}, "lamb", True),  # a checkpoint from before optim.name: AdamW's state
+    ({"name": "lars"}, "lars", False),
+])
+def test_a_checkpoint_of_another_optimizer_is_refused(compose, tmp_path, saved, now, refused):
+    """Before DCP would fail on a missing state key, naming both fixes."""
+    import json
+
+    from pretrain.checkpoint.manager import CheckpointError
+    from pretrain.checkpoint.resume import check_compatible
+
+    cfg = compose(["+recipe=tiny", f"optim={now}"])
+    (tmp_path / "meta.json").write_text(json.dumps({"config": {"optim": {"lr": 1e-3, **saved}}}))
+    if not refused:
+        check_compatible(tmp_path, cfg)
+        return
+    with pytest.raises(CheckpointError) as e:
+        check_compatible(tmp_path, cfg)
+    assert f"holds the state of optim={saved.get('name', 'adamw')} and this run is " \
+           f"optim={now}" in str(e.value)
+    assert f"checkpoint.load_weights_only={tmp_path} checkpoint.resume=false" in str(e.value)
