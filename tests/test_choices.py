@@ -56,6 +56,7 @@ BAD_CHOICES = [
     ("parallel.offload", "optimizer", "none, params"),
     ("parallel.pp_schedule", "dualpipe", "gpipe, 1f1b, interleaved_1f1b, zbv"),
     ("parallel.activation_checkpointing", "half", "none, selective, full"),
+    ("optim.name", "adafactor", "adamw, lamb, lars, muon"),
     ("optim.lr_scaling", "cube", "none, sqrt, linear"),
     ("optim.lr_rule", "kaplan", "fixed, deepseek, power"),
     ("schedule.decay", "exponential", "cosine, linear, wsd, constant"),

@@ -92,3 +92,25 @@ def test_an_expert_parallel_rank_holds_what_the_planner_counts(hsdp, rank, coord
     assert result["local_param_bytes"] == pred["local_param_bytes"] > 0
     assert result["local_optimizer_bytes"] == pred["local_optimizer_bytes"]
     assert result["step_peak_bytes"] > result["local_param_bytes"]
+
+
+@pytest.mark.parametrize("optim", ["muon", "lars"])
+def test_other_optimizers_hold_what_the_planner_counts(optim):
+    """optim=muon (a momentum for each block matrix, AdamW's two moments and step for the
+    rest) and optim=lars (one momentum) on a rank of the narrow 175B layout (TP 8, ZeRO-3,
+    interleaved stages): the optimizer bytes equal the planner's; the planner adds Muon's
+    gathered matrix and Newton-Schulz working set as the step's transient."""
+    code, out, err = simulate(*NARROW_175B, f"optim={optim}", "--simulate", "--rank", "9",
+                              "--no-step")
+    assert code == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    pred = result["predicted"]
+    assert result["local_optimizer_bytes"] == pred["local_optimizer_bytes"] > 0
+    transient = pred["memory_by_part"]["optimizer step transient"]
+    if optim == "muon":  # the 1024 x 256 MLP matrix in fp32, and bf16 copies and Grams
+        assert transient == 4 * 1024 * 256 + 2 * (2 * 1024 * 256 + 2 * 256 * 256)
+        adamw = result["local_param_bytes"] * 2  # what AdamW would hold, less its steps
+        assert result["local_optimizer_bytes"] < adamw
+    else:
+        assert transient == 0
+        assert result["local_optimizer_bytes"] == result["local_param_bytes"]

@@ -49,6 +49,8 @@ Offload = _choice("Offload", "none params")
 PipelineSchedule = _choice("PipelineSchedule", "gpipe 1f1b interleaved_1f1b zbv")
 ActivationCheckpointing = _choice("ActivationCheckpointing", "none selective full")
 LrScaling = _choice("LrScaling", "none sqrt linear")
+# optim.name: AdamW, LAMB and LARS (layer-wise trust ratios), Muon (with AdamW for the rest)
+OptimizerName = _choice("OptimizerName", "adamw lamb lars muon")
 HparamRule = _choice("HparamRule", "fixed deepseek power")  # optim.lr_rule, train.batch_rule
 Decay = _choice("Decay", "cosine linear wsd constant")
 BudgetKind = _choice("BudgetKind", "tokens tokens_per_param flops steps")
@@ -218,8 +220,10 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW (src/pretrain/optim.py), the one optimizer."""
+    """The optimizer (src/pretrain/optim.py): AdamW by default; the config group
+    ``optim=adamw|lamb|lars|muon`` sets ``name`` and its hyperparameters."""
 
+    name: OptimizerName = OptimizerName.adamw
     lr: float = 6e-4
     # The global batch (in tokens) that lr was tuned for; lr_scaling adapts lr to the
     # actual global batch: none, sqrt (Adam, Malladi et al. 2022) or linear (Goyal et al.).
@@ -238,6 +242,12 @@ class OptimConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     fused: bool | None = None  # None: fused where the device supports it
+    # LARS's and Muon's momentum (None: theirs, 0.9 and 0.95); AdamW/LAMB use betas.
+    momentum: float | None = None
+    # LARS's trust coefficient eta (You et al. 2017): local LR = eta ||w|| / ||g + wd w||.
+    trust_coefficient: float = 0.001
+    # Muon's Newton-Schulz iterations (torch.optim.Muon's default).
+    ns_steps: int = 5
 
 
 @dataclass

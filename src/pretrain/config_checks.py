@@ -7,6 +7,7 @@ reported together, so a user fixes a recipe in one pass.
 from __future__ import annotations
 
 from pretrain.config import Config, ConfigError
+from pretrain.optim import lr_rule_problems
 from pretrain.parallel.layout import declared_world_size
 from pretrain.parallel.rules import layout_problems
 
@@ -124,6 +125,11 @@ def _check_optim(cfg: Config, p: list[str]) -> None:
                  "with budget.kind=steps the tokens, and so the compute, depend on the batch")
     if not 0 <= cfg.train.noise_scale_ema < 1:
         p.append(f"train.noise_scale_ema={cfg.train.noise_scale_ema} must be in [0, 1)")
+    p.extend(lr_rule_problems(cfg.optim))
+    if cfg.optim.momentum is not None and not 0 <= cfg.optim.momentum < 1:
+        p.append(f"optim.momentum={cfg.optim.momentum} must be in [0, 1)")
+    if cfg.optim.ns_steps < 1:
+        p.append(f"optim.ns_steps={cfg.optim.ns_steps} must be at least 1 (5 is torch's)")
     if cfg.optim.lr_scaling != "none" and not cfg.optim.ref_batch_tokens:
         p.append(f"optim.lr_scaling={cfg.optim.lr_scaling} needs optim.ref_batch_tokens, the "
                  "global batch (in tokens) that optim.lr was tuned for")

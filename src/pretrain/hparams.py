@@ -24,6 +24,13 @@ pipelined, so that every pipeline gets whole rounds), which fixes the accumulati
 the token budget D does not change (only its number of steps), so C does not depend on the
 batch, except for ``budget.kind=steps``, where D = steps x batch and a batch rule is
 circular (refused).
+
+Both laws were fitted on AdamW runs. Which optimizer may use which LR rule is
+``optim.LR_RULES`` (config_checks refuses the rest, saying why): Muon keeps deepseek (its
+``match_rms_adamw`` update has AdamW's RMS, so AdamW's LR is its LR); LAMB and LARS, whose
+steps are fractions of each weight's norm, take fixed or power (a fit of their own runs).
+The batch rule is left to every optimizer: the batch a run can use is set by the noise of
+the gradient (McCandlish et al. 2018), more than by the optimizer that follows it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""AdamW with decay on matrices only, LR scaling with batch size, and the LR schedule."""
+"""The optimizer (AdamW, LAMB, LARS or Muon with AdamW; decay on matrices only), LR scaling
+with batch size, which LR rules each optimizer takes, and the LR schedule."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from pretrain.config import OptimConfig, ScheduleConfig
+from pretrain.muon import MuonWithAdamW, ShardedMuon, muon_matrix
+from pretrain.trust_ratio import Lamb, Lars
 
 
 def scaled_lr(cfg: OptimConfig, global_batch_tokens: int) -> float:
@@ -24,25 +27,110 @@ def scaled_lr(cfg: OptimConfig, global_batch_tokens: int) -> float:
     return cfg.lr * ratio  # linear, the last of optim.lr_scaling's values
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float,
-                    device: torch.device,
-                    also_embeddings: Iterable[torch.nn.Parameter] = ()) -> torch.optim.AdamW:
-    """Weight decay on matrices (ndim >= 2) but not on embeddings, norms or biases.
-    ``also_embeddings``: parameters to treat as embeddings though no nn.Embedding holds them
-    here (an output head tied to an embedding that a pipeline put on another stage)."""
+# Which LR rules (optim.lr_rule) and batch scalings (optim.lr_scaling) keep their meaning
+# with each optimizer; config_checks refuses the others, with the reason given here.
+# - deepseek's LR law was fitted on AdamW runs. Muon with match_rms_adamw gives its updates
+#   AdamW's RMS (Moonlight reuses AdamW's LR and decay unchanged), so the law carries over;
+#   LAMB and LARS step a fraction of each weight's norm set by lr (x eta): AdamW's LR is not
+#   theirs. power (your own fit, of runs with the optimizer you train with) suits all.
+# - lr_scaling: sqrt is Adam's rule (Malladi et al. 2022) and LAMB's (You et al. 2020 scale
+#   its LR with the square root of the batch), linear is SGD's (Goyal et al. 2017), which
+#   LARS follows; AdamW and Muon (AdamW's LR) keep both, as before.
+LR_RULES: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
+    "adamw": (frozenset({"fixed", "deepseek", "power"}), frozenset({"none", "sqrt", "linear"}),
+              ""),
+    "muon": (frozenset({"fixed", "deepseek", "power"}), frozenset({"none", "sqrt", "linear"}),
+             ""),
+    "lamb": (frozenset({"fixed", "power"}), frozenset({"none", "sqrt"}),
+             "LAMB's step is lr x each tensor's norm: deepseek's AdamW LR law does not "
+             "apply, and its batch scaling is sqrt (You et al. 2020)"),
+    "lars": (frozenset({"fixed", "power"}), frozenset({"none", "linear"}),
+             "LARS's step is lr x eta x each tensor's norm: deepseek's AdamW LR law does "
+             "not apply, and its batch scaling is linear, SGD's (You et al. 2017)"),
+}
+
+
+def lr_rule_problems(cfg: OptimConfig) -> list[str]:
+    """The LR rule or batch scaling ``cfg`` asks for, if ``optim.name`` does not take it."""
+    rules, scalings, why = LR_RULES[cfg.name]
+    out = []
+    if cfg.lr_rule not in rules:
+        out.append(f"optim.lr_rule={cfg.lr_rule} does not apply to optim={cfg.name} ({why}): "
+                   f"use optim.lr_rule={'|'.join(sorted(rules))}")
+    if cfg.lr_scaling not in scalings:
+        out.append(f"optim.lr_scaling={cfg.lr_scaling} does not apply to optim={cfg.name} "
+                   f"({why}): use optim.lr_scaling={'|'.join(sorted(scalings))}")
+    return out
+
+
+def _groups(model: torch.nn.Module, also_embeddings: Iterable[torch.nn.Parameter],
+            skip: set[int] = frozenset()) -> tuple[list, list]:
+    """(decay, no_decay): matrices (ndim >= 2) that are not embeddings, and the rest
+    (embeddings, norms, biases), in the model's parameter order, less ``skip``."""
     decay, no_decay = [], []
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     embeddings |= {id(p) for p in also_embeddings}
     for p in model.parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or id(p) in skip:
             continue
         (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
     # An output head tied to the embedding is the embedding: it gets no decay either.
     decay = [p for p in decay if id(p) not in embeddings]
+    return decay, no_decay
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float,
+                    device: torch.device,
+                    also_embeddings: Iterable[torch.nn.Parameter] = ()) -> torch.optim.Optimizer:
+    """``optim.name``'s optimizer. Weight decay on matrices (ndim >= 2) but not on
+    embeddings, norms or biases; LAMB's and LARS's trust ratio on the same matrices only;
+    Muon on the hidden matrices (``muon.muon_matrix``), AdamW on everything else.
+    ``also_embeddings``: parameters to treat as embeddings though no nn.Embedding holds them
+    here (an output head tied to an embedding that a pipeline put on another stage)."""
+    also_embeddings = list(also_embeddings)
+    if cfg.name == "muon":
+        return _muon(model, cfg, lr, device, also_embeddings)
+    decay, no_decay = _groups(model, also_embeddings)
+    if cfg.name == "lamb":
+        return Lamb([{"params": decay}, {"params": no_decay, "weight_decay": 0.0,
+                                         "trust_ratio": False}],
+                    lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.name == "lars":
+        return Lars([{"params": decay}, {"params": no_decay, "weight_decay": 0.0,
+                                         "trust_ratio": False}],
+                    lr=lr, momentum=_momentum(cfg, 0.9), weight_decay=cfg.weight_decay,
+                    trust_coefficient=cfg.trust_coefficient)
+    return _adamw(decay, no_decay, cfg, lr, device)
+
+
+def _momentum(cfg: OptimConfig, default: float) -> float:
+    return default if cfg.momentum is None else cfg.momentum
+
+
+def _adamw(decay: list, no_decay: list, cfg: OptimConfig, lr: float, device: torch.device,
+           drop_empty: bool = False) -> torch.optim.AdamW:
+    """torch's AdamW on the two groups; ``drop_empty``: without an empty group (torch
+    2.13's ``set_optimizer_state_dict`` gives an empty group the hyperparameters of the
+    last group it read, and that group none, so a load behind Muon would break)."""
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if drop_empty:
+        groups = [g for g in groups if g["params"]]
     fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+
+
+def _muon(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torch.device,
+          also_embeddings: list[torch.nn.Parameter]) -> MuonWithAdamW:
+    """Muon (torch's, orthogonalising whole matrices) on the hidden matrices with AdamW's
+    LR and decay (``match_rms_adamw``); AdamW, as ``optim=adamw`` builds it, on the rest."""
+    matrices = [p for n, p in model.named_parameters()
+                if p.requires_grad and muon_matrix(n, p.shape)]
+    decay, no_decay = _groups(model, also_embeddings, skip={id(p) for p in matrices})
+    muon = ShardedMuon(matrices, lr=lr, weight_decay=cfg.weight_decay,
+                       momentum=_momentum(cfg, 0.95), ns_steps=cfg.ns_steps,
+                       adjust_lr_fn="match_rms_adamw")
+    return MuonWithAdamW(muon, _adamw(decay, no_decay, cfg, lr, device, drop_empty=True))
 
 
 def warmup_steps(cfg: ScheduleConfig, global_batch_tokens: int) -> int:

@@ -2,8 +2,8 @@
 initialising its weights), and whether that checkpoint fits this run.
 
 Rank 0 alone looks at the disk and reads meta.json; every rank gets its answer or raises its
-error (``manager.on_rank0``), so a checkpoint of another model or another loss-scaling
-state is refused with the fix named, before DCP would report a shape mismatch or a
+error (``manager.on_rank0``), so a checkpoint of another model, another loss-scaling
+state or another optimizer is refused with the fix named, before DCP would report a shape mismatch or a
 missing ``param_groups`` key.
 """
 
@@ -46,6 +46,20 @@ def check_compatible(path: Path, cfg: Config) -> None:
             f"{path} holds a different model: {'; '.join(diff)}. Use the same model "
             "settings, another run_name, or checkpoint.resume=false to start afresh.")
     _check_precision(path, saved.get("precision", {}), cfg)
+    _check_optimizer(path, saved.get("optim", {}), cfg)
+
+
+def _check_optimizer(path: Path, saved: dict, cfg: Config) -> None:
+    """The optimizer's state is one optimizer's (AdamW's moments, LARS's or Muon's
+    momentum): resuming with another would fail inside DCP on a missing state key. A
+    checkpoint from before ``optim.name`` existed is AdamW's."""
+    name = saved.get("name", "adamw") if saved else cfg.optim.name
+    if name == cfg.optim.name:
+        return
+    raise CheckpointError(
+        f"{path} holds the state of optim={name} and this run is optim={cfg.optim.name}. "
+        f"Resume with optim={name}, or start afresh from its weights with a new "
+        f"optimizer: checkpoint.load_weights_only={path} checkpoint.resume=false.")
 
 
 def _check_precision(path: Path, saved: dict, cfg: Config) -> None:

@@ -3,8 +3,14 @@
 Parts (bytes per GPU, for the pipeline rank that needs the most):
 
 - parameters, gradients, optimizer state: exact local shard sizes (``params.py``; measured
-  equal on CPU, tests/test_estimate.py). Gradients and AdamW's two moments take the parameter
-  dtype; Adam also keeps a 4-byte step counter per tensor.
+  equal on CPU, tests/test_estimate.py). Gradients and the optimizer's state take the
+  parameter dtype (``optimizer_state_bytes``): AdamW and LAMB two moments and a 4-byte step
+  counter per tensor, LARS one momentum, Muon one momentum for its matrices and AdamW's
+  two moments and counter for the rest.
+- optimizer step transient: Muon orthogonalises one whole matrix at a time; under FSDP or
+  TP its update is first gathered (``muon.orthogonalisation_bytes``: the largest Muon
+  matrix of the rank, gathered in the parameter dtype, and Newton-Schulz's bf16 working
+  set). The other optimizers' per-tensor temporaries are not counted.
 - compute-dtype weight copies: under mixed precision FSDP2/replicate hold the bf16
   unsharded parameters (at dp = 1 too: no autocast, see data_parallel.needs_wrapper): every local
   parameter for ddp and zero2 (zero2 keeps them from forward to backward), the root and two
@@ -36,12 +42,14 @@ Parts (bytes per GPU, for the pipeline rank that needs the most):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pretrain.budget import count_params
 from pretrain.config import Config
 from pretrain.hardware.gpus import GIB, GpuSpec
 from pretrain.model import padded_vocab_size
+from pretrain.muon import muon_matrix, orthogonalisation_bytes
 from pretrain.parallel.data_parallel import needs_wrapper
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.pipeline import stage_indices, stage_layers
@@ -53,7 +61,7 @@ from pretrain.planning.activations import (
     layer_bytes,
     live_recv_buffers,
 )
-from pretrain.planning.params import StageParams, rank_params
+from pretrain.planning.params import StageParams, inventory, rank_params
 from pretrain.precision import dtype_bytes
 
 # PipelineStep (step_strategy.py) calls schedule.step(..., return_outputs=False): no logits kept
@@ -61,14 +69,15 @@ KEEPS_PIPELINE_OUTPUTS = False
 FRAGMENTATION = 0.10
 
 PARTS = (
-    "parameters", "gradients", "optimizer state", "compute-dtype weight copies",
+    "parameters", "gradients", "optimizer state", "optimizer step transient",
+    "compute-dtype weight copies",
     "gradient buffers", "activations", "logits and loss", "backward transient",
     "pipeline buffers", "fp8 scaling state", "CUDA context + NCCL", "allocator fragmentation",
 )
 
 
 # What parallel.offload=params keeps in host memory instead (FSDP2's CPUOffloadPolicy).
-OFFLOADED = ("parameters", "gradients", "optimizer state")
+OFFLOADED = ("parameters", "gradients", "optimizer state", "optimizer step transient")
 
 
 @dataclass
@@ -197,6 +206,30 @@ def _weights_and_grad_buffers(cfg: Config, layout: Layout, sp: StageParams
     return weights, buffers
 
 
+def optimizer_state_bytes(name: str, sp: StageParams, pb: int) -> int:
+    """Bytes of ``optim.name``'s state for the parameters ``sp`` (``pb`` bytes each): what
+    torch's AdamW (and trust_ratio.Lamb, which keeps the same) and Muon's momentum hold."""
+    if name == "lars":
+        return pb * sp.local
+    adam_local, adam_tensors = sp.local, sp.n_tensors
+    muon = 0
+    if name == "muon":
+        muon = pb * sp.muon_local
+        adam_local, adam_tensors = sp.local - sp.muon_local, sp.n_tensors - sp.n_muon
+    return muon + 2 * pb * adam_local + 4 * adam_tensors
+
+
+def _optimizer_transient(cfg: Config, layout: Layout, sp: StageParams, pb: int) -> float:
+    """Muon's one matrix at a time: gathered when FSDP or TP shards it over more than one
+    rank (every block matrix is TP-sharded; on a mesh of one rank ``full_tensor`` returns
+    the shard itself, no copy: measured), then orthogonalised in bf16."""
+    if cfg.optim.name != "muon" or not sp.muon_largest:
+        return 0.0
+    fsdp = layout.dp_mode in ("zero2", "zero3") and layout.dp_shard > 1
+    gathered = pb if fsdp or layout.tp > 1 else 0
+    return float(orthogonalisation_bytes(sp.muon_largest, gathered))
+
+
 def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda") -> RankMemory:
     prec = cfg.precision
     pb = dtype_bytes(prec.param_dtype)
@@ -215,7 +248,8 @@ def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda")
     parts = {
         "parameters": pb * sp.local,
         "gradients": grads,
-        "optimizer state": 2 * pb * sp.local + 4 * sp.n_tensors,
+        "optimizer state": optimizer_state_bytes(cfg.optim.name, sp, pb),
+        "optimizer step transient": _optimizer_transient(cfg, layout, sp, pb),
         "compute-dtype weight copies": weights,
         "gradient buffers": buffers,
         "activations": saved,
@@ -242,7 +276,16 @@ def estimate_memory(cfg: Config, layout: Layout, gpu: GpuSpec | None = None,
 
 def checkpoint_bytes(cfg: Config) -> float:
     """Bytes of one checkpoint on disk: every stored parameter (padded vocabulary rows
-    included) in the parameter dtype, and AdamW's two moments of the same size (the
-    estimate's "parameters" and "optimizer state", summed over the whole model)."""
+    included) in the parameter dtype, and the optimizer's moments in the same dtype (the
+    estimate's "parameters" and "optimizer state", summed over the whole model): two per
+    parameter for AdamW and LAMB, one for LARS, one for Muon's matrices and two for the
+    rest under Muon."""
     counts = count_params(cfg.model)
-    return 3.0 * dtype_bytes(cfg.precision.param_dtype) * (counts.total + counts.padding)
+    n, pb = counts.total + counts.padding, dtype_bytes(cfg.precision.param_dtype)
+    if cfg.optim.name == "lars":
+        return 2.0 * pb * n
+    if cfg.optim.name == "muon":
+        matrices = sum(math.prod(p.shape) for p in inventory(cfg.model)
+                       if muon_matrix(p.name, p.shape))
+        return pb * (3.0 * n - matrices)
+    return 3.0 * pb * n

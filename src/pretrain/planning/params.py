@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from pretrain.config import ModelConfig
+from pretrain.muon import muon_matrix
 from pretrain.parallel.data_parallel import shard_dim
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.pipeline import stage_indices, stage_layers
@@ -115,6 +116,9 @@ class StageParams:
     root: int
     n_tensors: int  # parameter tensors (Adam keeps a step counter for each)
     n_linear: int  # Linear weights inside blocks (fp8 converts these)
+    muon_local: int = 0  # of ``local``, the matrices optim=muon gives Muon (muon.muon_matrix)
+    n_muon: int = 0  # how many tensors those are
+    muon_largest: tuple[int, ...] = ()  # the whole (global) shape of the largest of them
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,9 @@ class _Sum:
     matmul: int = 0
     n_tensors: int = 0
     n_linear: int = 0
+    muon: int = 0
+    n_muon: int = 0
+    muon_largest: tuple[int, ...] = ()
 
     def add(self, p: Param, tp: int, tp_rank: int, dp_shard: int, sharded: bool, ep: int
             ) -> _Sum:
@@ -136,9 +143,12 @@ class _Sum:
             full = math.prod(shape)
             local = fsdp_numel(shape, dp_shard) if sharded else full
         linear = p.matmul and p.layer is not None and p.name.endswith("weight")
+        muon = muon_matrix(p.name, p.shape)
+        largest = max(self.muon_largest, p.shape, key=math.prod) if muon else self.muon_largest
         return _Sum(self.local + local, self.unsharded + full,
                     self.matmul + (full if p.matmul else 0), self.n_tensors + 1,
-                    self.n_linear + linear)
+                    self.n_linear + linear, self.muon + (local if muon else 0),
+                    self.n_muon + muon, largest)
 
 
 def rank_params(model: ModelConfig, layout: Layout, pp_rank: int = 0, tp_rank: int = 0
@@ -212,7 +222,9 @@ def _rank_params(fields: tuple, tp: int, tp_rank: int, dp_shard: int, sharded: b
              for s in stages] + blocks
     total = _Sum(*(sum(getattr(part, f) for part in parts) for f in ("local", "unsharded",
                                                                       "matmul", "n_tensors",
-                                                                      "n_linear")))
+                                                                      "n_linear", "muon",
+                                                                      "n_muon")),
+                 muon_largest=max((part.muon_largest for part in parts), key=math.prod))
     root = parts[:len(stages)]
     return StageParams(
         local=total.local,
@@ -223,4 +235,7 @@ def _rank_params(fields: tuple, tp: int, tp_rank: int, dp_shard: int, sharded: b
         root=sum(r.unsharded for r in root),
         n_tensors=total.n_tensors,
         n_linear=total.n_linear,
+        muon_local=total.muon,
+        n_muon=total.n_muon,
+        muon_largest=total.muon_largest,
     )

@@ -158,7 +158,7 @@ def format_plan(p: dict) -> str:
                      + ", ".join(f"{k} {v:.2f}" for k, v in p["host_memory_gib"].items())
                      + f"); {p['offload_transfer_gb']:,.1f} GB over PCIe and the optimizer "
                      f"step on the host: {p['offload_seconds']:.3g} s per step (model)")
-    lines.append(f"one checkpoint on disk: {p['checkpoint_gib']:,.2f} GiB (weights and AdamW "
+    lines.append(f"one checkpoint on disk: {p['checkpoint_gib']:,.2f} GiB (weights and optimizer "
                  "state; a run checks for this much free space before it starts)")
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
     lines.append(f"verdict: {verdict} ({p['memory_total_gib']:.1f} / {p['gpu_memory_gib']:g} GiB)")
