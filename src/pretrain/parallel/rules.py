@@ -183,12 +183,22 @@ def ep_problems(cfg: Config, dp: int) -> list[str]:
     return p
 
 
-def offload_problems(par: ParallelConfig) -> list[str]:
-    """Offloading is FSDP2's (``CPUOffloadPolicy``): it needs FSDP, not DDP's replicate."""
-    if par.offload == "params" and par.dp_mode == "ddp":
-        return ["parallel.offload=params moves FSDP2's parameter shards to host memory; DDP "
-                "(parallel.dp_mode=ddp) has none: set parallel.dp_mode=zero3"]
-    return []
+def offload_problems(cfg: Config) -> list[str]:
+    """Offloading is FSDP2's (``CPUOffloadPolicy``): it needs FSDP, not DDP's replicate,
+    and an optimizer whose step is elementwise (AdamW): the others reduce whole-tensor norms
+    (LAMB, LARS) or gather whole matrices (Muon) over the mesh, which NCCL cannot do for
+    the host-resident shards."""
+    par, p = cfg.parallel, []
+    if par.offload != "params":
+        return p
+    if par.dp_mode == "ddp":
+        p.append("parallel.offload=params moves FSDP2's parameter shards to host memory; DDP "
+                 "(parallel.dp_mode=ddp) has none: set parallel.dp_mode=zero3")
+    if cfg.optim.name != "adamw":
+        p.append(f"parallel.offload=params runs the optimizer step on the host, where "
+                 f"optim={cfg.optim.name}'s whole-tensor norms or gathers over the mesh cannot "
+                 f"run (NCCL reduces GPU tensors only): use optim=adamw or parallel.offload=none")
+    return p
 
 
 def layout_problems(cfg: Config, world_size: int) -> list[str]:
@@ -206,7 +216,7 @@ def layout_problems(cfg: Config, world_size: int) -> list[str]:
     p += pipeline_problems(cfg, dp)
     p += dp_mode_problems(par, dp)
     p += ep_problems(cfg, dp)
-    p += offload_problems(par)
+    p += offload_problems(cfg)
     if par.ac_every_n_layers < 0:
         p.append(f"parallel.ac_every_n_layers={par.ac_every_n_layers} must be >= 0")
     return p
