@@ -41,14 +41,8 @@ def trust_ratio(w: torch.Tensor, update: torch.Tensor, coefficient: float = 1.0
     return torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
 
 
-class Lamb(torch.optim.Optimizer):
-    """LAMB: AdamW's update (bias-corrected moments, decoupled decay) times the trust ratio
-    ``||w|| / ||update||`` of each tensor (You et al. 2020, Algorithm 2)."""
-
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.0, trust_ratio: bool = True):
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
-                                  "weight_decay": weight_decay, "trust_ratio": trust_ratio})
+class _PerTensor(torch.optim.Optimizer):
+    """An optimizer whose step is one rule applied to each tensor with a gradient."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -61,6 +55,19 @@ class Lamb(torch.optim.Optimizer):
                 if p.grad is not None:
                     self._update(p, group)
         return loss
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        raise NotImplementedError
+
+
+class Lamb(_PerTensor):
+    """LAMB: AdamW's update (bias-corrected moments, decoupled decay) times the trust ratio
+    ``||w|| / ||update||`` of each tensor (You et al. 2020, Algorithm 2)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.0, trust_ratio: bool = True):
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
+                                  "weight_decay": weight_decay, "trust_ratio": trust_ratio})
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
         (beta1, beta2), state = group["betas"], self.state[p]
@@ -81,7 +88,7 @@ class Lamb(torch.optim.Optimizer):
         p.add_(update, alpha=-group["lr"])
 
 
-class Lars(torch.optim.Optimizer):
+class Lars(_PerTensor):
     """LARS: SGD with momentum on ``g + wd w`` scaled by the local LR
     ``eta ||w|| / ||g + wd w||`` of each tensor (You et al. 2017; the form of NVIDIA's
     LARC and timm's Lars: the ratio multiplies the gradient before the momentum)."""
@@ -92,18 +99,6 @@ class Lars(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
                                   "trust_coefficient": trust_coefficient,
                                   "trust_ratio": trust_ratio})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
-        return loss
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
