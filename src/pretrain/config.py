@@ -212,6 +212,11 @@ class ParallelConfig:
     # count, or pipeline microbatches) are global_batch_size / (micro_batch_size * dp).
     micro_batch_size: int = 8
     sequence_parallel: bool = False
+    # Async TP (torchtitan's enable_async_tensor_parallel, torch's micro-pipelined TP): the
+    # compiler splits each sequence-parallel all-gather + matmul and matmul + reduce-scatter
+    # into steps whose transfers (symmetric memory, CUDA only) overlap the partial matmuls,
+    # as Megatron-LM's --tp-comm-overlap does. Needs tp > 1, sequence_parallel, train.compile.
+    async_tp: bool = False
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     # selective only: 0 recomputes the attention core of every block; n > 0 checkpoints
     # every n-th block whole instead.
