@@ -183,8 +183,7 @@ def format_plan(p: dict) -> str:
         f" {p['gpu_hours']:,.0f} GPU-hours",
         f"cost model (kernels at the GPU type's calibrated efficiency, stated link and "
         f"overlap assumptions): {sm['total']:.4g} s/step, MFU {sm['mfu']:.0%} of the bf16 "
-        f"peak, {p['time_days_at_model_bound']:.2f} days",
-        "  per step: " + _cost_parts(sm),
+        f"peak, {p['time_days_at_model_bound']:.2f} days\n  per step: " + _cost_parts(sm),
     ]
     return "\n".join(lines)
 
