@@ -38,24 +38,29 @@ class Collected:
     stable: list[str]  # runs left out: they never decayed
 
 
+def _cooled(root: Path) -> tuple[dict[str, dict | None], list[str]]:
+    """Under ``root``: {point name: its branch record or None} of the runs that cooled
+    down, and the run directories that never did."""
+    keep, stable = {}, []
+    for run_dir, plan, result in finished_runs(root):
+        name = str(run_dir.relative_to(root)) if run_dir != root else root.name
+        if cooled_down(plan, result):
+            keep[name] = result.get("branch")
+        else:
+            stable.append(str(run_dir))
+    return keep, stable
+
+
 def collect_cooldowns(roots: Sequence[Path | str]) -> Collected:
     """Every finished run under ``roots`` that cooled down, as an (N, D) point (N the plan's
     active parameters, D the tokens it trained, counted from the start of its source for a
     branch), and which of them are branches."""
     points, branches, stable = [], {}, []
     for root in map(Path, roots):
-        keep = {}
-        for run_dir, plan, result in finished_runs(root):
-            name = str(run_dir.relative_to(root)) if run_dir != root else root.name
-            if not cooled_down(plan, result):
-                stable.append(str(run_dir))
-                continue
-            keep[name] = result.get("branch")
-        for p in collect_runs(root):
-            if p.name in keep:
-                points.append(p)
-                if keep[p.name]:
-                    branches[p.name] = keep[p.name]
+        keep, left_out = _cooled(root)
+        stable += left_out
+        points += [p for p in collect_runs(root) if p.name in keep]
+        branches.update({name: b for name, b in keep.items() if b})
     return Collected(points, branches, stable)
 
 
