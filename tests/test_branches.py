@@ -169,6 +169,12 @@ def test_refused_sources(compose, runs):
     assert "no complete checkpoint at or before step 4" in msg
     msg = branch_error(compose, runs, [f"checkpoint.branch_from={src}"], name="source/sub")
     assert "never writes into its source" in msg
+    cosine = runs["root"] / "cosine"  # a run whose LR decays from its warmup on
+    run(compose(runs["common"] + ["schedule=cosine", "schedule.decay_shape=linear",
+                                  "budget=steps", "budget.steps=4", "checkpoint.enabled=true"]),
+        cosine)
+    msg = branch_error(compose, runs, [f"checkpoint.branch_from={cosine}"])
+    assert "schedule.decay=cosine" in msg and "no stable phase" in msg
 
 
 def test_refused_configs(compose, tmp_path):
