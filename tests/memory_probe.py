@@ -39,6 +39,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under a DTensor or a functional collective's pending result."""
+    while type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        inner = getattr(t, "_local_tensor", None)
+        if inner is None:
+            inner = getattr(t, "elem", None)
+        if inner is None:
+            return t
+        t = inner
+    return t
+
+
 def state_bytes(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict:
     seen, pbytes = set(), 0
     for p in params:
@@ -67,11 +79,11 @@ class ActivationTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         copy = (func is torch.ops.aten._to_copy.default
-                and args[0].untyped_storage().data_ptr() in self.ignore)
+                and _plain(args[0]).untyped_storage().data_ptr() in self.ignore)
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
-            st = t.untyped_storage()
+            st = _plain(t).untyped_storage()  # a DTensor's local shard (TP)
             ptr = st.data_ptr()
             if ptr in self.ignore or st.nbytes() == 0:
                 continue
@@ -144,6 +156,36 @@ def _world(spec: dict) -> dict:
     optimizer = build_optimizer(torch.nn.ModuleList(pm.parts), cfg.optim, 1e-3, device)
     optimizer.step()
     return {**state_bytes(pm.parameters(), optimizer), "pp_rank": mesh.pp.get_local_rank()}
+
+
+def sp_blocks_saved(spec: dict) -> dict:
+    """Bytes the transformer blocks of tensor-parallel rank 0 keep after their forward under
+    sequence parallelism (TP 2 on a fake process group, bf16), with ``none`` checkpointing
+    as parallel/apply.py applies it (``sp_policy``) or DTensor's own saving (without)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from pretrain.config import ModelConfig
+    from pretrain.model import GPT, set_attention_backend
+    from pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
+    from pretrain.parallel.tensor_parallel import apply_tensor_parallel
+
+    t = spec["tp"]
+    dist.init_process_group("fake", rank=0, world_size=t, store=FakeStore())
+    cfg = ModelConfig(**spec["model"])
+    model = GPT(cfg).to(torch.bfloat16)
+    set_attention_backend(model, "sdpa")
+    apply_tensor_parallel(model, init_device_mesh("cpu", (t,)), sequence_parallel=True)
+    apply_activation_checkpointing(model.layers, "none", 0, spec["sp_policy"])
+    x = torch.randn(spec["micro_batch"], cfg.seq_len // t, cfg.d_model, dtype=torch.bfloat16,
+                    requires_grad=True)
+    tracker = ActivationTracker([x, *(_plain(t) for t in [*model.parameters(),
+                                                         *model.buffers()])])
+    with tracker:
+        for block in model.layers.values():
+            x = block(x, None)
+    return {"saved": sum(d for d, _ in tracker.events) - x.numel() * x.element_size()}
 
 
 def forked(spec: dict, fn=None) -> str:

@@ -103,3 +103,33 @@ def test_policy_recomputes_the_linears_the_planner_names(cfg):
     a = ActivationSetup(micro_batch=2, device="cpu", autocast=False)
     kept = " ".join(n for n in names if n not in recomputed)
     assert f"saved matmul outputs ({kept})" in op_selective_terms(cfg, a)
+
+
+def test_sequence_parallel_none_keeps_shards_the_planner_counts():
+    """Under TP 2 with SP, ``none`` keeps the gathered Linear inputs as shards: what the
+    blocks of a rank hold after forward equals the planner's ``layer_bytes`` (the
+    column-parallel outputs, attention output and log-sum-exp, reduce-scatter outputs,
+    block input), and is less than half of what DTensor's own saving holds (measured here
+    111,616 against 255,488 bytes)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pretrain.planning.activations import layer_bytes
+
+    model = dict(n_layer=2, n_head=4, n_kv_head=2, d_model=64, seq_len=32, vocab_size=128,
+                 pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    specs = [{"tp": 2, "micro_batch": 2, "model": model, "sp_policy": p} for p in (True, False)]
+    code = ("import json, sys; sys.path.insert(0, 'tests'); import memory_probe as m; "
+            "[print(m.forked(s, m.sp_blocks_saved), flush=True) for s in json.loads(sys.argv[1])]")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(specs)], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).parents[1])
+    sharded, gathered = (json.loads(line) for line in proc.stdout.splitlines())
+    assert "error" not in sharded and "error" not in gathered, proc.stdout + proc.stderr[-2000:]
+    cfg = ModelConfig(**model)
+    a = ActivationSetup(micro_batch=2, tp=2, sequence_parallel=True, sp_saves_gathered=False,
+                        autocast=False)
+    planned = cfg.n_layer * layer_bytes(cfg, a, "none")
+    assert sharded["saved"] == pytest.approx(planned, rel=0.1), (sharded, planned)
+    assert sharded["saved"] < 0.5 * gathered["saved"], (sharded, gathered)

@@ -16,6 +16,8 @@ layouts of Korthikanti et al. 2022 Table 3 / the MLPerf reference and Narayanan 
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import subprocess
@@ -236,19 +238,22 @@ def test_itemised_layer_reproduces_korthikanti_with_megatron_kernels(t, sp, ac):
 
 def test_this_repo_gpt3_175b_layer_on_cuda():
     """What this repository's model stores per layer for GPT-3 175B at tp=8 + SP in bf16 at
-    dp = 1 on CUDA. Without checkpointing 7.5 sbh: no autocast (FSDP2 casts the parameters
-    on every layout), so the norm input is the bf16 residual stream, SP-sharded, and one
-    bf16 norm output serves wq/wk/wv; DTensor sequence parallelism keeps the gathered norm
-    outputs (2 + 2 sbh). Op-level selective: 2.5 sbh against Megatron's 4.25 (block input
-    0.25, wq/wv/w1 outputs 1.5, attention output 0.25, the two reduce-scatter outputs 0.5;
-    the gathered inputs are gathered again in backward)."""
+    dp = 1 on CUDA. DTensor sequence parallelism alone would keep 7.5 sbh: no autocast
+    (FSDP2 casts the parameters on every layout), so the norm input is the bf16 residual
+    stream, SP-sharded, and one bf16 norm output serves wq/wk/wv, but the gathered norm
+    outputs are kept whole (2 + 2 sbh). ``none`` keeps them as shards (its SP policy):
+    2.75 sbh (block input 0.25, wq/wk/wv/w1 outputs 1.75, attention output 0.25, the two
+    reduce-scatter outputs 0.5), against Megatron's 34/8 = 4.25. Op-level selective: 2.5
+    sbh (wq/wv/w1 outputs 1.5)."""
     cfg = make_cfg(dict(NANO, n_layer=96, n_head=96, d_model=12288, seq_len=2048,
                         vocab_size=50304), gbs=64, tp=8, pp=8, dp=1, micro_batch_size=1,
                    sequence_parallel=True, activation_checkpointing="selective")
     a = activation_setup(cfg, resolve_layout(cfg, 64), device="cuda")
     assert not a.autocast and a.residual_bytes == 2 and not a.norm_copies
-    assert layer_bytes(cfg.model, a, "none") == pytest.approx(7.5 * SBH, rel=1e-3)
-    terms = layer_terms(cfg.model, a)
+    assert layer_bytes(cfg.model, a, "none") == pytest.approx(2.75 * SBH, rel=2e-3)  # + lse
+    gathered = dataclasses.replace(a, sp_saves_gathered=True)
+    assert layer_bytes(cfg.model, gathered, "none") == pytest.approx(7.5 * SBH, rel=1e-3)
+    terms = layer_terms(cfg.model, gathered)
     assert terms["attention input (norm output)"] == 2 * SBH  # one copy, gathered
     assert terms["norm inputs (residual stream)"] == 2 * 2 * SBH / 8  # bf16, SP-sharded
     assert layer_bytes(cfg.model, a, "selective") == pytest.approx(2.5 * SBH, rel=2e-3)  # + lse
@@ -285,14 +290,15 @@ def test_megatron_gpt3_175b_layout_among_auto_candidates_1024_gpus():
     """Narayanan et al. 2021 (Megatron-LM, SC21) estimate GPT-3 175B on 1024 A100s at batch
     1536 (34 days); their Table 1 runs the GPT-3-width rows (145.6B, 310.1B) with tp=8 and
     pp=8 or 16 (recalled from the paper, not re-checked here). Both (8, 8, 16) and
-    (8, 16, 8) fit and are predicted within 6% of the fastest candidate (with bf16 norms and
-    residual stream the planner's best is tp=4, which fits now too: 4.5-5.3% faster by its
-    model, the exposed TP collectives being the difference; its DP group has two ranks a
-    node, whose rings use two NIC rails)."""
+    (8, 16, 8) fit and are predicted within 10% of the fastest candidate. The planner's
+    best is tp=4 (7-8% faster by its model): with bf16 norms and residual stream and
+    sequence-parallel inputs kept as shards it fits without recomputation, its TP
+    collectives (exposed: no async TP here) are half tp=8's, and its DP group has two ranks
+    a node, whose rings use two NIC rails."""
     _, cands = choose_layout(gpt3_175b(1536), 1024, "a100-80gb", top=40)
     best = min(c.cost.total for c in cands)
     shapes = {(c.layout.tp, c.layout.pp, c.layout.dp) for c in cands
-              if c.fits and c.cost.total <= 1.06 * best}
+              if c.fits and c.cost.total <= 1.10 * best}
     assert (8, 8, 16) in shapes and (8, 16, 8) in shapes, shapes
 
 

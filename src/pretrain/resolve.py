@@ -97,7 +97,8 @@ def describe_run(cfg: Config, world_size: int, budget: Budget) -> dict:
         "compile": cfg.train.compile,
         "layout": resolve_layout(cfg, world_size).as_dict(),
         "activation_checkpointing": describe_checkpointing(
-            cfg.model, cfg.parallel.activation_checkpointing, cfg.parallel.ac_every_n_layers),
+            cfg.model, cfg.parallel.activation_checkpointing, cfg.parallel.ac_every_n_layers,
+            cfg.parallel.sequence_parallel and cfg.parallel.tp > 1),
         "model": cfg.model.name,
         "data": cfg.data.name,
         **check_epochs(cfg.data, budget.tokens),

@@ -10,7 +10,13 @@ torchtitan it saves every other matmul of a block only (``recomputed_linears``: 
 MLP's second Linear are recomputed), which is where most of the memory goes. Under sequence
 parallelism the all-gathered Linear inputs are not kept either: backward gathers them again,
 as Megatron-LM does. With ``parallel.ac_every_n_layers=n`` selective instead checkpoints every
-n-th block whole. All are non-reentrant ``torch.utils.checkpoint``: results are bit-identical
+n-th block whole. ``none`` under sequence parallelism checkpoints too, with a policy that
+keeps the column-parallel matmuls' outputs (wq, wk, wv, w1, w3), the attention kernel's and
+the reduce-scatters': so the gathered Linear inputs are kept as their sequence shards and
+backward gathers them again, as Megatron-LM does (Korthikanti et al. 2022, section 4.2.2).
+The norms, rotary embeddings and activations run again from what is kept, and in eager mode
+the attention output projection too (its output is a reduce-scatter's input); compiled, the
+partitioner drops what no gradient needs. All are non-reentrant ``torch.utils.checkpoint``: results are bit-identical
 to no checkpointing.
 
 Checkpointing goes on before ``torch.compile`` (torchtitan's order), so each block compiles
@@ -67,24 +73,38 @@ def recomputed_linears(cfg: ModelConfig) -> list[str]:
     return block_linears(cfg)[1::2]
 
 
-def describe(cfg: ModelConfig, mode: str, every_n: int) -> str:
+def describe(cfg: ModelConfig, mode: str, every_n: int, sequence_parallel: bool = False) -> str:
     """What ``parallel.activation_checkpointing`` does for this model, for plans and logs."""
     if mode == "selective" and every_n > 0:
         return f"selective: every {every_n}th block checkpointed whole"
     if mode == "selective":
         return ("selective (op-level): matmul, attention and reduce-scatter outputs saved, "
                 "elementwise ops and " + ", ".join(recomputed_linears(cfg)) + " recomputed")
+    if mode == "none" and sequence_parallel:
+        return ("none (sequence parallelism: " + ", ".join(sequence_parallel_kept(cfg)) +
+                " outputs kept, their gathered inputs saved as shards and gathered again in "
+                "backward, elementwise ops recomputed)")
     return {"full": "full: each block recomputed in backward"}.get(mode, mode)
 
 
-def _policy(save: set):
+def sequence_parallel_kept(cfg: ModelConfig) -> list[str]:
+    """The Linears whose outputs ``none`` keeps under sequence parallelism: the
+    column-parallel ones (their inputs are what SP gathers)."""
+    return [n for n in block_linears(cfg) if n not in ROW_PARALLEL]
+
+
+ROW_PARALLEL = ("wo", "w2")  # parallel/tensor_parallel.ROWWISE, by their short names
+
+
+def _policy(save: set, keep_matmul=lambda i: i % 2 == 0):
+    """``keep_matmul(i)``: whether the i-th matmul of a block (from 0) is kept."""
     counts: dict[str, int] = defaultdict(int)
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func in MATMULS:
             key = "recompute" if ctx.is_recompute else "forward"
+            keep = keep_matmul(counts[key])
             counts[key] += 1
-            keep = counts[key] % 2 == 1
         else:
             keep = func in save
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
@@ -96,6 +116,17 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_policy(_save_list()))
 
 
+def _sharded_inputs_context(block: nn.Module):
+    """The ``none`` policy under sequence parallelism for ``block`` (its Linears' order)."""
+    names = [n for n in LINEAR_ORDER if n != "w3" or block.mlp.w3 is not None]
+    keep = {i for i, n in enumerate(names) if n not in ROW_PARALLEL}
+
+    def context():
+        return create_selective_checkpoint_contexts(_policy(_save_list(), keep.__contains__))
+
+    return context
+
+
 def checkpoint_blocks(layers: nn.ModuleDict, every_n: int = 1, selective: bool = False) -> None:
     """Wrap the blocks whose global index i has (i + 1) % every_n == 0 (all when 1);
     ``selective``: with the op-level policy (a fresh matmul count per block and pass)."""
@@ -105,12 +136,19 @@ def checkpoint_blocks(layers: nn.ModuleDict, every_n: int = 1, selective: bool =
             layers[key] = checkpoint_wrapper(layers[key], **kwargs)
 
 
-def apply_activation_checkpointing(layers: nn.ModuleDict, mode: str, every_n: int) -> None:
-    """Before compile: the compiled block then holds the checkpoint region."""
+def apply_activation_checkpointing(layers: nn.ModuleDict, mode: str, every_n: int,
+                                   sequence_parallel: bool = False) -> None:
+    """Before compile: the compiled block then holds the checkpoint region.
+    ``sequence_parallel``: the blocks run under TP with SP (``none`` then keeps shards)."""
     if mode == "full":
         checkpoint_blocks(layers)
     elif mode == "selective" and every_n > 0:
         checkpoint_blocks(layers, every_n)
     elif mode == "selective":
         checkpoint_blocks(layers, selective=True)
+    elif sequence_parallel:
+        for key in list(layers.keys()):
+            if not hasattr(layers[key], "moe"):  # TP refuses a mixture of experts
+                layers[key] = checkpoint_wrapper(
+                    layers[key], context_fn=_sharded_inputs_context(layers[key]))
 

@@ -154,7 +154,8 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
         # graph with its checkpoint region inside (fullgraph=True: a graph break is an
         # error, not a silent slowdown), the selective policy applied by the partitioner.
         apply_activation_checkpointing(part.layers, layout.activation_checkpointing,
-                                       cfg.parallel.ac_every_n_layers)
+                                       cfg.parallel.ac_every_n_layers,
+                                       mesh is not None and layout.sequence_parallel)
         if cfg.train.compile:  # regional: each block once, the same code for all of them
             for block in part.layers.values():
                 compile_block(block, expert_parallel=mesh is not None and mesh.ep is not None)

@@ -25,8 +25,10 @@ which differs from Megatron-LM in ways that matter at scale:
   autocast, so the embedding output and every residual add are fp32: norm inputs and
   checkpointed block inputs cost 4 bytes per element instead of 2.
 - Sequence parallel with DTensor: ``PrepareModuleInput`` all-gathers the norm output and the
-  column-parallel linears save the gathered (full-sequence) tensor; Megatron saves the shard
-  and gathers again in backward. So the attention and MLP inputs are not divided by t.
+  column-parallel linears would save the gathered (full-sequence) tensor; Megatron saves the
+  shard and gathers again in backward. Every mode here keeps shards (``none`` under SP is a
+  checkpoint policy too: parallel/activation_checkpoint.py), so ``sp_saves_gathered`` is
+  only the accounting of DTensor without it.
 - No dropout (the presets' default): no masks.
 
 Pipeline in-flight microbatches per rank (each holding the rank's layers once):
@@ -44,7 +46,11 @@ from dataclasses import dataclass
 from pretrain.config import ModelConfig
 from pretrain.loss import chunk_rows, is_chunked
 from pretrain.model import ffn_token_width, padded_vocab_size
-from pretrain.parallel.activation_checkpoint import block_linears, recomputed_linears
+from pretrain.parallel.activation_checkpoint import (
+    block_linears,
+    recomputed_linears,
+    sequence_parallel_kept,
+)
 
 
 @dataclass(frozen=True)
@@ -130,16 +136,18 @@ def linear_out_features(m: ModelConfig, name: str) -> int:
             }.get(name, m.d_model)
 
 
-def op_selective_terms(m: ModelConfig, a: ActivationSetup) -> dict[str, float]:
+def op_selective_terms(m: ModelConfig, a: ActivationSetup,
+                       kept: list[str] | None = None) -> dict[str, float]:
     """What op-level selective checkpointing keeps of one block
     (parallel/activation_checkpoint.py): the block input, the outputs of every other
-    matmul (``recomputed_linears`` names the rest), the fused attention kernel's output
-    and log-sum-exp, and under sequence parallelism the two reduce-scatter outputs. The
-    row-parallel matmuls (wo, w2) output the full sequence before their reduction."""
+    matmul (``recomputed_linears`` names the rest; ``kept``: these Linears' instead), the
+    fused attention kernel's output and log-sum-exp, and under sequence parallelism the two
+    reduce-scatter outputs. The row-parallel matmuls (wo, w2) output the full sequence
+    before their reduction."""
     s, b, h, t, e = m.seq_len, a.micro_batch, m.d_model, a.tp, a.compute_bytes
     sb, seq_div = s * b, (t if a.sequence_parallel else 1)
     recomputed = set(recomputed_linears(m))
-    saved = [n for n in block_linears(m) if n not in recomputed]
+    saved = kept if kept is not None else [n for n in block_linears(m) if n not in recomputed]
     terms = {"block input (residual stream)": a.residual_bytes * sb * h / seq_div}
     terms["saved matmul outputs (" + " ".join(saved) + ")"] = sum(
         e * sb * linear_out_features(m, n) / (1 if n in ("wo", "w2") else t) for n in saved)
@@ -160,6 +168,9 @@ def layer_bytes(m: ModelConfig, a: ActivationSetup, checkpointing: str) -> float
             a.tp if a.sequence_parallel else 1)
     if checkpointing == "selective" and a.attention != "megatron":
         return sum(op_selective_terms(m, a).values())
+    if (checkpointing == "none" and a.sequence_parallel and not a.sp_saves_gathered
+            and a.attention != "megatron"):
+        return sum(op_selective_terms(m, a, sequence_parallel_kept(m)).values())
     terms = layer_terms(m, a)
     if checkpointing == "selective":
         for key in attention_core_terms(m, a):
@@ -191,8 +202,9 @@ def head_and_loss(m: ModelConfig, a: ActivationSetup) -> tuple[float, float]:
     s, b, h, t = m.seq_len, a.micro_batch, m.d_model, a.tp
     n, vocab = s * b, padded_vocab_size(m) / t
     seq_div = t if a.sequence_parallel else 1
-    in_div = t if a.sequence_parallel and not a.sp_saves_gathered else 1
-    saved = norm_saved_bytes(m, a) * n * h / seq_div + a.compute_bytes * n * h / in_div
+    # the head's input is gathered from the sequence shards and saved whole (no policy
+    # runs outside the blocks)
+    saved = norm_saved_bytes(m, a) * n * h / seq_div + a.compute_bytes * n * h
     saved += 16 * n  # int64 tokens and targets
     chunk = chunk_rows(padded_vocab_size(m))
     if not is_chunked(n, padded_vocab_size(m), vocab_sharded=t > 1):

@@ -141,6 +141,16 @@ def _selective_recompute(cfg: Config, block_fwd: float) -> float:
                and q.matmul and q.name.split(".")[-2] in names)
 
 
+def _sp_recompute(cfg: Config, layout: Layout) -> float:
+    """Forward FLOPs per token ``none`` re-runs under sequence parallelism: eager, the
+    attention output projection (its output feeds a kept reduce-scatter); compiled,
+    nothing (the partitioner recomputes only what a gradient needs)."""
+    if not layout.sequence_parallel or layout.tp == 1 or cfg.train.compile:
+        return 0.0
+    return sum(2 * math.prod(q.shape) for q in inventory(cfg.model) if q.layer is not None
+               and q.matmul and q.name.split(".")[-2] == "wo")
+
+
 def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> StepCost:
     m, prec = cfg.model, cfg.precision
     t, p, d, mb = layout.tp, layout.pp, layout.dp, layout.microbatches
@@ -160,7 +170,7 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
     attn_fwd = 4 * m.n_layer * m.d_model * m.seq_len  # per token, forward only
     block_fwd = 2 * layer_matmul + attn_fwd
     extra = {"full": block_fwd, "selective": _selective_recompute(cfg, block_fwd),
-             "none": 0}[layout.activation_checkpointing] * tokens / world
+             "none": _sp_recompute(cfg, layout)}[layout.activation_checkpointing] * tokens / world
     compute = model_flops / peak
     if prec.fp8 and gpu.peak_flops("float8"):
         linear = 6 * layer_matmul * tokens / world
@@ -245,10 +255,10 @@ def _tp_traffic(cfg: Config, layout: Layout, gpu: GpuSpec) -> tuple[float, float
     act = dtype_bytes(cfg.precision.compute_dtype) * layout.micro_batch_size * m.seq_len * \
         m.d_model
     # recomputation repeats forward collectives: both under full, the SP all-gathers
-    # (not the saved reduce-scatters) under op-level selective
+    # (not the saved reduce-scatters) under op-level selective and under none with SP
+    # (which keeps the gathered inputs as shards)
     ac = layout.activation_checkpointing
-    per_block = 6 if ac == "full" else (
-        5 if ac == "selective" and layout.sequence_parallel else 4)
+    per_block = 6 if ac == "full" else (5 if layout.sequence_parallel else 4)
     layers = m.n_layer // layout.pp
     link, alpha = _link(gpu, t), _alpha(gpu, t)
     block = layers * mb * per_block * (2 * (t - 1) / t * act / link + alpha)

@@ -43,7 +43,7 @@ Parts (bytes per GPU, for the pipeline rank that needs the most):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pretrain.budget import count_params
 from pretrain.config import Config
@@ -59,6 +59,7 @@ from pretrain.planning.activations import (
     head_and_loss,
     inflight_chunks,
     layer_bytes,
+    layer_terms,
     live_recv_buffers,
 )
 from pretrain.planning.params import StageParams, inventory, rank_params
@@ -132,7 +133,7 @@ def activation_setup(cfg: Config, layout: Layout, device: str = "cuda") -> Activ
     return ActivationSetup(
         micro_batch=layout.micro_batch_size, tp=layout.tp,
         sequence_parallel=layout.sequence_parallel and layout.tp > 1, attention=attention,
-        compute_bytes=e, residual_bytes=e, norm_copies=False,
+        compute_bytes=e, residual_bytes=e, norm_copies=False, sp_saves_gathered=False,
         dropout=cfg.model.dropout, device=device, autocast=False,
     )
 
@@ -158,9 +159,12 @@ def _activations(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: int
     saved += chunks * 8 * m.seq_len * a.micro_batch if 0 in stages else 0.0  # token ids
     head, loss_transient = (head_and_loss(m, a) if layout.n_stages - 1 in stages else (0.0, 0.0))
     work = backward_working_bytes(m, a)
+    everything = layer_terms(m, replace(a, sp_saves_gathered=True))  # all a block makes
     if ac in ("full", "selective"):  # one block recomputed during its backward
-        work += layer_bytes(m, a, "none") - (layer_bytes(m, a, "selective")
-                                             if ac == "selective" and every == 0 else 0)
+        work += sum(everything.values()) - (layer_bytes(m, a, "selective")
+                                            if ac == "selective" and every == 0 else 0)
+    elif a.sequence_parallel:  # none keeps shards: the rest of one block made again
+        work += sum(everything.values()) - layer_bytes(m, a, "none")
     return saved, head, max(loss_transient, work)
 
 

@@ -90,9 +90,10 @@ def _vocab_note(cfg: Config) -> list[str]:
 
 
 def _selective_note(cfg: Config, layout: Layout) -> list[str]:
-    if layout.activation_checkpointing != "selective":
+    ac, sp = layout.activation_checkpointing, layout.sequence_parallel and layout.tp > 1
+    if ac == "full" or (ac == "none" and not sp):
         return []
-    return [describe_checkpointing(cfg.model, "selective", cfg.parallel.ac_every_n_layers)]
+    return [describe_checkpointing(cfg.model, ac, cfg.parallel.ac_every_n_layers, sp)]
 
 
 def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, run_plan: dict,

@@ -170,12 +170,14 @@ def cpu_stand_in(cfg: Config) -> Config:
     """``cfg`` as this CPU can run it with the same tensors: flash-attn (a GPU kernel) as
     SDPA, whose memory is also O(sequence); fp8 emulated (the same Float8Linear modules and
     shards); blocks eager (torch's memory tracker is a dispatch mode, which compile cannot
-    run under; the checkpoint policy, not compile, decides what is kept)."""
+    run under; the checkpoint policy, not compile, decides what is kept), so no async TP
+    (a compiler pass over the same collectives and matmuls)."""
     if cfg.model.attention == "flash":
         cfg = replace(cfg, model=replace(cfg.model, attention="sdpa"))
     if cfg.precision.fp8:
         cfg = replace(cfg, precision=replace(cfg.precision, fp8_allow_emulation=True))
-    return replace(cfg, train=replace(cfg.train, compile=False))
+    return replace(cfg, train=replace(cfg.train, compile=False),
+                   parallel=replace(cfg.parallel, async_tp=False))
 
 
 def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict:
