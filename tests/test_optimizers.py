@@ -223,6 +223,26 @@ def test_muon_on_one_process_is_torchs_muon():
     assert rms == pytest.approx(0.2, rel=0.35)  # O has RMS 1/sqrt(64), x 0.2 sqrt(64)
 
 
+@pytest.mark.parametrize("shape", [(48, 20), (20, 48)])
+def test_newton_schulz_in_float32_is_torchs_iteration(shape):
+    """optim.muon_ns_dtype=float32 runs torch's quintic iteration in fp32: it agrees with
+    the same iteration in float64 to fp32 rounding, with torch's bf16 one to bf16 rounding
+    (a different iteration would differ by O(1)), and leaves its input as it was."""
+    from pretrain.muon import newton_schulz
+
+    torch.manual_seed(0)
+    m = torch.randn(*shape)
+    before = m.clone()
+    group = torch.optim.Muon([torch.nn.Parameter(m)]).param_groups[0]
+    fp32 = newton_schulz(m, group, torch.float32)
+    fp64 = newton_schulz(m.double(), group, torch.float64)
+    bf16 = newton_schulz(m, group)  # torch's _zeropower_via_newtonschulz
+    assert fp32.dtype == torch.float32 and bf16.dtype == torch.bfloat16
+    assert ((fp32 - fp64).norm() / fp64.norm()).item() < 1e-5
+    assert 1e-4 < ((bf16.float() - fp32).norm() / fp32.norm()).item() < 3e-2
+    assert torch.equal(m, before)
+
+
 def test_muon_state_round_trips_through_state_dict():
     from pretrain.compose import compose_config
     from pretrain.model import GPT

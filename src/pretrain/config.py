@@ -51,6 +51,7 @@ ActivationCheckpointing = _choice("ActivationCheckpointing", "none selective ful
 LrScaling = _choice("LrScaling", "none sqrt linear")
 # optim.name: AdamW, LAMB and LARS (layer-wise trust ratios), Muon (with AdamW for the rest)
 OptimizerName = _choice("OptimizerName", "adamw lamb lars muon")
+NsDtype = _choice("NsDtype", "bfloat16 float32")  # optim.muon_ns_dtype
 HparamRule = _choice("HparamRule", "fixed deepseek power")  # optim.lr_rule, train.batch_rule
 Decay = _choice("Decay", "cosine linear wsd constant")
 BudgetKind = _choice("BudgetKind", "tokens tokens_per_param flops steps")
@@ -248,6 +249,10 @@ class OptimConfig:
     trust_coefficient: float = 0.001
     # Muon's Newton-Schulz iterations (torch.optim.Muon's default).
     ns_steps: int = 5
+    # The dtype Muon's Newton-Schulz iterations run in: bfloat16 (torch's, Keller Jordan's
+    # and Moonlight's) or float32 (as exact as the fp32 momentum it orthogonalises; twice the
+    # working set, and slower on GPUs' bf16 tensor cores).
+    muon_ns_dtype: NsDtype = NsDtype.bfloat16
 
 
 @dataclass

@@ -9,11 +9,12 @@ Parts (bytes per GPU, for the pipeline rank that needs the most):
   two moments and counter for the rest.
 - optimizer step transient: Muon orthogonalises one whole matrix at a time; under FSDP or
   TP its update is first gathered (``muon.orthogonalisation_bytes``: the largest Muon
-  matrix of the rank, gathered in the parameter dtype, and Newton-Schulz's bf16 working
-  set), after its Nesterov update was made in a shard-sized tensor. Fused AdamW (what a
-  GPU builds) has none; the single-tensor LAMB's and LARS's per-tensor temporaries are
-  not counted. The total adds this to the forward/backward parts, though the step comes
-  after the activations are freed (a margin the size of this part).
+  matrix of the rank, gathered in the parameter dtype, and Newton-Schulz's working set
+  in ``optim.muon_ns_dtype``), after its Nesterov update was made in a shard-sized
+  tensor. Fused AdamW (what a GPU builds) has none; the single-tensor LAMB's and LARS's
+  per-tensor temporaries are not counted. The total adds this to the forward/backward
+  parts, though the step comes after the activations are freed (a margin the size of
+  this part).
 - compute-dtype weight copies: under mixed precision FSDP2/replicate hold the bf16
   unsharded parameters (at dp = 1 too: no autocast, see data_parallel.needs_wrapper): every local
   parameter for ddp and zero2 (zero2 keeps them from forward to backward), the root and two
@@ -236,7 +237,8 @@ def _optimizer_transient(cfg: Config, layout: Layout, sp: StageParams, pb: int) 
     m, n = sp.muon_largest
     shards = layout.tp * (layout.dp_shard if fsdp else 1)
     nesterov = pb * math.ceil(m / shards) * n  # the shard, to a row
-    return float(nesterov + orthogonalisation_bytes(sp.muon_largest, gathered))
+    ns = dtype_bytes(cfg.optim.muon_ns_dtype)
+    return float(nesterov + orthogonalisation_bytes(sp.muon_largest, gathered, ns))
 
 
 def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda") -> RankMemory:
