@@ -159,10 +159,10 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str)
     Measured apart, with torch's MemTracker: the peak of one micro batch's forward and
     backward through each of the rank's stages (when a step has several micro batches, one
     after the first: the gradients it accumulates into exist), and the peak of the
-    optimizer step that follows (whose excess over what the step starts with is its transient: Muon's gathered
-    matrices and Newton-Schulz's working set). A pipeline keeps several micro batches in
-    flight; this measures one (the planner's ``inflight_chunks`` multiplies by the
-    schedule's count)."""
+    optimizer step that follows (whose excess over what the step starts with is its
+    transient: Muon's gathered matrices and Newton-Schulz's working set). A pipeline keeps
+    several micro batches in flight; this measures one (the planner's ``inflight_chunks``
+    multiplies by the schedule's count)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -172,7 +172,7 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str)
         # AdamW as a GPU builds it (fused: no per-tensor temporaries), not as this CPU would
         fused = cfg.optim.fused if cfg.optim.fused is not None else True
         optimizer = _build_optimizer(pm, replace(cfg, optim=replace(cfg.optim, fused=fused)),
-                                     cfg.optim.lr)
+                                     cfg.optim.lr or 1e-4)  # lr 0 would skip Muon's work
         params = pm.parameters()
         init_optimizer_state(optimizer, params, measure=False)
         _warm_step(optimizer, params)
