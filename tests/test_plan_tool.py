@@ -207,3 +207,16 @@ def test_optimizer_only_offload_is_refused_naming_params(capsys):
     err = capsys.readouterr().err
     assert "parallel.offload=optimizer: FSDP2 has no optimizer-only offload" in err
     assert "use parallel.offload=params" in err
+
+
+def test_when_no_single_change_fits_the_memory_savers_together_with_offload_do(capsys):
+    """gpt2-1.5b at the recipe's micro batch on one 24 GB GPU needs 72 GiB: no single change
+    fits, full recomputation + micro batch 1 + offload to host memory together do."""
+    from pretrain.tools import plan as plan_tool
+
+    assert plan_tool.main(["+recipe=gpt2-124m", "model=gpt2-1.5b", "--gpus", "1", "--gpu",
+                           "a10g"]) == 1
+    out = capsys.readouterr().out
+    assert "to fit, make these changes together:\n  parallel.activation_checkpointing=full " \
+           "parallel.micro_batch_size=1 parallel.offload=params parallel.dp_mode=zero2 " \
+           "(together) -> 11.26 GiB per GPU" in out
