@@ -154,6 +154,21 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, run_plan: dict,
     }
 
 
+def _verdict(p: dict) -> list[str]:
+    """The verdict and, when it does not fit, what to change."""
+    verdict = "FITS" if p["fits"] else "DOES NOT FIT"
+    lines = [f"verdict: {verdict} ({p['memory_total_gib']:.1f} / {p['gpu_memory_gib']:g} GiB)"]
+    if p["fits"]:
+        return lines
+    if not p["suggestions"]:
+        return [*lines, "no layout change fits on this many GPUs; try parallel=auto "
+                "--gpus N with more GPUs, or a GPU with more memory"]
+    together = any("(together)" in x for x in p["suggestions"])
+    lines.append("to fit, make these changes together:" if together
+                 else "to fit, change one of:")
+    return lines + [f"  {s}" for s in p["suggestions"]]
+
+
 def format_plan(p: dict) -> str:
     auto = " (auto)" if p.get("precision_auto") else ""
     active = (f", {p['n_params_active']:,} active" if p.get("n_params_active", p["n_params"])
@@ -188,17 +203,7 @@ def format_plan(p: dict) -> str:
                      f"step on the host: {p['offload_seconds']:.3g} s per step (model)")
     lines.append(f"one checkpoint on disk: {p['checkpoint_gib']:,.2f} GiB (weights and optimizer "
                  "state; a run checks for this much free space before it starts)")
-    verdict = "FITS" if p["fits"] else "DOES NOT FIT"
-    lines.append(f"verdict: {verdict} ({p['memory_total_gib']:.1f} / {p['gpu_memory_gib']:g} GiB)")
-    if not p["fits"]:
-        if p["suggestions"]:
-            together = any("(together)" in x for x in p["suggestions"])
-            lines.append("to fit, make these changes together:" if together
-                         else "to fit, change one of:")
-            lines += [f"  {s}" for s in p["suggestions"]]
-        else:
-            lines.append("no layout change fits on this many GPUs; try parallel=auto "
-                         "--gpus N with more GPUs, or a GPU with more memory")
+    lines += _verdict(p)
     lines += [f"note: {n}" for n in p["notes"]]
     sm = p["step_model"]
     lines += [
