@@ -31,10 +31,12 @@ from pretrain.config import (
     LrScaling,
     MasterDtype,
     ModelConfig,
+    NsDtype,
     OptimConfig,
     PipelineSchedule,
     ScheduleConfig,
 )
+from pretrain.muon import NS_DTYPES
 from pretrain.optim import lr_multiplier, scaled_lr
 from pretrain.parallel.pipeline import SCHEDULE_CLASSES
 from pretrain.planning.activations import inflight_chunks
@@ -54,12 +56,13 @@ BAD_CHOICES = [
     ("precision.fp8_recipe", "delayed", "tensorwise, rowwise"),
     ("precision.fp8_filter", "none", "auto, all"),
     ("parallel.dp_mode", "zero1", "ddp, zero2, zero3"),
-    ("parallel.offload", "optimizer", "none, params"),
+    ("parallel.offload", "disk", "none, params, optimizer"),
     ("parallel.pp_schedule", "dualpipe", "gpipe, 1f1b, interleaved_1f1b, zbv"),
     ("parallel.activation_checkpointing", "half", "none, selective, full"),
     ("optim.name", "adafactor", "adamw, lamb, lars, muon"),
     ("optim.lr_scaling", "cube", "none, sqrt, linear"),
     ("optim.lr_rule", "kaplan", "fixed, deepseek, power"),
+    ("optim.muon_ns_dtype", "float16", "bfloat16, float32"),
     ("schedule.decay", "exponential", "cosine, linear, wsd, constant"),
     ("schedule.decay_shape", "sqrt", "linear, 1-sqrt"),
     ("budget.kind", "epochs", "tokens, tokens_per_param, flops, steps"),
@@ -121,6 +124,7 @@ def test_member_names_are_their_values():
 def test_every_user_handles_exactly_the_choices():
     assert set(SCHEDULE_CLASSES) == set(PipelineSchedule)
     assert set(DTYPES) == set(Dtype) >= set(MasterDtype)
+    assert set(NS_DTYPES) == set(NsDtype)  # optim.muon_ns_dtype -> the torch dtype
     assert set(KERNELS) == set(AttentionBackend) - {"auto"}
     for schedule in PipelineSchedule:  # raises for a schedule it does not know
         assert inflight_chunks(schedule, pp=4, v=2, microbatches=8, pp_rank=0) >= 1

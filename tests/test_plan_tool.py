@@ -195,3 +195,28 @@ def test_offloading_makes_gpt2_1_5b_fit_one_24gb_gpu_and_the_plan_says_what_move
                                        "optimizer step transient")}
     # zero2 copies the fp32 shard to the GPU once a step and the gradient back once
     assert off["offload_transfer_gb"] == pytest.approx(2 * 4 * 1_557_686_400 / 1e9, rel=0.01)
+
+
+def test_optimizer_only_offload_is_refused_naming_params(capsys):
+    """FSDP2 has no optimizer-only offload: parallel.offload=optimizer is refused before
+    any work, naming the offload that exists."""
+    from pretrain.tools import plan as plan_tool
+
+    assert plan_tool.main(["+recipe=gpt2-124m", "model=gpt2-1.5b", "--gpus", "1", "--gpu",
+                           "a10g", "parallel.offload=optimizer"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.offload=optimizer: FSDP2 has no optimizer-only offload" in err
+    assert "use parallel.offload=params" in err
+
+
+def test_when_no_single_change_fits_the_memory_savers_together_with_offload_do(capsys):
+    """gpt2-1.5b at the recipe's micro batch on one 24 GB GPU needs 72 GiB: no single change
+    fits, full recomputation + micro batch 1 + offload to host memory together do."""
+    from pretrain.tools import plan as plan_tool
+
+    assert plan_tool.main(["+recipe=gpt2-124m", "model=gpt2-1.5b", "--gpus", "1", "--gpu",
+                           "a10g"]) == 1
+    out = capsys.readouterr().out
+    assert "to fit, make these changes together:\n  parallel.activation_checkpointing=full " \
+           "parallel.micro_batch_size=1 parallel.offload=params parallel.dp_mode=zero2 " \
+           "(together) -> 11.26 GiB per GPU" in out

@@ -45,12 +45,14 @@ MasterDtype = _choice("MasterDtype", "float32")
 Fp8Recipe = _choice("Fp8Recipe", "tensorwise rowwise")  # torchao's recipe names
 Fp8Filter = _choice("Fp8Filter", "auto all")
 DpMode = _choice("DpMode", "ddp zero2 zero3")
-Offload = _choice("Offload", "none params")
+# optimizer: refused with the way out (FSDP2 has no optimizer-only offload: rules.py)
+Offload = _choice("Offload", "none params optimizer")
 PipelineSchedule = _choice("PipelineSchedule", "gpipe 1f1b interleaved_1f1b zbv")
 ActivationCheckpointing = _choice("ActivationCheckpointing", "none selective full")
 LrScaling = _choice("LrScaling", "none sqrt linear")
 # optim.name: AdamW, LAMB and LARS (layer-wise trust ratios), Muon (with AdamW for the rest)
 OptimizerName = _choice("OptimizerName", "adamw lamb lars muon")
+NsDtype = _choice("NsDtype", "bfloat16 float32")  # optim.muon_ns_dtype
 HparamRule = _choice("HparamRule", "fixed deepseek power")  # optim.lr_rule, train.batch_rule
 Decay = _choice("Decay", "cosine linear wsd constant")
 # The shape of WSD's decay: linear, or 1-sqrt (Hägele et al. 2024: lr = peak (1 - sqrt(x)),
@@ -256,6 +258,10 @@ class OptimConfig:
     trust_coefficient: float = 0.001
     # Muon's Newton-Schulz iterations (torch.optim.Muon's default).
     ns_steps: int = 5
+    # The dtype Muon's Newton-Schulz iterations run in: bfloat16 (torch's, Keller Jordan's
+    # and Moonlight's) or float32 (as exact as the fp32 momentum it orthogonalises; twice the
+    # working set, and slower on GPUs' bf16 tensor cores).
+    muon_ns_dtype: NsDtype = NsDtype.bfloat16
 
 
 @dataclass

@@ -13,7 +13,8 @@ one-process update (tests/optim_shard_worker.py, a 9 x 6 matrix over 2 ranks, lr
 3 steps: 2.5e-3 off when sharded on dim 0, equal when sharded on dim 1). Orthogonalisation is a function of the WHOLE matrix, so ``ShardedMuon``
 gathers the momentum-corrected update (``full_tensor()``: one all-gather over every mesh
 dimension the matrix is sharded on, FSDP's and TP's), runs torch's own
-``_zeropower_via_newtonschulz`` on it, and keeps this rank's shard of the result
+``_zeropower_via_newtonschulz`` on it (bf16; ``optim.muon_ns_dtype=float32`` runs the
+same iteration in fp32), and keeps this rank's shard of the result
 (``redistribute`` from Replicate to the parameter's placements: a local slice, no
 communication). Momentum stays sharded like the parameter (torch makes it ``zeros_like``
 the gradient), so DCP saves and reshards it. On one process nothing is gathered. A step
@@ -48,33 +49,61 @@ def muon_matrix(name: str, shape: tuple[int, ...] | torch.Size) -> bool:
     return len(shape) == 2 and bool(_IN_BLOCK.search(name))
 
 
-def orthogonalise(update: torch.Tensor, group: dict) -> torch.Tensor:
-    """torch's Newton-Schulz on the whole matrix; this rank's shard of the result."""
-    def ns(m: torch.Tensor) -> torch.Tensor:
-        return _zeropower_via_newtonschulz(m, group["ns_coefficients"], group["ns_steps"],
-                                           group["eps"])
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
+
+def newton_schulz(m: torch.Tensor, group: dict, dtype: torch.dtype = torch.bfloat16
+                  ) -> torch.Tensor:
+    """Orthogonalise the whole matrix ``m``: torch's ``_zeropower_via_newtonschulz`` (bf16,
+    as Keller Jordan's and Moonlight's Muon run it), or for another ``dtype`` the same
+    quintic iteration, line for line but the cast, in that dtype (torch's casts to bf16
+    whatever it is given; tests/test_optimizers.py checks the two agree in bf16)."""
+    coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
+    if dtype == torch.bfloat16:
+        return _zeropower_via_newtonschulz(m, coefficients, steps, eps)
+    a, b, c = coefficients
+    x = m.to(dtype, copy=True)  # a copy: divided in place below, as torch's bf16 one is
+    if m.size(0) > m.size(1):
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if m.size(0) > m.size(1) else x
+
+
+def orthogonalise(update: torch.Tensor, group: dict, dtype: torch.dtype = torch.bfloat16
+                  ) -> torch.Tensor:
+    """Newton-Schulz (in ``dtype``) on the whole matrix; this rank's shard of the result."""
     if not isinstance(update, DTensor):
-        return ns(update)
+        return newton_schulz(update, group, dtype)
     mesh = update.device_mesh
-    whole = DTensor.from_local(ns(update.full_tensor()), mesh, [Replicate()] * mesh.ndim,
-                               run_check=False)
+    whole = DTensor.from_local(newton_schulz(update.full_tensor(), group, dtype), mesh,
+                               [Replicate()] * mesh.ndim, run_check=False)
     return whole.redistribute(mesh, update.placements)
 
 
-def orthogonalisation_bytes(shape: tuple[int, int], gathered_bytes: int) -> int:
+def orthogonalisation_bytes(shape: tuple[int, int], gathered_bytes: int, ns_bytes: int = 2
+                            ) -> int:
     """Transient bytes of one matrix's orthogonalisation: the gathered update
-    (``gathered_bytes`` per element; 0 when not sharded), and Newton-Schulz's bf16 working
-    set (the matrix, its next iterate, and two k x k Gram terms, k = min(m, n))."""
+    (``gathered_bytes`` per element; 0 when not sharded), and Newton-Schulz's working set
+    in its dtype (``ns_bytes`` per element: the matrix, its next iterate, and two k x k Gram
+    terms, k = min(m, n))."""
     m, n = shape
     k = min(m, n)
-    return gathered_bytes * m * n + 2 * (2 * m * n + 2 * k * k)
+    return gathered_bytes * m * n + ns_bytes * (2 * m * n + 2 * k * k)
 
 
 class ShardedMuon(torch.optim.Muon):
     """``torch.optim.Muon`` whose orthogonalisation sees whole matrices under FSDP2 and
     tensor parallelism (see the module docstring). The step is torch's
-    ``_single_tensor_muon`` line for line but for ``orthogonalise``."""
+    ``_single_tensor_muon`` line for line but for ``orthogonalise``. ``ns_dtype`` (the
+    config's ``optim.muon_ns_dtype``, not saved with the state: the run's config decides):
+    the dtype Newton-Schulz runs in."""
+
+    def __init__(self, params, *args, ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        self.ns_dtype = ns_dtype
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -93,12 +122,12 @@ class ShardedMuon(torch.optim.Muon):
                 self._update(p, g, buf, group)
         return loss
 
-    @staticmethod
-    def _update(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
+    def _update(self, p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, group: dict
+                ) -> None:
         momentum, lr = group["momentum"], group["lr"]
         buf.lerp_(g, 1 - momentum)
         update = g.lerp(buf, momentum) if group["nesterov"] else buf
-        update = orthogonalise(update, group)
+        update = orthogonalise(update, group, self.ns_dtype)
         p.mul_(1 - lr * group["weight_decay"])
         p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
 

@@ -10,7 +10,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from pretrain.config import OptimConfig, ScheduleConfig
-from pretrain.muon import MuonWithAdamW, ShardedMuon, muon_matrix
+from pretrain.muon import NS_DTYPES, MuonWithAdamW, ShardedMuon, muon_matrix
 from pretrain.trust_ratio import Lamb, Lars
 
 
@@ -129,7 +129,7 @@ def _muon(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torch.dev
     decay, no_decay = _groups(model, also_embeddings, skip={id(p) for p in matrices})
     muon = ShardedMuon(matrices, lr=lr, weight_decay=cfg.weight_decay,
                        momentum=_momentum(cfg, 0.95), ns_steps=cfg.ns_steps,
-                       adjust_lr_fn="match_rms_adamw")
+                       adjust_lr_fn="match_rms_adamw", ns_dtype=NS_DTYPES[cfg.muon_ns_dtype])
     return MuonWithAdamW(muon, _adamw(decay, no_decay, cfg, lr, device, drop_empty=True))
 
 

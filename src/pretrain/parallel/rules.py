@@ -189,6 +189,12 @@ def offload_problems(cfg: Config) -> list[str]:
     (LAMB, LARS) or gather whole matrices (Muon) over the mesh, which NCCL cannot do for
     the host-resident shards."""
     par, p = cfg.parallel, []
+    if par.offload == "optimizer":
+        return ["parallel.offload=optimizer: FSDP2 has no optimizer-only offload (ZeRO-Offload's "
+                "optimizer state on the host); its CPUOffloadPolicy moves each rank's parameter "
+                "shards to host memory, and their gradients, optimizer state and step with "
+                "them: use parallel.offload=params (with parallel.dp_mode=zero2 the weights "
+                "cross to the GPU once a step)"]
     if par.offload != "params":
         return p
     if par.dp_mode == "ddp":

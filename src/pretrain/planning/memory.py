@@ -9,8 +9,12 @@ Parts (bytes per GPU, for the pipeline rank that needs the most):
   two moments and counter for the rest.
 - optimizer step transient: Muon orthogonalises one whole matrix at a time; under FSDP or
   TP its update is first gathered (``muon.orthogonalisation_bytes``: the largest Muon
-  matrix of the rank, gathered in the parameter dtype, and Newton-Schulz's bf16 working
-  set). The other optimizers' per-tensor temporaries are not counted.
+  matrix of the rank, gathered in the parameter dtype, and Newton-Schulz's working set
+  in ``optim.muon_ns_dtype``), after its Nesterov update was made in a shard-sized
+  tensor. Fused AdamW (what a GPU builds) has none; the single-tensor LAMB's and LARS's
+  per-tensor temporaries are not counted. The total adds this to the forward/backward
+  parts, though the step comes after the activations are freed (a margin the size of
+  this part).
 - compute-dtype weight copies: under mixed precision FSDP2/replicate hold the bf16
   unsharded parameters (at dp = 1 too: no autocast, see data_parallel.needs_wrapper): every local
   parameter for ddp and zero2 (zero2 keeps them from forward to backward), the root and two
@@ -224,14 +228,21 @@ def optimizer_state_bytes(name: str, sp: StageParams, pb: int) -> int:
 
 
 def _optimizer_transient(cfg: Config, layout: Layout, sp: StageParams, pb: int) -> float:
-    """Muon's one matrix at a time: gathered when FSDP or TP shards it over more than one
-    rank (every block matrix is TP-sharded; on a mesh of one rank ``full_tensor`` returns
-    the shard itself, no copy: measured), then orthogonalised in bf16."""
+    """Muon's one matrix at a time (``muon.ShardedMuon._update``): the Nesterov update
+    ``g.lerp(buf, momentum)``, a new tensor the size of this rank's shard; then the whole
+    matrix, gathered when FSDP or TP shards it over more than one rank (every block matrix
+    is TP-sharded; on a mesh of one rank ``full_tensor`` returns the shard itself, no copy:
+    measured), orthogonalised in bf16. AdamW's share of the step, fused as the GPU builds
+    it, holds no temporaries (measured: tools/plan.py --simulate)."""
     if cfg.optim.name != "muon" or not sp.muon_largest:
         return 0.0
     fsdp = layout.dp_mode in ("zero2", "zero3") and layout.dp_shard > 1
     gathered = pb if fsdp or layout.tp > 1 else 0
-    return float(orthogonalisation_bytes(sp.muon_largest, gathered))
+    m, n = sp.muon_largest
+    shards = layout.tp * (layout.dp_shard if fsdp else 1)
+    nesterov = pb * math.ceil(m / shards) * n  # the shard, to a row
+    ns = dtype_bytes(cfg.optim.muon_ns_dtype)
+    return float(nesterov + orthogonalisation_bytes(sp.muon_largest, gathered, ns))
 
 
 def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda") -> RankMemory:

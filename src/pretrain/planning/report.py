@@ -27,7 +27,7 @@ def _gib(x: float) -> float:
 
 def suggestions(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> list[str]:
     """Single changes to the layout that make it fit, smallest first (same GPU count where
-    possible)."""
+    possible); failing those, the memory savers together (``_together``)."""
     par = replace(cfg.parallel, dp=layout.dp)  # dp may have been left to the GPU count
     tries: list[tuple[str, object]] = []
     order = ("none", "selective", "full")
@@ -66,7 +66,35 @@ def suggestions(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> li
         if cand.fits:
             out.append(f"{text} -> {_gib(cand.memory.total)} GiB per GPU, "
                        f"{cand.cost.total:.4g} s/step (model)")
-    return out[:4]
+    return out[:4] or _together(cfg, layout, gpu, budget, par)
+
+
+def _together(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget, par) -> list[str]:
+    """When no single change fits: the memory savers that keep the GPU count, added one
+    after another (full recomputation, micro batch 1, then offload to host memory, zero2:
+    the weights cross once a step), the first set that fits."""
+    steps = []
+    if layout.activation_checkpointing != "full":
+        steps.append(("parallel.activation_checkpointing=full",
+                      {"activation_checkpointing": "full"}))
+    if layout.micro_batch_size > 1:
+        steps.append(("parallel.micro_batch_size=1", {"micro_batch_size": 1}))
+    if layout.offload == "none":
+        steps.append(("parallel.offload=params parallel.dp_mode=zero2",
+                      {"offload": "params", "dp_mode": "zero2", "dp_replicate": 1,
+                       "dp_shard": None}))
+    texts, changes = [], {}
+    for text, change in steps:
+        texts.append(text)
+        changes.update(change)
+        new = replace(par, **changes)
+        if layout_problems(with_parallel(cfg, new), layout.world_size):
+            continue
+        cand = evaluate(cfg, new, gpu, budget)
+        if cand.fits:
+            return [f"{' '.join(texts)} (together) -> {_gib(cand.memory.total)} GiB per GPU, "
+                    f"{cand.cost.total:.4g} s/step (model)"]
+    return []
 
 
 def _offload_facts(cfg: Config, layout: Layout, gpu: GpuSpec, host: dict) -> dict:
@@ -127,6 +155,21 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, run_plan: dict,
     }
 
 
+def _verdict(p: dict) -> list[str]:
+    """The verdict and, when it does not fit, what to change."""
+    verdict = "FITS" if p["fits"] else "DOES NOT FIT"
+    lines = [f"verdict: {verdict} ({p['memory_total_gib']:.1f} / {p['gpu_memory_gib']:g} GiB)"]
+    if p["fits"]:
+        return lines
+    if not p["suggestions"]:
+        return [*lines, "no layout change fits on this many GPUs; try parallel=auto "
+                "--gpus N with more GPUs, or a GPU with more memory"]
+    together = any("(together)" in x for x in p["suggestions"])
+    lines.append("to fit, make these changes together:" if together
+                 else "to fit, change one of:")
+    return lines + [f"  {s}" for s in p["suggestions"]]
+
+
 def format_plan(p: dict) -> str:
     auto = " (auto)" if p.get("precision_auto") else ""
     active = (f", {p['n_params_active']:,} active" if p.get("n_params_active", p["n_params"])
@@ -161,15 +204,7 @@ def format_plan(p: dict) -> str:
                      f"step on the host: {p['offload_seconds']:.3g} s per step (model)")
     lines.append(f"one checkpoint on disk: {p['checkpoint_gib']:,.2f} GiB (weights and optimizer "
                  "state; a run checks for this much free space before it starts)")
-    verdict = "FITS" if p["fits"] else "DOES NOT FIT"
-    lines.append(f"verdict: {verdict} ({p['memory_total_gib']:.1f} / {p['gpu_memory_gib']:g} GiB)")
-    if not p["fits"]:
-        if p["suggestions"]:
-            lines.append("to fit, change one of:")
-            lines += [f"  {s}" for s in p["suggestions"]]
-        else:
-            lines.append("no single layout change fits on this many GPUs; try parallel=auto "
-                         "--gpus N with more GPUs, or a GPU with more memory")
+    lines += _verdict(p)
     lines += [f"note: {n}" for n in p["notes"]]
     sm = p["step_model"]
     lines += [

@@ -68,14 +68,15 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-                         ) -> int:
+def init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                         measure: bool = True) -> int:
     """Create the optimizer's state as its first step would, without changing a weight
     (zero gradients, learning rate 0: what torch.distributed.checkpoint does before loading
-    into a fresh optimizer). Returns the bytes the gradients held meanwhile."""
+    into a fresh optimizer). Returns the bytes the gradients held meanwhile (0 unless
+    ``measure``: fake tensors have no storage to measure)."""
     for p in params:
         p.grad = torch.zeros_like(p)
-    grads = sum(_local_bytes(p.grad) for p in params)
+    grads = sum(_local_bytes(p.grad) for p in params) if measure else 0
     lrs = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["lr"] = 0.0
@@ -125,45 +126,107 @@ def _forward_backward(part: GPT, x: torch.Tensor, cfg: Config, layout: Layout,
         loss.backward()
 
 
+def _bytes(snapshot: dict) -> int:
+    """The largest per-device total of a MemTracker snapshot (one device here)."""
+    return max((snap.get("Total", 0) for snap in snapshot.values()), default=0)
+
+
+def _by_kind(snapshot: dict) -> dict[str, int]:
+    return {getattr(k, "value", str(k)): v for snap in snapshot.values()
+            for k, v in snap.items() if k != "Total"}
+
+
+def _build_optimizer(pm: ParallelModel, cfg: Config, lr: float) -> torch.optim.Optimizer:
+    return build_optimizer(torch.nn.ModuleList(pm.parts), cfg.optim, lr, torch.device("cpu"),
+                           also_embeddings=pm.tied.params if pm.tied is not None else ())
+
+
+@torch.no_grad()
+def _warm_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
+    """One optimizer step on zero gradients, untracked: DTensor works out the sharding of
+    each op once per shape (running it on global-shape fake tensors, which MemTracker
+    counts under an outer FakeTensorMode: 3 whole fp32 matrices for Muon's first ``lerp``)
+    and caches it; the measured step then holds what a step after the first holds."""
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str) -> dict:
-    """Peak bytes of one micro batch's forward and backward through each of this rank's
-    stages, then an optimizer step, on a fake copy of the rank's model (nothing allocated).
-    A pipeline keeps several micro batches in flight; this measures one (the planner's
-    ``inflight_chunks`` multiplies by the schedule's count)."""
+    """One training step of this rank on a fake copy of its model (nothing allocated), as
+    a step after the first holds it: the optimizer's state exists before the step begins.
+    Measured apart, with torch's MemTracker: the peak of one micro batch's forward and
+    backward through each of the rank's stages (when a step has several micro batches, one
+    after the first: the gradients it accumulates into exist), and the peak of the
+    optimizer step that follows (whose excess over what the step starts with is its
+    transient: Muon's gathered matrices and Newton-Schulz's working set). A pipeline keeps
+    several micro batches in flight; this measures one (the planner's ``inflight_chunks``
+    multiplies by the schedule's count)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
     pm = _build(cfg, layout, mesh, policy, attention)  # on the meta device
     with FakeTensorMode(allow_non_fake_inputs=True):  # meta -> fake: shapes, no storage
         materialize(pm, torch.device("cpu"), None)
-        optimizer = build_optimizer(torch.nn.ModuleList(pm.parts), cfg.optim, 1e-4,
-                                    torch.device("cpu"))
+        # AdamW as a GPU builds it (fused: no per-tensor temporaries), not as this CPU would
+        fused = cfg.optim.fused if cfg.optim.fused is not None else True
+        optimizer = _build_optimizer(pm, replace(cfg, optim=replace(cfg.optim, fused=fused)),
+                                     cfg.optim.lr or 1e-4)  # lr 0 would skip Muon's work
+        params = pm.parameters()
+        init_optimizer_state(optimizer, params, measure=False)
+        _warm_step(optimizer, params)
+        if layout.microbatches > 1:  # a later micro batch of the step: the earlier ones'
+            for p in params:  # gradients are held (accumulated into) through its backward
+                p.grad = torch.zeros_like(p)
         inputs = [_stage_input(p, cfg, layout, policy) for p in pm.parts]
         tracker = MemTracker()
         tracker.track_external(*pm.parts, optimizer, *inputs)
         with tracker:
             for part, x in zip(pm.parts, inputs, strict=True):
                 _forward_backward(part, x, cfg, layout, policy)
+        step_peak = tracker.get_tracker_snapshot("peak")
+        before = _bytes(tracker.get_tracker_snapshot("current"))
+        with tracker:  # entered again, its peak starts from what the step starts with
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        peak = tracker.get_tracker_snapshot("peak")
-    totals = {dev: snap.get("Total", 0) for dev, snap in peak.items()}
-    kinds = {getattr(k, "value", str(k)): v for snap in peak.values() for k, v in snap.items()
-             if k != "Total"}
-    return {"step_peak_bytes": max(totals.values(), default=0), "step_peak_by_kind": kinds}
+        opt_peak = _bytes(tracker.get_tracker_snapshot("peak"))
+        optimizer.zero_grad(set_to_none=True)
+    return {"step_peak_bytes": _bytes(step_peak), "step_peak_by_kind": _by_kind(step_peak),
+            "optimizer_step_start_bytes": before, "optimizer_step_peak_bytes": opt_peak,
+            "optimizer_step_transient_bytes": opt_peak - before}
+
+
+# What a step holds when its optimizer steps (activations and FSDP's unsharded copies gone)
+AT_OPTIMIZER_STEP = ("parameters", "gradients", "optimizer state", "optimizer step transient")
 
 
 def predicted(cfg: Config, layout: Layout, pp_rank: int, tp_rank: int) -> dict:
-    """The planner's numbers for this rank (CPU: no CUDA context, no fragmentation)."""
+    """The planner's numbers for this rank (CPU: no CUDA context, no fragmentation). Its
+    total adds the optimizer step's transient to the forward/backward peak, though the two
+    never coincide (the activations are freed when the optimizer steps): the forward and
+    backward peak is the total less that transient, the optimizer step's peak the parts
+    ``AT_OPTIMIZER_STEP``."""
     sp = rank_params(cfg.model, layout, pp_rank, tp_rank)
     pb = dtype_bytes(cfg.precision.param_dtype)
     parts = rank_memory(cfg, layout, pp_rank, device="cpu").parts
+    transient = parts.get("optimizer step transient", 0)
     return {
         "local_param_bytes": pb * sp.local,
-        "local_grad_bytes": parts["gradients"],
-        "local_optimizer_bytes": parts["optimizer state"],
+        "local_grad_bytes": parts.get("gradients", 0),
+        "local_optimizer_bytes": parts.get("optimizer state", 0),
         "memory_by_part": {k: int(v) for k, v in parts.items()},
+        "step_peak_bytes": int(sum(parts.values()) - transient),
+        "optimizer_step_peak_bytes": int(sum(parts.get(k, 0) for k in AT_OPTIMIZER_STEP)),
+        "optimizer_step_transient_bytes": int(transient),
     }
+
+
+def compare(result: dict) -> dict[str, float | None]:
+    """measured / planner for each peak the fake step measured (None: the planner says 0)."""
+    pred = result["predicted"]
+    return {k: (round(result[k] / pred[k], 3) if pred[k] else None)
+            for k in ("step_peak_bytes", "optimizer_step_peak_bytes",
+                      "optimizer_step_transient_bytes") if k in result}
 
 
 def cpu_stand_in(cfg: Config) -> Config:
@@ -208,9 +271,7 @@ def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict
         materialize(pm, device, cfg.train.seed)
         init_seconds = time.perf_counter() - t0
         params = pm.parameters()
-        optimizer = build_optimizer(
-            torch.nn.ModuleList(pm.parts), cfg.optim, cfg.optim.lr, device,
-            also_embeddings=pm.tied.params if pm.tied is not None else ())
+        optimizer = _build_optimizer(pm, cfg, cfg.optim.lr)
         t0 = time.perf_counter()
         grad_bytes = init_optimizer_state(optimizer, params)
         result = {
@@ -231,6 +292,7 @@ def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict
         del optimizer, params, pm
         if step:
             result.update(fake_step(cfg, layout, mesh, policy, attention))
+            result["measured_over_planner"] = compare(result)
     finally:
         dist.destroy_process_group()
     result["peak_rss_bytes"] = peak_rss_bytes()

@@ -129,6 +129,13 @@ def run_simulation(cfg, world_size: int, rank: int, step: bool, plan: dict) -> i
         print(f"one micro batch on fake tensors: step peak {size(result['step_peak_bytes'])} ("
               + ", ".join(f"{k} {size(v)}" for k, v in result["step_peak_by_kind"].items() if v)
               + ")", flush=True)
+        ratio = result["measured_over_planner"]
+        for key, what in (("step_peak_bytes", "forward/backward peak"),
+                          ("optimizer_step_peak_bytes", "optimizer step peak"),
+                          ("optimizer_step_transient_bytes", "optimizer step transient")):
+            r = f"{ratio[key]:.3f}" if ratio[key] is not None else "-"
+            print(f"  {what:<26} measured {size(result[key]):>10}, planner "
+                  f"{size(pred[key]):>10}, measured/planner {r}", flush=True)
     print(json.dumps(result), flush=True)
     return FITS if plan["fits"] else DOES_NOT_FIT
 
