@@ -98,3 +98,31 @@ def test_coord_check_flat_under_mup_and_completep_not_under_sp(tmp_path):
     assert slopes["mup"] < 0.1 and slopes["completep"] < 0.1, slopes
     assert slopes["sp"] > 0.3, slopes
     assert (tmp_path / "coord_check.png").stat().st_size > 0
+
+
+def write_run(root, kind: str, width: int, lr: float, loss: float) -> None:
+    run = root / f"{kind}-{width}-{lr}"
+    run.mkdir(parents=True)
+    (run / "plan.json").write_text(json.dumps({"parametrization": kind, "width": width,
+                                               "lr": lr}))
+    (run / "result.json").write_text(json.dumps({"final_val_loss": loss}))
+
+
+def test_transfer_finds_each_widths_optimum_and_the_drift(tmp_path):
+    """Synthetic sweep: loss = 3 + 0.1 (log2 lr - log2 best)^2, the best LR fixed for
+    'mup' and halving per doubling of width for 'sp' (off grid by a quarter step)."""
+    from pretrain.tools.scaling_law import main
+
+    grid = [1e-3 * 2 ** k for k in range(6)]
+    for width in (64, 128, 256, 512):
+        k = math.log2(width / 64)
+        for kind, best in (("mup", 4e-3 * 2 ** 0.25), ("sp", 1.6e-2 * 2 ** (0.25 - k))):
+            for lr in grid:
+                write_run(tmp_path, kind, width, lr, 3 + 0.1 * math.log2(lr / best) ** 2)
+    assert main(["--transfer", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "transfer.json").read_text())["report"]
+    assert [o["lr"] for o in report["mup"]["optima"]] == pytest.approx([4e-3 * 2 ** .25] * 4)
+    assert report["mup"]["drift_steps"] == pytest.approx(0, abs=1e-9)
+    assert report["sp"]["drift_steps"] == pytest.approx(-3)
+    assert report["sp"]["optima"][0]["loss"] == pytest.approx(3)
+    assert (tmp_path / "out" / "transfer.png").stat().st_size > 0

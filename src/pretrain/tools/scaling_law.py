@@ -5,6 +5,7 @@
         --target-flops 1e15 --out runs/scaling
     python tools/scaling_law.py --chinchilla 5.76e23 1e24               # no runs needed
     python tools/scaling_law.py --hparams runs/sweeps/hparam-tiny       # lr(C), batch(C)
+    python tools/scaling_law.py --transfer runs/sweeps/transfer-tiny    # best lr per width
     python tools/scaling_law.py --points tests/data/chinchilla_besiroglu2024.csv \
         --exclude-highest-loss 5 --out runs/chinchilla                  # published runs
 
@@ -194,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hparams", action="store_true",
                     help="fit lr(C) and batch(C) to an LR x batch sweep instead")
+    ap.add_argument("--transfer", action="store_true",
+                    help="best LR per width and parametrisation of a width x LR sweep "
+                         "(pretrain/analysis/transfer.py) instead")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--points", type=Path, action="append", default=[], metavar="CSV",
                     help="runs from a CSV file (n_params, tokens, loss), repeatable")
@@ -201,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave out the K runs with the highest loss before fitting")
     args = ap.parse_args(argv)
 
+    if args.transfer:
+        if not args.dirs:
+            ap.error("--transfer needs one or more folders of runs")
+        from pretrain.analysis.transfer import transfer_report
+
+        return transfer_report(args.dirs, args.out, not args.no_plots)
     if args.hparams:
         if not args.dirs:
             ap.error("--hparams needs one or more folders of runs")
