@@ -182,6 +182,20 @@ def report_isoflop(points: list[RunPoint], fit: dict) -> None:
             fit["isoflop_minima"].append({"flops": g[0].flops, "n_opt": n_opt, "loss": loss})
 
 
+def sweep_report(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
+    """``--transfer`` (the best LR per width of a width x LR sweep, pretrain/analysis/
+    transfer.py) or ``--hparams``: a report on folders of runs; None when neither."""
+    if not (args.transfer or args.hparams):
+        return None
+    if not args.dirs:
+        ap.error(f"--{'transfer' if args.transfer else 'hparams'} needs folders of runs")
+    if args.transfer:
+        from pretrain.analysis.transfer import transfer_report
+
+        return transfer_report(args.dirs, args.out, not args.no_plots)
+    return hparam_report(args.dirs, args.out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", type=Path, help="folders holding finished runs")
@@ -195,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hparams", action="store_true",
                     help="fit lr(C) and batch(C) to an LR x batch sweep instead")
-    ap.add_argument("--transfer", action="store_true",
-                    help="best LR per width and parametrisation of a width x LR sweep "
-                         "(pretrain/analysis/transfer.py) instead")
+    ap.add_argument("--transfer", action="store_true", help="best LR per width instead")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--points", type=Path, action="append", default=[], metavar="CSV",
                     help="runs from a CSV file (n_params, tokens, loss), repeatable")
@@ -205,16 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave out the K runs with the highest loss before fitting")
     args = ap.parse_args(argv)
 
-    if args.transfer:
-        if not args.dirs:
-            ap.error("--transfer needs one or more folders of runs")
-        from pretrain.analysis.transfer import transfer_report
-
-        return transfer_report(args.dirs, args.out, not args.no_plots)
-    if args.hparams:
-        if not args.dirs:
-            ap.error("--hparams needs one or more folders of runs")
-        return hparam_report(args.dirs, args.out)
+    report = sweep_report(ap, args)
+    if report is not None:
+        return report
     if args.chinchilla:
         print_chinchilla(args.chinchilla)
         if not args.dirs:
