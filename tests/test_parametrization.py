@@ -74,10 +74,19 @@ def test_mup_groups_scale_lr_eps_and_decay(kind):
     assert len(hidden["params"]) == 2 * 6 and len(other["params"]) == len(names) - 12
 
 
-def test_muon_takes_the_width_rule():
-    cfg = tiny(d_model=128, parametrization="mup", base_width=64)
-    muon_group = groups(cfg, "muon")[0]
-    assert muon_group["lr"] == pytest.approx(5e-3)
+def test_muon_takes_the_width_rule_and_steps():
+    cfg = tiny(d_model=128, parametrization="mup", base_width=64, tie_embeddings=False)
+    model = built(cfg)
+    opt = build_optimizer(model, OptimConfig(name="muon", lr=1e-2), 1e-2, CPU)
+    # Muon's matrices, then AdamW's vector-like group (no 3-D experts: no AdamW hidden group)
+    muon, adam_other = opt.param_groups
+    assert muon["lr"] == pytest.approx(5e-3) and adam_other["lr"] == 1e-2
+    assert adam_other["eps"] == pytest.approx(1e-8 / 2)
+    tokens = torch.randint(0, 128, (2, 16))
+    before = model.layers["0"].attn.wq.weight.detach().clone()
+    model(tokens).float().logsumexp(-1).mean().backward()
+    opt.step()
+    assert not torch.equal(before, model.layers["0"].attn.wq.weight)
 
 
 def test_lamb_and_lars_are_refused_by_name():
