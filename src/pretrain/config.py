@@ -118,6 +118,7 @@ class ModelConfig:
     # pretrain/parametrization.py): sp (standard), mup, or completep (mup plus 1/depth
     # residual branches). base_width: the d_model the hyperparameters were tuned at
     # (None: this model's own); base_depth: the n_layer they were tuned at (completep).
+    # Both are ignored under sp, so one sweep can run sp and mup with the same recipe.
     parametrization: Parametrization = Parametrization.sp
     base_width: int | None = None
     base_depth: int | None = None
