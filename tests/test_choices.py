@@ -25,6 +25,7 @@ from pretrain.config import (
     Choice,
     Config,
     Decay,
+    DecayShape,
     Dtype,
     Fp8Recipe,
     LrScaling,
@@ -61,6 +62,7 @@ BAD_CHOICES = [
     ("optim.lr_scaling", "cube", "none, sqrt, linear"),
     ("optim.lr_rule", "kaplan", "fixed, deepseek, power"),
     ("schedule.decay", "exponential", "cosine, linear, wsd, constant"),
+    ("schedule.decay_shape", "sqrt", "linear, 1-sqrt"),
     ("budget.kind", "epochs", "tokens, tokens_per_param, flops, steps"),
     ("budget.param_count", "all", "total, non_embedding"),
     ("logging.wandb", "on", "disabled, offline, online"),
@@ -134,6 +136,9 @@ def test_every_decay_scaling_and_budget_kind_is_its_own():
     curves = {tuple(round(lr_multiplier(s, 100, 10, ScheduleConfig(decay=d)), 9)
                     for s in range(100)) for d in Decay}
     assert len(curves) == len(Decay)
+    shapes = {tuple(lr_multiplier(s, 100, 10, ScheduleConfig(decay="wsd", decay_shape=d))
+                    for s in range(100)) for d in DecayShape}
+    assert len(shapes) == len(DecayShape)
     lrs = {scaled_lr(OptimConfig(lr=1.0, lr_scaling=s, ref_batch_tokens=1000), 4000)
            for s in LrScaling}
     assert lrs == {1.0, 2.0, 4.0}

@@ -285,18 +285,20 @@ def test_megatron_gpt3_175b_layout_among_auto_candidates_1024_gpus():
     """Narayanan et al. 2021 (Megatron-LM, SC21) estimate GPT-3 175B on 1024 A100s at batch
     1536 (34 days); their Table 1 runs the GPT-3-width rows (145.6B, 310.1B) with tp=8 and
     pp=8 or 16 (recalled from the paper, not re-checked here). Both (8, 8, 16) and
-    (8, 16, 8) fit and are predicted within 5% of the fastest candidate (with bf16 norms and
-    residual stream the planner's best is tp=4, which fits now too: 4% faster by its model,
-    the TP all-gathers being the difference)."""
+    (8, 16, 8) fit and are predicted within 6% of the fastest candidate (with bf16 norms and
+    residual stream the planner's best is tp=4, which fits now too: 4.5-5.3% faster by its
+    model, the exposed TP collectives being the difference; its DP group has two ranks a
+    node, whose rings use two NIC rails)."""
     _, cands = choose_layout(gpt3_175b(1536), 1024, "a100-80gb", top=40)
     best = min(c.cost.total for c in cands)
     shapes = {(c.layout.tp, c.layout.pp, c.layout.dp) for c in cands
-              if c.fits and c.cost.total <= 1.05 * best}
+              if c.fits and c.cost.total <= 1.06 * best}
     assert (8, 8, 16) in shapes and (8, 16, 8) in shapes, shapes
 
 
 def test_auto_keeps_headroom_the_plain_fit_check_does_not(monkeypatch):
-    """GPT-3 175B on 64 A100-80GB: without headroom the fastest layout needs 95% of memory;
+    """GPT-3 175B on 64 A100-80GB at batch 128: without headroom the fastest layout (tp=2,
+    FSDP over 32, micro batch 4, full checkpointing) needs 95% of memory;
     ``parallel=auto`` only takes layouts that leave ``HEADROOM`` free, while the plain
     ``fits`` of the same estimate (what ``tools/plan.py`` reports for a chosen layout)
     still counts the whole GPU."""
@@ -304,7 +306,7 @@ def test_auto_keeps_headroom_the_plain_fit_check_does_not(monkeypatch):
     from pretrain.planning import autolayout as al
 
     gpu = get_gpu("a100-80gb")
-    cfg = gpt3_175b(64)
+    cfg = gpt3_175b(128)
     _, cands = choose_layout(cfg, 64, gpu, top=50)
     assert all(c.memory.total <= (1 - al.HEADROOM) * gpu.memory_bytes for c in cands)
     monkeypatch.setattr(al, "HEADROOM", 0.0)

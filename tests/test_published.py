@@ -11,11 +11,12 @@ from pretrain.planning.published import RUNS, compare
 ROWS = {r.name: r for r in RUNS}
 TORCHTITAN = [r.name for r in RUNS if r.name.startswith("torchtitan")]
 MEGATRON = [r.name for r in RUNS if r.name.startswith("Megatron")]
-# Known gaps, said in docs/benchmarks.md: torchtitan's 405B 1F1B lost more to its pipeline
-# than the bubble model says; Megatron-LM overlaps TP and DP traffic (tp-comm-overlap,
-# overlap-grad-reduce/param-gather) and runs Transformer Engine kernels, which this
-# project's runtime, which the planner models, does not.
-GAPS = {"torchtitan 405B FSDP 8 x TP 8 x PP 8, 1F1B": (1.2, 1.35)}
+# Megatron-LM rows the planner does not predict within 20% (docs/benchmarks.md): Megatron-LM
+# ran them faster than this project's kernels would run with every transfer and bubble
+# hidden (Transformer Engine's kernels against torch's, at the torchtitan-calibrated
+# efficiency), so no overlap model closes the gap.
+MEGATRON_GAPS = ["Megatron-LM GPT 32B", "Megatron-LM GPT 119B", "Megatron-LM GPT 177B",
+                 "Megatron-LM GPT 314B", "Megatron-LM GPT 462B"]
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +37,17 @@ def test_torchtitan_8b_row_within_1_15_of_its_reserved_memory(compared):
     assert 0.8 * 82.4 <= row["predicted_gib"] <= 1.15 * 82.4
 
 
-@pytest.mark.parametrize("name", TORCHTITAN)
-def test_torchtitan_tokens_per_second_within_20_percent(compared, name):
-    lo, hi = GAPS.get(name, (0.8, 1.2))
-    assert lo <= compared[name]["ratio"] <= hi, compared[name]
+@pytest.mark.parametrize("name", TORCHTITAN + [n for n in MEGATRON if n not in MEGATRON_GAPS])
+def test_tokens_per_second_within_20_percent(compared, name):
+    assert 0.8 <= compared[name]["ratio"] <= 1.2, compared[name]
 
 
-def test_megatron_rows_are_predicted_slower_than_megatron_ran(compared):
-    """This project's runtime exposes TP and DP traffic Megatron-LM overlaps: the prediction
-    for the same layout is 0.55-0.85 of Megatron-LM's published throughput."""
-    for name in MEGATRON:
-        assert 0.55 <= compared[name]["ratio"] <= 0.85, compared[name]
+@pytest.mark.parametrize("name", MEGATRON_GAPS)
+def test_megatron_gaps_are_kernel_speed(compared, name):
+    """0.6-0.8 of what Megatron-LM ran, and even with no exposed transfer and no bubble
+    the prediction would not exceed Megatron-LM's throughput."""
+    row = compared[name]
+    assert 0.6 <= row["ratio"] < 0.8 and row["compute_bound_ratio"] <= 1.005, row
 
 
 def test_megatron_177b_and_gpt3_175b_recipe_fit():

@@ -55,7 +55,8 @@ def test_recipe_composes_validates_and_plans(compose, recipe):
     ck = cfg.checkpoint
     if recipe in CPU_RECIPES:
         assert not ck.enabled and ck.interval_minutes is None
-        assert plan["checkpoint"] == "on a stop only (checkpoint.enabled=false)"
+        # (and where a WSD ladder keeps its branch points: recipes/ladder-tiny-wsd.yaml)
+        assert plan["checkpoint"].startswith("on a stop only (checkpoint.enabled=false)")
     else:
         assert ck.enabled and ck.interval_minutes == 30 and ck.resume
         assert "every 30 min, on a stop, at the end" in plan["checkpoint"]

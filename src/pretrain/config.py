@@ -53,6 +53,9 @@ LrScaling = _choice("LrScaling", "none sqrt linear")
 OptimizerName = _choice("OptimizerName", "adamw lamb lars muon")
 HparamRule = _choice("HparamRule", "fixed deepseek power")  # optim.lr_rule, train.batch_rule
 Decay = _choice("Decay", "cosine linear wsd constant")
+# The shape of WSD's decay: linear, or 1-sqrt (Hägele et al. 2024: lr = peak (1 - sqrt(x)),
+# x the fraction of the decay done; it beats linear at the same length).
+DecayShape = _choice("DecayShape", "linear 1-sqrt")
 BudgetKind = _choice("BudgetKind", "tokens tokens_per_param flops steps")
 ParamCount = _choice("ParamCount", "total non_embedding")
 WandbMode = _choice("WandbMode", "disabled offline online")
@@ -223,6 +226,11 @@ class ParallelConfig:
     # count, or pipeline microbatches) are global_batch_size / (micro_batch_size * dp).
     micro_batch_size: int = 8
     sequence_parallel: bool = False
+    # Async TP (torchtitan's enable_async_tensor_parallel, torch's micro-pipelined TP): the
+    # compiler splits each sequence-parallel all-gather + matmul and matmul + reduce-scatter
+    # into steps whose transfers (symmetric memory, CUDA only) overlap the partial matmuls,
+    # as Megatron-LM's --tp-comm-overlap does. Needs tp > 1, sequence_parallel, train.compile.
+    async_tp: bool = False
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     # selective only: 0 recomputes the attention core of every block; n > 0 checkpoints
     # every n-th block whole instead.
@@ -266,8 +274,9 @@ class ScheduleConfig:
     decay: Decay = Decay.cosine
     warmup_steps: int | None = None
     warmup_tokens: int | None = None
-    # Fraction of steps spent decaying at the end of a WSD schedule.
+    # Fraction of steps spent decaying at the end of a WSD schedule, and the decay's shape.
     decay_fraction: float = 0.2
+    decay_shape: DecayShape = DecayShape.linear
     min_lr_ratio: float = 0.1
 
 
@@ -295,6 +304,17 @@ class CheckpointConfig:
     resume: bool = True
     resume_from: str | None = None
     load_weights_only: str | None = None
+    # A cooldown branch (checkpoint/branch.py): this run starts from another run's stable-
+    # phase checkpoint (weights, optimizer state, step, data position; that run's directory
+    # is only read) and, with schedule=wsd, decays over its own budget's last
+    # schedule.decay_fraction. A step directory, or a run directory: its newest complete
+    # checkpoint at or before this run's decay start.
+    branch_from: str | None = None
+    # Branch points of the run being branched from: for each budget here (tokens per
+    # parameter), a checkpoint is saved at the step where a cooldown branch of that budget
+    # starts its decay (its steps less schedule.decay_fraction), and never deleted by
+    # keep_last; saved whatever checkpoint.enabled says (that is for periodic saves).
+    branch_tokens_per_param: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -111,6 +111,12 @@ def _check_precision(cfg: Config, p: list[str]) -> None:
 
 def _check_optim(cfg: Config, p: list[str]) -> None:
     """The LR, its schedule and the LR/batch rules against the budget."""
+    if not 0 < cfg.schedule.decay_fraction <= 1:
+        p.append(f"schedule.decay_fraction={cfg.schedule.decay_fraction} must be in (0, 1]: "
+                 "the fraction of the steps a WSD schedule decays over (0.2 is common)")
+    if cfg.schedule.decay_shape != "linear" and cfg.schedule.decay != "wsd":
+        p.append(f"schedule.decay_shape={cfg.schedule.decay_shape} shapes WSD's decay only: "
+                 f"use schedule=wsd, or drop it (decay={cfg.schedule.decay})")
     if not 0 <= cfg.schedule.min_lr_ratio <= 1:
         p.append(f"schedule.min_lr_ratio={cfg.schedule.min_lr_ratio} must be in [0, 1]")
     if cfg.schedule.warmup_steps is not None and cfg.schedule.warmup_tokens is not None:

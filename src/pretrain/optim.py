@@ -186,6 +186,13 @@ def warmup_steps(cfg: ScheduleConfig, global_batch_tokens: int) -> int:
     return cfg.warmup_steps or 0
 
 
+def wsd_decay_start(total: int, cfg: ScheduleConfig) -> int:
+    """The first step (0-based) of WSD's decay in a run of ``total`` steps: the last
+    ``decay_fraction`` of them (at least one) decay. A cooldown branch of ``total`` steps
+    may start from a checkpoint saved at this step or before (checkpoint/branch.py)."""
+    return total - max(1, math.ceil(cfg.decay_fraction * total))
+
+
 def lr_multiplier(step: int, total: int, warmup: int, cfg: ScheduleConfig) -> float:
     """Multiplier of the peak LR at optimizer step ``step`` (0-based) of ``total``."""
     if warmup > 0 and step < warmup:
@@ -193,12 +200,13 @@ def lr_multiplier(step: int, total: int, warmup: int, cfg: ScheduleConfig) -> fl
     lo = cfg.min_lr_ratio
     if cfg.decay == "constant":
         return 1.0
-    if cfg.decay == "wsd":  # warmup, stable at peak, then linear decay over the last fraction
-        decay_steps = max(1, math.ceil(cfg.decay_fraction * total))
-        start = total - decay_steps
+    if cfg.decay == "wsd":  # warmup, stable at peak, then a decay over the last fraction
+        start = wsd_decay_start(total, cfg)
         if step < start:
             return 1.0
-        return 1.0 - (1.0 - lo) * min(1.0, (step - start + 1) / decay_steps)
+        done = min(1.0, (step - start + 1) / (total - start))
+        return lo + (1.0 - lo) * (1.0 - (math.sqrt(done) if cfg.decay_shape == "1-sqrt"
+                                         else done))
     progress = min(1.0, (step - warmup + 1) / max(1, total - warmup))
     if cfg.decay == "cosine":
         return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * progress))

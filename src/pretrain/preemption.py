@@ -104,7 +104,8 @@ class StopSavePolicy:
         locally; a minute interval needs rank 0's clock (``CheckpointManager.due``
         broadcasts it), so it is asked on stop-check steps only: such a save comes at most
         ``train.stop_check_interval - 1`` steps late."""
-        if sync_step or (self.every and step % self.every == 0):
+        if sync_step or (self.every and step % self.every == 0) or \
+                step in self.ckpt.keep_steps:  # a branch point (checkpoint/branch.py)
             return self.ckpt.due(step)
         return False
 

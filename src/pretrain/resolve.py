@@ -20,6 +20,7 @@ import torch
 
 from pretrain.attention import resolve_backend
 from pretrain.budget import Budget, resolve_budget
+from pretrain.checkpoint.branch import check_branch_config
 from pretrain.checkpoint.manager import describe_policy
 from pretrain.config import Config
 from pretrain.config_checks import check
@@ -121,13 +122,14 @@ def resolve_plan(cfg: Config, world_size: int | None = None
     if world_size is None:
         world_size = declared_world_size(cfg)
     check(cfg, world_size)
+    branch = check_branch_config(cfg)  # cooldown branches: their keys, their steps
     device = pick_device(cfg.train.device)
     cfg, auto_precision = resolve_auto_precision(cfg, device)
     policy = resolve_policy(cfg.precision, device)
     budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
     plan = {**describe_run(cfg, world_size, budget),
             "attention": resolve_backend(cfg.model.attention, device, policy.compute_dtype),
-            "device": str(device)}
+            "device": str(device), **branch}
     if auto_precision:
         plan["precision_auto"] = auto_precision
     if policy.fp8:

@@ -282,5 +282,10 @@ class TrainModule:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.skips = NonFiniteSteps(self.device, self.skipped_steps)
         self.scheduler.load_state_dict(state["scheduler"])
+        # The next step's LR by this run's schedule, not by the saved run's: a cooldown
+        # branch decays where its source stayed at the peak (a resume gets the same LR).
+        # DCP loads "model_optim" (the optimizer's saved LRs) before this.
+        self.scheduler.last_epoch -= 1
+        self.scheduler.step()
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])

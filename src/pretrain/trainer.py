@@ -23,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pretrain.checkpoint.manager import CheckpointManager, ModelOptimizer, on_rank0
-from pretrain.checkpoint.resume import load_weights, resume_path
+from pretrain.checkpoint.resume import branch_record, load_weights, resume_path
 from pretrain.config import Config
 from pretrain.data.epochs import check_epochs
 from pretrain.data.loader import TokenWindows
@@ -157,9 +157,11 @@ class Trainer:
         """The train module, the evaluator and the MFU denominator."""
         cfg, layout = self.cfg, self.layout
         # Checkpoints are found before the model exists: a resumed run skips initialising.
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint, self.device)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint, self.device,
+                                      keep_steps=self.plan.get("branch_points", ()))
         self.ckpt.check_room(checkpoint_bytes(cfg))  # writable, room for one: before any work
         self.resume_from = resume_path(cfg, self.run_dir)
+        self.branch = branch_record(cfg, self.run_dir, self.resume_from)  # a cooldown's source
         self.module = TrainModule(
             cfg, layout, self.place, self.policy, attention=self.plan["attention"],
             lr=self.plan["lr"], steps=self.budget.steps,
@@ -248,7 +250,7 @@ class Trainer:
             return
         meta = {"step": self.step, "tokens": self.step * self.budget.global_batch_tokens,
                 "samples_seen": self.samples_seen, "layout": self.plan["layout"],
-                "world_size": self.world_size,
+                "world_size": self.world_size, "branch": self.branch,
                 "config": OmegaConf.to_container(OmegaConf.structured(self.cfg))}
         self.ckpt.save(self.step, self._checkpoint_state(), meta, block=block)
 
@@ -441,7 +443,8 @@ class Trainer:
                   "tokens": self.step * tokens_per_step,
                   "skipped_steps": self.module.skipped_steps,
                   "val_batches": self.evaluator.batch_count() if self.evaluator else None,
-                  "noise_scale": self.noise.value}
+                  "noise_scale": self.noise.value, "final_lr": self.module.lr,
+                  **({"branch": self.branch} if self.branch else {})}
         if self.expert_loads:
             result["expert_max_load"] = sum(self.expert_loads) / len(self.expert_loads)
             log.info("expert load: the busiest expert of an MoE layer took %.2fx the mean "

@@ -325,15 +325,17 @@ def save_failure(final: Path, error: Exception) -> CheckpointError:
 def describe_policy(cfg: CheckpointConfig) -> str:
     """When a run saves, in words, for the plan (``dry_run=true`` prints it): periodic saves
     only when enabled; a stop (signal, time limit, exit_interval) saves in any case."""
+    points = (f"; branch points for {', '.join(f'{k:g}' for k in cfg.branch_tokens_per_param)}"
+              " tokens/param, kept" if cfg.branch_tokens_per_param else "")
     if not cfg.enabled:
-        return "on a stop only (checkpoint.enabled=false)"
+        return "on a stop only (checkpoint.enabled=false)" + points
     every = [f"every {cfg.interval_steps} steps"] if cfg.interval_steps else []
     if cfg.interval_minutes:
         every.append(f"every {cfg.interval_minutes:g} min")
     when = ", ".join(every + ["on a stop", "at the end"])
     keep = f"keep last {cfg.keep_last}" + (f" + every {cfg.keep_every}th step"
                                            if cfg.keep_every else "")
-    return f"{when}; {keep}; {'async' if cfg.async_save else 'blocking'}"
+    return f"{when}; {keep}; {'async' if cfg.async_save else 'blocking'}{points}"
 
 
 def make_stager(device: torch.device) -> AsyncStager | None:
@@ -368,17 +370,21 @@ class CheckpointManager:
     """
 
     def __init__(self, folder: Path, cfg: CheckpointConfig,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), keep_steps: Sequence[int] = ()):
         self.folder = Path(folder)
         self.cfg = cfg
+        # Branch points (checkpoint/branch.branch_points): saved at these steps whatever
+        # cfg.enabled says, and never deleted by retention.
+        self.keep_steps = frozenset(keep_steps)
         self.device = device  # for the small agreement collectives (NCCL needs CUDA tensors)
         self.pending: tuple[Future, Path, dict] | None = None
         self.last_save_time = time.monotonic()
         # Async saves run their collectives in a background thread: give them their own
         # gloo group so they never interleave with the training step's collectives.
         # (none when nothing is saved: a group nothing uses is one more to shut down)
+        saves = cfg.enabled or bool(self.keep_steps)
         self.group = (dist.new_group(backend="gloo")
-                      if dist.is_initialized() and cfg.enabled and cfg.async_save else None)
+                      if dist.is_initialized() and saves and cfg.async_save else None)
         self.stager = make_stager(device) if cfg.async_save else None
         # Rank 0's retention worker (made on first use) and the last pass given to it.
         self._deleter: ThreadPoolExecutor | None = None
@@ -400,6 +406,8 @@ class CheckpointManager:
     # -- when ----------------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
+        if step in self.keep_steps:
+            return True
         if not self.cfg.enabled:
             return False
         if self.cfg.interval_steps and step % self.cfg.interval_steps == 0:
@@ -563,7 +571,8 @@ class CheckpointManager:
             log.warning("checkpoint retention failed in %s", self.folder, exc_info=True)
 
     def retain(self) -> list[Path]:
-        """Keep the newest keep_last plus every keep_every-th step; delete the other complete
+        """Keep the newest keep_last plus every keep_every-th step and the branch points
+        (``keep_steps``); delete the other complete
         checkpoints. Returns the directories removed.
 
         Only complete checkpoints count and the newest of them is always kept, so the only
@@ -588,6 +597,7 @@ class CheckpointManager:
         keep = {p for _, p in found[-max(1, self.cfg.keep_last):]}
         if self.cfg.keep_every:
             keep |= {p for s, p in found if s % self.cfg.keep_every == 0}
+        keep |= {p for s, p in found if s in self.keep_steps}
         return [p for _, p in found if p not in keep]
 
     def _leftovers(self) -> list[Path]:

@@ -16,6 +16,12 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from pretrain.checkpoint.branch import (
+    check_branch,
+    is_inside,
+    recorded_branch,
+    source_checkpoint,
+)
 from pretrain.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
@@ -82,6 +88,13 @@ def choose_resume(cfg: Config, run_dir: Path, skip: Sequence[Path] = ()) -> Path
     (checkpoint.resume) the newest complete one of this run but those in ``skip``; None for
     a new run."""
     ck = cfg.checkpoint
+    if ck.branch_from:  # its own newest (a requeued branch), else the source's branch point
+        own = newest_checkpoint(Path(run_dir) / "checkpoints", skip) if ck.resume else None
+        path = own or source_checkpoint(cfg)
+        check_compatible(path, cfg)
+        if own is None:
+            check_branch(path, cfg, run_dir)
+        return path
     if ck.resume_from:
         path = resolve_checkpoint(ck.resume_from)
     elif ck.resume:
@@ -97,18 +110,24 @@ def resume_path(cfg: Config, run_dir: Path) -> Path | None:
     """``choose_resume`` decided by rank 0, the same answer (or error) on every rank, and
     its checksums verified (every rank hashes its share of the files): a corrupt one is
     skipped with a warning naming the file, and the next newest tried; a corrupt
-    ``resume_from`` is an error. Every rank calls it, once the process group exists."""
+    ``resume_from`` or branch source is an error. Every rank calls it, once the process group exists."""
     skip: list[Path] = []
     while (path := on_rank0(lambda: choose_resume(cfg, run_dir, skip))) is not None:
         why = verify_checksums(path)
         if why is None:
             return path
-        if cfg.checkpoint.resume_from:
+        if cfg.checkpoint.resume_from or not is_inside(path, run_dir):
             raise CheckpointError(f"{path} is corrupt: {why}. Resume from another checkpoint.")
         log.warning("checkpoint %s is corrupt (%s): skipping it, not deleting it; trying the "
                     "next newest", path, why)
         skip.append(path)
     return None
+
+
+def branch_record(cfg: Config, run_dir: Path, path: Path | None) -> dict | None:
+    """``branch.recorded_branch`` of the checkpoint this run continues from, as rank 0 reads
+    it, on every rank: what a cooldown branch writes into result.json and its meta.json."""
+    return on_rank0(lambda: recorded_branch(path, cfg, run_dir))
 
 
 def _weights_checkpoint(src: Path, cfg: Config) -> Path | None:

@@ -24,7 +24,7 @@ from pretrain.parallel.grad_clip import clip_grad_norm, global_grad_norm
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.mesh import Meshes, all_reduce
 from pretrain.parallel.pipeline import split_model
-from pretrain.parallel.tensor_parallel import apply_tensor_parallel
+from pretrain.parallel.tensor_parallel import apply_tensor_parallel, enable_async_tp
 from pretrain.parallel.tied import TiedEmbedding, tied_embedding
 from pretrain.precision import Policy
 
@@ -140,6 +140,8 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
     # ("RuntimeError: Invalid scalar type", torch 2.13), so on CPU that case gathers in bf16.
     fp8_tp = policy.fp8 and policy.fp8_recipe == "tensorwise" and (
         device.type == "cuda" or not layout.sequence_parallel)
+    if mesh is not None and layout.async_tp:
+        enable_async_tp(mesh.tp)
     stage_ids, parts = [0], [model]
     if mesh is not None and layout.pp > 1:
         stage_ids, parts = split_model(model, layout, mesh.pp.get_local_rank())

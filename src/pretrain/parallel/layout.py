@@ -65,6 +65,7 @@ class Layout:
     activation_checkpointing: str
     ep: int = 1  # expert-parallel ranks, within dp_shard (ep x dp_shard/ep = dp_shard)
     offload: str = "none"  # params: parameter shards, gradients, optimizer state on the host
+    async_tp: bool = False  # TP collectives micro-pipelined with the matmuls (CUDA, compiled)
 
     @property
     def world_size(self) -> int:
@@ -95,7 +96,8 @@ class Layout:
             dp += f" with ep={self.ep} (experts over {self.ep} of its ranks)"
         if self.offload != "none":
             dp += ", parameters, gradients and optimizer state offloaded to host memory"
-        text = f"tp={self.tp}{' +SP' if self.sequence_parallel else ''} x pp={self.pp} x {dp}"
+        tp = f"tp={self.tp}{' +SP' if self.sequence_parallel else ''}"
+        text = f"{tp}{' (async)' if self.async_tp else ''} x pp={self.pp} x {dp}"
         if self.pp > 1:
             text += f", {self.pp_schedule} over {self.n_stages} stages"
         text += f", micro batch {self.micro_batch_size} x {self.microbatches}"
@@ -121,5 +123,5 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
         microbatches=cfg.train.global_batch_size // (par.micro_batch_size * dp),
         sequence_parallel=par.sequence_parallel,
         activation_checkpointing=par.activation_checkpointing, ep=par.ep,
-        offload=str(par.offload),
+        offload=str(par.offload), async_tp=par.async_tp,
     )

@@ -201,6 +201,21 @@ def offload_problems(cfg: Config) -> list[str]:
     return p
 
 
+def async_tp_problems(cfg: Config) -> list[str]:
+    """Async TP is a compiler pass over the sequence-parallel collectives
+    (``torch._inductor.config._micro_pipeline_tp``): without TP, SP or compile it has
+    nothing to act on (torchtitan refuses it without compile too)."""
+    par = cfg.parallel
+    if not par.async_tp:
+        return []
+    need = [k for k, ok in (("parallel.tp > 1", par.tp > 1),
+                            ("parallel.sequence_parallel=true", par.sequence_parallel),
+                            ("train.compile=true", cfg.train.compile)) if not ok]
+    return [f"parallel.async_tp=true overlaps the sequence-parallel all-gathers and "
+            f"reduce-scatters with their matmuls inside compiled blocks; it needs "
+            f"{' and '.join(need)}: set those, or parallel.async_tp=false"] if need else []
+
+
 def layout_problems(cfg: Config, world_size: int) -> list[str]:
     """Every problem of ``cfg.parallel`` against the world size, the model shape and the
     batch ([] for a sound layout). Sizes that are not positive are left to the caller's
@@ -217,6 +232,7 @@ def layout_problems(cfg: Config, world_size: int) -> list[str]:
     p += dp_mode_problems(par, dp)
     p += ep_problems(cfg, dp)
     p += offload_problems(cfg)
+    p += async_tp_problems(cfg)
     if par.ac_every_n_layers < 0:
         p.append(f"parallel.ac_every_n_layers={par.ac_every_n_layers} must be >= 0")
     return p

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from pretrain.config import ConfigError
 from pretrain.model import GPT
 
 # The Megatron plan, as data: the planner (planning/params.py) reads the same names.
@@ -137,3 +138,23 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
 def loss_context(tp: int):
     """Cross-entropy on vocabulary-sharded logits without gathering them (loss_parallel)."""
     return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Async TP as torchtitan enables it: symmetric memory for the TP group and inductor's
+    micro-pipeline pass, which rewrites each compiled block's all-gather -> matmul and
+    matmul -> reduce-scatter into fused ops that overlap the transfers with partial
+    matmuls. CUDA only (symmetric memory), so refused elsewhere rather than ignored."""
+    if tp_mesh.device_type != "cuda":
+        raise ConfigError([
+            f"parallel.async_tp=true needs CUDA (symmetric memory for the TP group); this run "
+            f"is on '{tp_mesh.device_type}': set parallel.async_tp=false"])
+    import warnings
+
+    import torch._inductor.config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    with warnings.catch_warnings():  # deprecated in favour of automatic registration
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    torch._inductor.config._micro_pipeline_tp = True

@@ -129,7 +129,7 @@ def enumerate_parallel(cfg: Config, n_gpus: int, gpu: GpuSpec) -> Iterator[Paral
                 name="auto", tp=tp, pp=pp, dp=dp, dp_mode=mode, dp_replicate=rep,
                 dp_shard=shard, ep=ep, pp_schedule=schedule, virtual_stages=v,
                 micro_batch_size=mbs, sequence_parallel=tp > 1,
-                activation_checkpointing="none")
+                async_tp=cfg.parallel.async_tp and tp > 1, activation_checkpointing="none")
             if _whole_rounds(par, gbs) and not layout_problems(with_parallel(cfg, par), n_gpus):
                 yield par
 

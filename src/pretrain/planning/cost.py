@@ -12,7 +12,10 @@ Stated assumptions (an idealised model for ranking layouts, not a promise of thr
   block's activations (b s h in the compute dtype), or the same volume as reduce-scatter +
   all-gather with sequence parallelism (Korthikanti et al. 2022, section 4.2.2); full
   recompute adds the 2 forward ones again. A ring moves 2 (t-1)/t of the bytes per GPU for
-  an all-reduce. Over NVLink when t fits in a node, else the network. Not overlapped.
+  an all-reduce. Over NVLink when t fits in a node, else the network. Not overlapped, except
+  under ``parallel.async_tp``: each fused all-gather + matmul or matmul + reduce-scatter runs
+  in t steps, the transfers behind partial matmuls, so all but 1/t of the blocks' TP
+  traffic hides, up to the block matmuls' own time (the embedding's stays exposed).
 - Pipeline: bubble fraction (p - 1) / (m v) of the compute for GPipe, 1F1B (v = 1) and
   interleaved 1F1B (Narayanan et al. 2021, section 2.2); ZB-V: a third of that with v = 2
   (splitting the weight gradient fills 2/3 of a 1F1B bubble when F = B = W; Qi et al. 2024,
@@ -20,7 +23,8 @@ Stated assumptions (an idealised model for ranking layouts, not a promise of thr
   and one gradient backward per microbatch and stage boundary, over the network when a
   pipeline neighbour is on another node (ranks fill nodes TP first, then DP). Not overlapped.
 - Data parallel, per GPU, over NVLink when the DP group (times TP) fits in a node, else the
-  network: ddp all-reduces the gradients (reduce dtype) once per step; zero2 reduce-scatters
+  network at g x its per-GPU bandwidth when a node holds g of the group's ranks (one ring
+  per NIC rail, NCCL's channels; at most NVLink's): ddp all-reduces the gradients (reduce dtype) once per step; zero2 reduce-scatters
   them and all-gathers parameters (compute dtype) once per step; zero3 all-gathers twice and
   reduce-scatters once per microbatch (the trainer reduces every microbatch under zero3);
   under a pipeline torch reduces once per step and, as it keeps parameters unsharded after
@@ -76,6 +80,7 @@ class StepCost:
     mfu: float  # model FLOPs / (step time x peak): an upper bound for the real MFU
     ep_comm: float = 0.0  # expert parallelism's all-to-all token exchange
     offload: float = 0.0  # host<->device copies and the optimizer step on the host
+    tp_hidden: float = 0.0  # TP traffic async TP overlaps with matmuls (not in the total)
 
     @property
     def total(self) -> float:
@@ -94,6 +99,18 @@ def _link(gpu: GpuSpec, ranks_in_group_span: int) -> float:
     """Bytes/s of the slowest link a group spanning this many consecutive ranks crosses."""
     gbps = gpu.nvlink_gbps if ranks_in_group_span <= gpu.gpus_per_node else gpu.network_gbps
     return gbps * 1e9
+
+
+def _ring_link(gpu: GpuSpec, stride: int, ranks: int) -> float:
+    """Bytes/s per GPU of a ring collective over ``ranks`` ranks ``stride`` apart. Across
+    nodes, a node holding g of the group's ranks runs g rings at once (NCCL's channels, one
+    per NIC rail), each leaving the node through its own NIC, so the network carries 1/g of
+    every rank's traffic per NIC: g x the per-GPU network bandwidth, at most NVLink's. A
+    group of one rank per node (TP filling the node) gets one NIC's bandwidth."""
+    if stride * ranks <= gpu.gpus_per_node:
+        return gpu.nvlink_gbps * 1e9
+    per_node = min(ranks, max(1, gpu.gpus_per_node // stride))
+    return min(gpu.nvlink_gbps, gpu.network_gbps * per_node) * 1e9
 
 
 def _alpha(gpu: GpuSpec, ranks_in_group_span: int) -> float:
@@ -152,7 +169,10 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
     slow = kernel_slowdown(cfg, gpu)
     compute, recompute = compute * slow, recompute * slow
 
-    tp_comm = _tensor_parallel(cfg, layout, gpu)
+    linear_peak = gpu.peak_flops("float8") if prec.fp8 and gpu.peak_flops("float8") else peak
+    linear = 6 * layer_matmul * tokens / world / linear_peak * slow
+    tp_total, tp_hidden = _tensor_parallel(cfg, layout, gpu, linear)
+    tp_comm = tp_total - tp_hidden
 
     # Pipeline bubble and point-to-point.
     bubble = p2p = 0.0
@@ -171,7 +191,8 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
     total = compute + recompute + tp_comm + bubble + p2p + dp_exposed + ep_comm + off
     bf16_peak = gpu.peak_flops("bfloat16") or peak
     return StepCost(compute, recompute, tp_comm, bubble, p2p, dp_comm, dp_exposed,
-                    mfu=model_flops / (total * bf16_peak), ep_comm=ep_comm, offload=off)
+                    mfu=model_flops / (total * bf16_peak), ep_comm=ep_comm, offload=off,
+                    tp_hidden=tp_hidden)
 
 
 # Host memory bandwidth one GPU's share of a CPU optimizer step gets (8 GPUs sharing two
@@ -201,11 +222,26 @@ def offload_seconds(cfg: Config, layout: Layout, gpu: GpuSpec) -> float:
     return (h2d + d2h) / (gpu.pcie_gbps * 1e9) + 28 * params / (HOST_STEP_GBPS * 1e9)
 
 
-def _tensor_parallel(cfg: Config, layout: Layout, gpu: GpuSpec) -> float:
-    """Seconds per step of the TP collectives (0 without TP)."""
+def _tensor_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, linear_time: float
+                     ) -> tuple[float, float]:
+    """(seconds per step of the TP collectives, the part async TP hides; 0 without TP).
+    ``linear_time``: the step's block-Linear matmul time, which async TP overlaps with."""
+    total, blocks = _tp_traffic(cfg, layout, gpu)
+    if not layout.async_tp:
+        return total, 0.0
+    # Micro-pipelined: each fused collective + matmul runs in t steps, the transfer of one
+    # step behind the partial matmul of another; the first step's transfer stays exposed,
+    # and any traffic beyond the matmul time it pairs with (the vocab-parallel embedding's
+    # reduce-scatter is no matmul's neighbour and stays exposed too).
+    hidden = min(blocks * (layout.tp - 1) / layout.tp, linear_time)
+    return total, hidden
+
+
+def _tp_traffic(cfg: Config, layout: Layout, gpu: GpuSpec) -> tuple[float, float]:
+    """(seconds per step of all TP collectives, those of the transformer blocks)."""
     m, t, mb = cfg.model, layout.tp, layout.microbatches
     if t == 1:
-        return 0.0
+        return 0.0, 0.0
     act = dtype_bytes(cfg.precision.compute_dtype) * layout.micro_batch_size * m.seq_len * \
         m.d_model
     # recomputation repeats forward collectives: both under full, the SP all-gathers
@@ -213,11 +249,11 @@ def _tensor_parallel(cfg: Config, layout: Layout, gpu: GpuSpec) -> float:
     ac = layout.activation_checkpointing
     per_block = 6 if ac == "full" else (
         5 if ac == "selective" and layout.sequence_parallel else 4)
-    blocks = m.n_layer // layout.pp
-    volume = blocks * mb * per_block * 2 * (t - 1) / t * act
-    volume += mb * 2 * 2 * (t - 1) / t * act  # vocab-parallel embedding and head
-    calls = blocks * mb * per_block + 4 * mb
-    return volume / _link(gpu, t) + calls * _alpha(gpu, t)
+    layers = m.n_layer // layout.pp
+    link, alpha = _link(gpu, t), _alpha(gpu, t)
+    block = layers * mb * per_block * (2 * (t - 1) / t * act / link + alpha)
+    head = mb * 4 * (2 * (t - 1) / t * act / link + alpha)  # vocab-parallel embedding, head
+    return block + head, block
 
 
 def moe_layers_per_rank(cfg: Config, layout: Layout) -> int:
@@ -257,7 +293,7 @@ def _data_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, compute: float
     mb, t = layout.microbatches, layout.tp
     per_mb = compute / mb
     if layout.dp_mode == "ddp":
-        reduce = 2 * (d - 1) / d * red * n / _link(gpu, t * d) + units * _alpha(gpu, t * d)
+        reduce = 2 * (d - 1) / d * red * n / _ring_link(gpu, t, d) + units * _alpha(gpu, t * d)
         gather = 0.0
     else:
         shard, rep = layout.dp_shard, layout.dp_replicate
@@ -268,7 +304,7 @@ def _data_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, compute: float
             red, experts, shard // layout.ep, ecalls, gpu, t)
         if rep > 1:  # HSDP: all-reduce of the shard across replicas (experts: their shard)
             held = (n - experts) / shard + experts / (shard // layout.ep)
-            rs += (2 * (rep - 1) / rep * red * held / _link(gpu, t * d)
+            rs += (2 * (rep - 1) / rep * red * held / _ring_link(gpu, t * shard, rep)
                    + units * _alpha(gpu, t * d))
         ag = _ring(e, n - experts, shard, units, gpu, t) + _ring(
             e, experts, shard // layout.ep, ecalls, gpu, t)
@@ -293,4 +329,5 @@ def _ring(nbytes: int, n: int, ranks: int, calls: int, gpu: GpuSpec, t: int) -> 
     (ranks t apart), in ``calls`` calls."""
     if n == 0:
         return 0.0
-    return (ranks - 1) / ranks * nbytes * n / _link(gpu, t * ranks) + calls * _alpha(gpu, t * ranks)
+    return ((ranks - 1) / ranks * nbytes * n / _ring_link(gpu, t, ranks)
+            + calls * _alpha(gpu, t * ranks))

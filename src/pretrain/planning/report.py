@@ -181,8 +181,18 @@ def format_plan(p: dict) -> str:
             else "size unknown until prepared (or declare data.tokens)"),
         f"time at {p['mfu']:.0%} MFU of {p['peak_tflops']:g} TFLOP/s: {p['time_days']:.2f} days,"
         f" {p['gpu_hours']:,.0f} GPU-hours",
-        f"cost model (kernels at peak, stated link and overlap assumptions): "
-        f"{sm['total']:.4g} s/step, MFU <= {sm['mfu']:.0%} of the bf16 peak, "
-        f"{p['time_days_at_model_bound']:.2f} days at that bound",
+        f"cost model (kernels at the GPU type's calibrated efficiency, stated link and "
+        f"overlap assumptions): {sm['total']:.4g} s/step, MFU {sm['mfu']:.0%} of the bf16 "
+        f"peak, {p['time_days_at_model_bound']:.2f} days\n  per step: " + _cost_parts(sm),
     ]
     return "\n".join(lines)
+
+
+COST_PARTS = (("compute", "compute"), ("recompute", "recompute"), ("tp_comm", "TP exposed"),
+              ("tp_hidden", "TP hidden by async TP"), ("pp_bubble", "pipeline bubble"),
+              ("pp_p2p", "pipeline p2p"), ("dp_exposed", "DP exposed"),
+              ("ep_comm", "EP all-to-all"), ("offload", "offload"))
+
+
+def _cost_parts(sm: dict) -> str:
+    return ", ".join(f"{name} {sm[k]:.3g} s" for k, name in COST_PARTS if sm.get(k))

@@ -22,7 +22,10 @@ of ``budget=flops``; not its ``total_flops``, the hardware work). Fits
 L(C) = a C^b + c (needs 3+ runs) and L(N, D) = E + A/N^alpha + B/D^beta (needs 6+ runs at
 different tokens per parameter: an iso-FLOP sweep, not a pure 20-tokens-per-param
 ladder), each with a Huber objective on log loss (Hoffmann et al. 2022) and a bootstrap
-over runs for the error bars. ``--points FILE.csv`` adds runs from elsewhere (columns
+over runs for the error bars. A cooldown branch (``checkpoint.branch_from``) is one point of its own D, so
+a WSD ladder plus its branches (recipes/ladder-tiny-wsd.yaml, ladder-tiny-cooldown.yaml) fits
+L(N, D); a run that never decayed (constant LR, kept only to branch from) is left out.
+``--points FILE.csv`` adds runs from elsewhere (columns
 n_params, tokens, loss), such as Chinchilla's own, as Besiroglu et al. 2024 extracted them. Writes ``fit.json``, ``loss_vs_compute.png`` and
 ``isoflop.png`` into ``--out`` (default: ``<first folder>/scaling_law``).
 """
@@ -38,7 +41,6 @@ from pretrain.analysis.scaling import (
     CHINCHILLA,
     FitReport,
     RunPoint,
-    collect_runs,
     compute_frontier,
     isoflop_bracketed,
     isoflop_groups,
@@ -196,6 +198,17 @@ def sweep_report(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int |
     return hparam_report(args.dirs, args.out)
 
 
+def cooldown_points(dirs: list[Path]) -> list[RunPoint]:
+    """The finished runs under ``dirs`` that cooled down, cooldown branches included, each
+    an (N, D) point (analysis/branches.py); a run that never decayed is named and left out."""
+    from pretrain.analysis.branches import collect_cooldowns, describe
+
+    collected = collect_cooldowns(dirs)
+    if collected.branches or collected.stable:
+        print("\n".join(describe(collected)))
+    return collected.points
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", type=Path, help="folders holding finished runs")
@@ -227,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dirs and not args.points:
         ap.error("give one or more folders of runs, --points CSV, or --chinchilla C")
 
-    points = [p for d in args.dirs for p in collect_runs(d)]
+    points = cooldown_points(args.dirs)
     points = without_highest_losses(points + [p for f in args.points for p in read_points(f)],
                                     args.exclude_highest_loss)
     if not points:
