@@ -49,6 +49,7 @@ BAD_CHOICES = [
     ("model.norm", "batchnorm", "layernorm, rmsnorm"),
     ("model.mlp", "relu", "gelu, swiglu"),
     ("model.moe_balance", "expert_choice", "aux_loss, aux_free, none"),
+    ("model.parametrization", "ntk", "sp, mup, completep"),
     ("model.attention", "xformers", "auto, flash, sdpa, eager"),
     ("precision.param_dtype", "bfloat16", "float32"),
     ("precision.compute_dtype", "float8", "float32, bfloat16, float16"),

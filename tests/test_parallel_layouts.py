@@ -87,6 +87,17 @@ LAYOUTS = {
 
 PIPELINE_LAYOUTS = [n for n, (_, o) in LAYOUTS.items() if "parallel.pp=2" in o]
 
+# CompleteP away from its base shape (width 2x, depth 2x): every multiplier is not 1 and the
+# optimizer has muP's groups. Compared with the one-process CompleteP run: TP (the scales
+# on sharded activations and the vocabulary-parallel logits) and a pipeline (the output
+# multiplier on the last stage, the tied head's copy in the vector-like group there).
+COMPLETEP = ["model.parametrization=completep", "model.base_width=32", "model.base_depth=2"]
+MUP_LAYOUTS = {
+    "tp2_completep": (2, ["parallel.tp=2", "parallel.dp=1", *COMPLETEP]),
+    "pp2_1f1b_completep": (2, ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=1f1b",
+                               *COMPLETEP]),
+}
+
 # One process, activation checkpointing: must change no number at all.
 AC_VARIANTS = {
     "ac_selective_attention": ["parallel.activation_checkpointing=selective"],
@@ -110,6 +121,7 @@ def reference(layout_env) -> dict[str, dict]:
     single = {"single": ["parallel.dp=1"]}
     single.update({name: ["parallel.dp=1", *extra] for name, extra in AC_VARIANTS.items()})
     single["offload_params"] = ["parallel.dp=1", "parallel.offload=params"]
+    single["single_completep"] = ["parallel.dp=1", *COMPLETEP]
     return run_group(*layout_env, 1, single, [FEWER_EVAL_BATCHES])
 
 
@@ -119,7 +131,8 @@ def groups(layout_env) -> Callable[[int], dict[str, dict]]:
 
     @functools.cache
     def group(nproc: int) -> dict[str, dict]:
-        layouts = {n: overrides for n, (procs, overrides) in LAYOUTS.items() if procs == nproc}
+        layouts = {n: overrides for n, (procs, overrides) in {**LAYOUTS, **MUP_LAYOUTS}.items()
+                   if procs == nproc}
         return run_group(*layout_env, nproc, layouts, [FEWER_EVAL_BATCHES])
 
     return group
@@ -192,6 +205,13 @@ def test_layout_trains_like_one_process(reference, groups, name):
     diffs = assert_same_training(got, reference["single"])
     print(f"{name}: max loss diff {diffs['loss']:.1e}, max param diff {diffs['param']:.1e}, "
           f"max relative update diff {diffs['update']:.1e}")
+
+
+@pytest.mark.parametrize("name", list(MUP_LAYOUTS))
+def test_completep_layout_trains_like_one_process(reference, groups, name):
+    assert_same_training(groups(MUP_LAYOUTS[name][0])[name], reference["single_completep"])
+    # and the parametrisation changed the run: not the standard one's numbers
+    assert reference["single_completep"]["losses"] != reference["single"]["losses"]
 
 
 def _state_bytes(m: dict) -> int:

@@ -183,3 +183,18 @@ def test_resume_from_an_incomplete_checkpoint_fails_on_every_rank(two_rank_resum
     status, message = rank0["resume_from_incomplete"]
     assert status == "error" and "is not a complete checkpoint" in message
     assert ".distcp is missing" in message  # what rank 0 saw (rank 1 sees no directory)
+
+
+def test_completep_checkpoint_resumes_exactly(work):
+    """CompleteP (muP's per-group LRs, epsilons and decay, output and attention scales, plus
+    the 1/L residual branches) away from its base shape: a run stopped and resumed at step
+    12 computes the losses of the straight run."""
+    shape = ("model.parametrization=completep", "model.base_width=16", "model.base_depth=1")
+    proc = run(command(work, "completep-straight", *shape), work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cmd = command(work, "completep-chunks", *shape, "checkpoint.enabled=true",
+                  "train.exit_interval=12")
+    assert [run(cmd, work).returncode for _ in range(2)] == [EXIT_REQUEUE, 0]
+    straight = losses(work / "runs" / "completep-straight")
+    assert sorted(straight) == list(range(1, STEPS + 1))
+    assert losses(work / "runs" / "completep-chunks") == straight

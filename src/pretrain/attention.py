@@ -2,7 +2,8 @@
 
 Every backend takes q, k, v shaped (batch, seq, heads, head_dim), the layout flash-attn
 uses natively, with k and v possibly having fewer (grouped) heads, and returns
-(batch, seq, heads, head_dim).
+(batch, seq, heads, head_dim). ``scale`` is the softmax scale of q.k: None for
+1/sqrt(head_dim), muP's 1/head_dim otherwise (pretrain.parametrization).
 """
 
 from __future__ import annotations
@@ -98,13 +99,15 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=2)
 
 
-def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0):
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    scale: float | None = None):
     """Reference implementation: explicit causal mask, softmax in fp32."""
     n_rep = q.shape[2] // k.shape[2]
     k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
     t = q.shape[2]
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]) if scale is None else \
+        (q @ k.transpose(-2, -1)) * scale
     mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
@@ -114,19 +117,20 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                   backends: tuple[SDPBackend, ...] | None = None):
+                   scale: float | None = None, backends: tuple[SDPBackend, ...] | None = None):
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     with sdpa_kernel(list(backends), set_priority=True) if backends else nullcontext():
         out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
-        )
+            q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1],
+            scale=scale)
     return out.transpose(1, 2)
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0):
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    scale: float | None = None):
     from flash_attn import flash_attn_func  # optional dependency, checked by resolve_backend
 
-    return flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)
+    return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=scale, causal=True)
 
 
 KERNELS = {"eager": eager_attention, "sdpa": sdpa_attention, "flash": flash_attention}

@@ -65,6 +65,9 @@ Device = _choice("Device", "auto cpu cuda")
 # Mixture-of-experts load balancing: the Switch/GShard auxiliary loss, DeepSeek-V3's
 # auxiliary-loss-free bias, or none.
 MoeBalance = _choice("MoeBalance", "aux_loss aux_free none")
+# model.parametrization: standard, muP (Yang et al. 2022), CompleteP (Dey et al. 2025); the
+# rules are pretrain/parametrization.py's.
+Parametrization = _choice("Parametrization", "sp mup completep")
 
 
 @dataclass
@@ -116,6 +119,14 @@ class ModelConfig:
     # aux_free: each step the bias of an over-loaded expert goes down by this much and an
     # under-loaded one's up (DeepSeek-V3's gamma, 0.001).
     moe_bias_rate: float = 0.001
+    # How init, per-parameter LRs and multipliers scale with width and depth (see
+    # pretrain/parametrization.py): sp (standard), mup, or completep (mup plus 1/depth
+    # residual branches). base_width: the d_model the hyperparameters were tuned at
+    # (None: this model's own); base_depth: the n_layer they were tuned at (completep).
+    # Both are ignored under sp, so one sweep can run sp and mup with the same recipe.
+    parametrization: Parametrization = Parametrization.sp
+    base_width: int | None = None
+    base_depth: int | None = None
 
 
 @dataclass

@@ -10,6 +10,7 @@ from pretrain.config import Config, ConfigError
 from pretrain.optim import lr_rule_problems
 from pretrain.parallel.layout import declared_world_size
 from pretrain.parallel.rules import layout_problems
+from pretrain.parametrization import problems as parametrization_problems
 
 POSITIVE = (
     "model.n_layer", "model.n_head", "model.d_model", "model.vocab_size", "model.seq_len",
@@ -70,6 +71,7 @@ def _check_model(cfg: Config, p: list[str]) -> None:
         p.append(f"model.d_ff={m.d_ff} must be positive (or null for the default width)")
     if not 0 <= m.dropout < 1:
         p.append(f"model.dropout={m.dropout} must be in [0, 1)")
+    p.extend(parametrization_problems(m, cfg.optim.name))
     _check_moe(cfg, p)
 
 

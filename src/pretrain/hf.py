@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from pretrain.config import ModelConfig
+from pretrain.parametrization import fold_into_weights
 
 
 class ExportError(ValueError):
@@ -151,7 +152,10 @@ def _llama_pairs(cfg: ModelConfig):
 
 
 def to_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our (full, unsharded) state dict -> the transformers model's state dict."""
+    """Our (full, unsharded) state dict -> the transformers model's state dict. muP's and
+    CompleteP's multipliers are folded into the weights (``fold_into_weights``): the
+    transformers model computes the same logits with its own plain forward."""
+    sd = fold_into_weights(cfg, sd)
     v = cfg.vocab_size
     out: dict[str, torch.Tensor] = {}
     unpad = {"tok_emb.weight", "lm_head.weight"}
@@ -210,6 +214,7 @@ def from_hf_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor],
         sd["tok_emb.weight"] = pad(sd["tok_emb.weight"])
         sd["lm_head.weight"] = (sd["tok_emb.weight"] if cfg.tie_embeddings
                                 else pad(sd["lm_head.weight"]))
+    sd = fold_into_weights(cfg, sd, inverse=True)
     return {k: t.contiguous() for k, t in sd.items()}
 
 

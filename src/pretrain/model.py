@@ -20,6 +20,8 @@ from pretrain.attention import KERNELS, kernel
 from pretrain.config import ModelConfig
 from pretrain.initialization import Init, init_parameters
 from pretrain.moe import MoE, is_moe_layer, moe_layers
+from pretrain.parametrization import attention_scale, scales
+from pretrain.parametrization import init_std as param_init_std
 
 
 def padded_vocab_size(cfg: ModelConfig) -> int:
@@ -76,6 +78,7 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.n_kv_head * self.head_dim, eps=cfg.norm_eps) \
             if cfg.qk_norm else None
         self.dropout = cfg.dropout
+        self.scale = attention_scale(cfg)  # None: 1/sqrt(head_dim); muP: 1/head_dim
         self.kernel = KERNELS["sdpa"]  # set by set_attention_backend
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
@@ -89,7 +92,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, -1, self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        y = self.kernel(q, k, v, self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        y = self.kernel(q, k, v, dropout) if self.scale is None else \
+            self.kernel(q, k, v, dropout, scale=self.scale)
         return self.wo(y.reshape(b, t, -1))
 
 
@@ -124,7 +129,8 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Attention then the feed-forward: a dense MLP (``mlp``), or in an MoE layer a mixture
-    of experts (``moe``, pretrain/moe.py)."""
+    of experts (``moe``, pretrain/moe.py). ``residual``: the multiplier of both branches
+    before they join the residual stream (CompleteP's base_depth / n_layer; 1 otherwise)."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
@@ -139,11 +145,15 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.residual = scales(cfg).residual
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.moe(x) if hasattr(self, "moe") else self.mlp(x)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        if self.residual != 1.0:
+            x = x + self.residual * self.dropout(self.attn(self.attn_norm(x), rope))
+            return x + self.residual * self.dropout(self.ffn(self.mlp_norm(x)))
         x = x + self.dropout(self.attn(self.attn_norm(x), rope))
         return x + self.dropout(self.ffn(self.mlp_norm(x)))
 
@@ -161,6 +171,9 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layer)})
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, vocab, bias=False)
+        # muP's output multiplier (base_width / d_model; 1 under sp): applied with the head,
+        # so on the pipeline stage that holds it.
+        self.output_scale = scales(cfg).output
         head_dim = cfg.d_model // cfg.n_head
         rope = rope_tables(head_dim, cfg.seq_len, cfg.rope_theta) if cfg.pos_emb == "rope" else None
         self.register_buffer("rope", rope, persistent=False)
@@ -175,16 +188,15 @@ class GPT(nn.Module):
     def init_rule(self, name: str) -> Init:
         """How parameter ``name`` (the whole model's name) starts, GPT-2's way: N(0,
         init_std), residual projections (wo, w2) scaled by 1/sqrt(2 * n_layer), zero biases,
-        unit norms. A tied head draws the embedding's numbers, so a pipeline stage's copy of
-        it starts equal."""
+        unit norms; under mup/completep hidden matrices by 1/sqrt(width / base_width) too
+        (pretrain.parametrization.init_std). A tied head draws the embedding's numbers, so
+        a pipeline stage's copy of it starts equal."""
         module, _, kind = name.rpartition(".")
         if kind == "bias":
             return Init("zeros")
         if module.endswith("norm"):  # norm, attn_norm, mlp_norm, q_norm, k_norm
             return Init("ones")
-        std = self.cfg.init_std
-        if module.endswith(("attn.wo", "mlp.w2", "shared.w2")) or name.endswith("experts.w2"):
-            std /= math.sqrt(2 * self.cfg.n_layer)
+        std = param_init_std(self.cfg, name, module)
         tied = self.cfg.tie_embeddings and name == "lm_head.weight"
         return Init("normal", std, key="tok_emb.weight" if tied else None)
 
@@ -229,6 +241,8 @@ class GPT(nn.Module):
             h = self.norm(h)
         if self.lm_head is not None:
             h = self.lm_head(h)
+            if self.output_scale != 1.0:
+                h = h * self.output_scale
         return h
 
     @torch.no_grad()

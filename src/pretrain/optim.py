@@ -9,8 +9,9 @@ from collections.abc import Iterable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from pretrain.config import OptimConfig, ScheduleConfig
+from pretrain.config import ModelConfig, OptimConfig, ScheduleConfig
 from pretrain.muon import NS_DTYPES, MuonWithAdamW, ShardedMuon, muon_matrix
+from pretrain.parametrization import Scales, is_hidden, scales
 from pretrain.trust_ratio import Lamb, Lars
 
 
@@ -79,6 +80,29 @@ def _groups(model: torch.nn.Module, also_embeddings: Iterable[torch.nn.Parameter
     return decay, no_decay
 
 
+def model_scales(model: torch.nn.Module) -> Scales:
+    """The parametrisation's multipliers of the GPT (or pipeline stages) in ``model``."""
+    for m in model.modules():
+        if isinstance(getattr(m, "cfg", None), ModelConfig):
+            return scales(m.cfg)
+    return Scales("sp")
+
+
+def _mup_groups(model: torch.nn.Module, cfg: OptimConfig, lr: float, s: Scales,
+                skip: set[int] = frozenset()) -> list[dict]:
+    """muP's/CompleteP's two AdamW groups (pretrain.parametrization): everything
+    vector-like (embeddings, norms, biases, an untied head, routers: LR as given, no decay,
+    epsilon / width), then the hidden matrices (LR and epsilon / width, CompleteP's
+    epsilon / depth too and decay x width). The first group's LR is the one logged."""
+    hidden, other = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in skip:
+            (hidden if is_hidden(name) else other).append(p)
+    return [{"params": other, "weight_decay": 0.0, "lr": lr, "eps": cfg.eps * s.other_eps},
+            {"params": hidden, "weight_decay": cfg.weight_decay * s.hidden_decay,
+             "lr": lr * s.hidden_lr, "eps": cfg.eps * s.hidden_eps}]
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float,
                     device: torch.device,
                     also_embeddings: Iterable[torch.nn.Parameter] = ()) -> torch.optim.Optimizer:
@@ -86,10 +110,18 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float,
     embeddings, norms or biases; LAMB's and LARS's trust ratio on the same matrices only;
     Muon on the hidden matrices (``muon.muon_matrix``), AdamW on everything else.
     ``also_embeddings``: parameters to treat as embeddings though no nn.Embedding holds them
-    here (an output head tied to an embedding that a pipeline put on another stage)."""
+    here (an output head tied to an embedding that a pipeline put on another stage).
+    Under model.parametrization=mup|completep the groups are muP's (``_mup_groups``)."""
     also_embeddings = list(also_embeddings)
+    s = model_scales(model)
+    if s.active and cfg.name not in ("adamw", "muon"):
+        raise ValueError(f"model.parametrization={s.kind} has no rule for optim={cfg.name}: "
+                         "use optim=adamw or optim=muon")
     if cfg.name == "muon":
         return _muon(model, cfg, lr, device, also_embeddings)
+    if s.active:
+        return torch.optim.AdamW(_mup_groups(model, cfg, lr, s), lr=lr,
+                                 betas=tuple(cfg.betas), eps=cfg.eps, fused=_fused(cfg, device))
     decay, no_decay = _groups(model, also_embeddings)
     if cfg.name == "lamb":
         return Lamb([{"params": decay}, {"params": no_decay, "weight_decay": 0.0,
@@ -116,20 +148,33 @@ def _adamw(decay: list, no_decay: list, cfg: OptimConfig, lr: float, device: tor
               {"params": no_decay, "weight_decay": 0.0}]
     if drop_empty:
         groups = [g for g in groups if g["params"]]
-    fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             fused=_fused(cfg, device))
+
+
+def _fused(cfg: OptimConfig, device: torch.device) -> bool:
+    return cfg.fused if cfg.fused is not None else device.type == "cuda"
 
 
 def _muon(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torch.device,
           also_embeddings: list[torch.nn.Parameter]) -> MuonWithAdamW:
     """Muon (torch's, orthogonalising whole matrices) on the hidden matrices with AdamW's
-    LR and decay (``match_rms_adamw``); AdamW, as ``optim=adamw`` builds it, on the rest."""
+    LR and decay (``match_rms_adamw``); AdamW, as ``optim=adamw`` builds it, on the rest.
+    Under mup/completep Muon's LR (AdamW's RMS, so AdamW's rule) is divided by the width
+    ratio and its AdamW part takes muP's groups."""
     matrices = [p for n, p in model.named_parameters()
                 if p.requires_grad and muon_matrix(n, p.shape)]
-    decay, no_decay = _groups(model, also_embeddings, skip={id(p) for p in matrices})
-    muon = ShardedMuon(matrices, lr=lr, weight_decay=cfg.weight_decay,
+    s = model_scales(model)
+    muon = ShardedMuon(matrices, lr=lr * s.hidden_lr if s.active else lr,
+                       weight_decay=cfg.weight_decay * s.hidden_decay,
                        momentum=_momentum(cfg, 0.95), ns_steps=cfg.ns_steps,
                        adjust_lr_fn="match_rms_adamw", ns_dtype=NS_DTYPES[cfg.muon_ns_dtype])
+    skip = {id(p) for p in matrices}
+    if s.active:
+        groups = [g for g in _mup_groups(model, cfg, lr, s, skip) if g["params"]]
+        return MuonWithAdamW(muon, torch.optim.AdamW(
+            groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=_fused(cfg, device)))
+    decay, no_decay = _groups(model, also_embeddings, skip=skip)
     return MuonWithAdamW(muon, _adamw(decay, no_decay, cfg, lr, device, drop_empty=True))
 
 

@@ -100,6 +100,9 @@ def describe_run(cfg: Config, world_size: int, budget: Budget) -> dict:
             cfg.model, cfg.parallel.activation_checkpointing, cfg.parallel.ac_every_n_layers,
             cfg.parallel.sequence_parallel and cfg.parallel.tp > 1),
         "model": cfg.model.name,
+        # the width and parametrisation tools/scaling_law.py --transfer groups runs by
+        "width": cfg.model.d_model,
+        "parametrization": str(cfg.model.parametrization),
         "data": cfg.data.name,
         **check_epochs(cfg.data, budget.tokens),
         "lr": scaled_lr(cfg.optim, budget.global_batch_tokens),

@@ -5,6 +5,7 @@
         --target-flops 1e15 --out runs/scaling
     python tools/scaling_law.py --chinchilla 5.76e23 1e24               # no runs needed
     python tools/scaling_law.py --hparams runs/sweeps/hparam-tiny       # lr(C), batch(C)
+    python tools/scaling_law.py --transfer runs/sweeps/transfer-tiny    # best lr per width
     python tools/scaling_law.py --points tests/data/chinchilla_besiroglu2024.csv \
         --exclude-highest-loss 5 --out runs/chinchilla                  # published runs
 
@@ -183,6 +184,20 @@ def report_isoflop(points: list[RunPoint], fit: dict) -> None:
             fit["isoflop_minima"].append({"flops": g[0].flops, "n_opt": n_opt, "loss": loss})
 
 
+def sweep_report(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
+    """``--transfer`` (the best LR per width of a width x LR sweep, pretrain/analysis/
+    transfer.py) or ``--hparams``: a report on folders of runs; None when neither."""
+    if not (args.transfer or args.hparams):
+        return None
+    if not args.dirs:
+        ap.error(f"--{'transfer' if args.transfer else 'hparams'} needs folders of runs")
+    if args.transfer:
+        from pretrain.analysis.transfer import transfer_report
+
+        return transfer_report(args.dirs, args.out, not args.no_plots)
+    return hparam_report(args.dirs, args.out)
+
+
 def cooldown_points(dirs: list[Path]) -> list[RunPoint]:
     """The finished runs under ``dirs`` that cooled down, cooldown branches included, each
     an (N, D) point (analysis/branches.py); a run that never decayed is named and left out."""
@@ -207,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hparams", action="store_true",
                     help="fit lr(C) and batch(C) to an LR x batch sweep instead")
+    ap.add_argument("--transfer", action="store_true", help="best LR per width instead")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--points", type=Path, action="append", default=[], metavar="CSV",
                     help="runs from a CSV file (n_params, tokens, loss), repeatable")
@@ -214,10 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave out the K runs with the highest loss before fitting")
     args = ap.parse_args(argv)
 
-    if args.hparams:
-        if not args.dirs:
-            ap.error("--hparams needs one or more folders of runs")
-        return hparam_report(args.dirs, args.out)
+    report = sweep_report(ap, args)
+    if report is not None:
+        return report
     if args.chinchilla:
         print_chinchilla(args.chinchilla)
         if not args.dirs:
