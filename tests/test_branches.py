@@ -251,3 +251,16 @@ def test_scaling_law_tool_reads_branches(tmp_path, capsys):
     assert "left out (never decayed" in out and "L(N, D) = E + A/N^alpha" in out
     fit = json.loads((tmp_path / "scaling_law" / "fit.json").read_text())
     assert len(fit["runs"]) == 9 and "chinchilla_law" in fit
+
+
+def test_only_a_run_that_ends_at_its_peak_lr_is_left_out():
+    """A constant-LR (stable) run ends at its peak and is left out; a decayed run and a run
+    too short to leave its warmup (the tiny ladder's smallest point) are each their own
+    D's loss and count."""
+    from pretrain.analysis.branches import cooled_down
+
+    plan = {"lr": 1e-3}
+    assert not cooled_down(plan, {"final_lr": 1e-3})
+    assert cooled_down(plan, {"final_lr": 1e-4})
+    assert cooled_down(plan, {"final_lr": 8e-4})  # still in warmup at its last step
+    assert cooled_down(plan, {})  # before result.json recorded final_lr

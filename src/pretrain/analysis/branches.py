@@ -20,15 +20,17 @@ from pathlib import Path
 
 from pretrain.analysis.scaling import RunPoint, collect_runs, finished_runs
 
-# A run whose last LR is above this fraction of its peak did not cool down.
-COOLED_BELOW = 0.5
+# A run whose last LR is within this fraction of its peak ended at the peak: it did not
+# cool down. Anything lower decayed, or ended inside its warmup (a run too short to leave
+# it, whose loss is still its own D's).
+AT_PEAK = 1e-3
 
 
 def cooled_down(plan: dict, result: dict) -> bool:
-    """Whether a finished run ended with its LR decayed (runs from before result.json
+    """Whether a finished run ended below its peak LR (runs from before result.json
     recorded ``final_lr`` count as decayed: every schedule but ``constant`` decays)."""
     final, peak = result.get("final_lr"), plan.get("lr")
-    return final is None or not peak or final < COOLED_BELOW * peak
+    return final is None or not peak or final < (1 - AT_PEAK) * peak
 
 
 @dataclass(frozen=True)
