@@ -90,12 +90,15 @@ PIPELINE_LAYOUTS = [n for n, (_, o) in LAYOUTS.items() if "parallel.pp=2" in o]
 # CompleteP away from its base shape (width 2x, depth 2x): every multiplier is not 1 and the
 # optimizer has muP's groups. Compared with the one-process CompleteP run: TP (the scales
 # on sharded activations and the vocabulary-parallel logits) and a pipeline (the output
-# multiplier on the last stage, the tied head's copy in the vector-like group there).
+# multiplier on the last stage, the tied head's copy in the vector-like group there) and
+# ZeRO-3.
 COMPLETEP = ["model.parametrization=completep", "model.base_width=32", "model.base_depth=2"]
 MUP_LAYOUTS = {
     "tp2_completep": (2, ["parallel.tp=2", "parallel.dp=1", *COMPLETEP]),
     "pp2_1f1b_completep": (2, ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=1f1b",
                                *COMPLETEP]),
+    # FSDP2: muP's groups over DTensor shards, the LR and epsilon per group
+    "zero3_dp2_completep": (2, ["parallel.dp=2", "parallel.dp_mode=zero3", *COMPLETEP]),
 }
 
 # One process, activation checkpointing: must change no number at all.
