@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 CHUNK_ELEMENTS = 2**24  # fp32 logits per chunk: 64 MB
 
@@ -62,6 +63,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token loss of logits (..., vocab) against targets (...), computed in fp32."""
     logits, targets = logits.flatten(0, -2), targets.flatten()
     n, vocab = logits.shape
-    if not is_chunked(n, vocab, vocab_sharded=type(logits) is not torch.Tensor):  # DTensor
+    # a DTensor is vocabulary-sharded (loss_parallel); a FakeTensor (tools/plan.py
+    # --simulate) is not, and must take the path the real run takes
+    if not is_chunked(n, vocab, vocab_sharded=isinstance(logits, DTensor)):
         return F.cross_entropy(logits.float(), targets)
     return _ChunkedCrossEntropy.apply(logits, targets, chunk_rows(vocab))
