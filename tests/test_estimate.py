@@ -17,7 +17,6 @@ layouts of Korthikanti et al. 2022 Table 3 / the MLPerf reference and Narayanan 
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import subprocess
