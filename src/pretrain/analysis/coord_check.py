@@ -130,12 +130,10 @@ def coord_check(parametrizations: Sequence[str] = PARAMETRIZATIONS,
 
 def plot(result: dict, path: Path) -> Path:
     """One panel per parametrisation: each layer's RMS at the last step against width."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from pretrain.analysis.scaling_plot import new_figure, write_png
 
     kinds = list(result["parametrizations"])
-    fig = Figure(figsize=(5 * len(kinds), 4.5), dpi=110)
-    FigureCanvasAgg(fig)
+    fig = new_figure((5 * len(kinds), 4.5), dpi=110)
     widths = result["widths"]
     for i, kind in enumerate(kinds):
         ax = fig.add_subplot(1, len(kinds), i + 1)
@@ -147,11 +145,7 @@ def plot(result: dict, path: Path) -> Path:
                ylabel=f"activation RMS at step {result['steps'] - 1}",
                title=f"{kind}: max slope {r['max_slope']:+.2f}")
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    return write_png(fig, path)
 
 
 def summary(result: dict) -> str:

@@ -23,13 +23,27 @@ from pretrain.analysis.scaling import (
 )
 
 
-def _figure():
+def new_figure(figsize: tuple[float, float] = (7.5, 5), dpi: int = 120):
     """A figure of its own, outside pyplot (no global backend, nothing left to close)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7.5, 5), dpi=120)
+    fig = Figure(figsize=figsize, dpi=dpi)
     FigureCanvasAgg(fig)
+    return fig
+
+
+def write_png(fig, path: Path | str) -> Path:
+    """Lay ``fig`` out and write it to ``path`` (its directory made if missing)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def _figure():
+    fig = new_figure()
     return fig, fig.add_subplot()
 
 
@@ -88,9 +102,7 @@ def _save(fig, ax, path: Path) -> Path:
     """The finishing touches every plot shares: grid, legend, layout, PNG."""
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return write_png(fig, path)
 
 
 def plot_isoflop(points: Sequence[RunPoint], chinchilla: FitReport | None, path: Path) -> Path:

@@ -107,12 +107,10 @@ def table(report: dict) -> str:
 def plot(points: Sequence[TransferPoint], report: dict, path: Path) -> Path:
     """Loss against LR, one curve per width, one panel per parametrisation; the fitted
     optimum of each width marked."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from pretrain.analysis.scaling_plot import new_figure, write_png
 
     kinds = list(report)
-    fig = Figure(figsize=(5.5 * len(kinds), 4.5), dpi=110)
-    FigureCanvasAgg(fig)
+    fig = new_figure((5.5 * len(kinds), 4.5), dpi=110)
     for j, kind in enumerate(kinds):
         ax = fig.add_subplot(1, len(kinds), j + 1)
         for o in report[kind]["optima"]:
@@ -124,11 +122,7 @@ def plot(points: Sequence[TransferPoint], report: dict, path: Path) -> Path:
         ax.set(xscale="log", xlabel="peak learning rate", ylabel="final validation loss",
                title=f"{kind}: optimum moves {report[kind]['drift_steps']:+.2f} grid steps")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+    return write_png(fig, path)
 
 
 def transfer_report(dirs: Sequence[Path], out: Path | None, plots: bool = True) -> int:

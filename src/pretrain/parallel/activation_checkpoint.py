@@ -16,8 +16,8 @@ the reduce-scatters': so the gathered Linear inputs are kept as their sequence s
 backward gathers them again, as Megatron-LM does (Korthikanti et al. 2022, section 4.2.2).
 The norms, rotary embeddings and activations run again from what is kept, and in eager mode
 the attention output projection too (its output is a reduce-scatter's input); compiled, the
-partitioner drops what no gradient needs. All are non-reentrant ``torch.utils.checkpoint``: results are bit-identical
-to no checkpointing.
+partitioner drops what no gradient needs. All are non-reentrant ``torch.utils.checkpoint``:
+results are bit-identical to no checkpointing.
 
 Checkpointing goes on before ``torch.compile`` (torchtitan's order), so each block compiles
 with ``fullgraph=True`` around its checkpoint region, the policy applied by the compiler's
@@ -34,6 +34,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from pretrain.config import ModelConfig
+from pretrain.parallel.tensor_parallel import ROWWISE
 
 # A block's Linears in the order its forward runs them (model.Block: attention, then MLP).
 LINEAR_ORDER = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
@@ -93,7 +94,7 @@ def sequence_parallel_kept(cfg: ModelConfig) -> list[str]:
     return [n for n in block_linears(cfg) if n not in ROW_PARALLEL]
 
 
-ROW_PARALLEL = ("wo", "w2")  # parallel/tensor_parallel.ROWWISE, by their short names
+ROW_PARALLEL = tuple(name.rpartition(".")[2] for name in ROWWISE)  # wo, w2
 
 
 def _policy(save: set, keep_matmul=lambda i: i % 2 == 0):

@@ -171,17 +171,14 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
     block_fwd = 2 * layer_matmul + attn_fwd
     extra = {"full": block_fwd, "selective": _selective_recompute(cfg, block_fwd),
              "none": _sp_recompute(cfg, layout)}[layout.activation_checkpointing] * tokens / world
-    compute = model_flops / peak
-    if prec.fp8 and gpu.peak_flops("float8"):
-        linear = 6 * layer_matmul * tokens / world
-        compute -= linear / peak - linear / gpu.peak_flops("float8")
+    linear_flops = 6 * layer_matmul * tokens / world  # this rank's block Linears
+    linear_peak = gpu.peak_flops("float8") if prec.fp8 and gpu.peak_flops("float8") else peak
+    compute = model_flops / peak - linear_flops / peak + linear_flops / linear_peak
     recompute = extra / peak
     slow = kernel_slowdown(cfg, gpu)
     compute, recompute = compute * slow, recompute * slow
 
-    linear_peak = gpu.peak_flops("float8") if prec.fp8 and gpu.peak_flops("float8") else peak
-    linear = 6 * layer_matmul * tokens / world / linear_peak * slow
-    tp_total, tp_hidden = _tensor_parallel(cfg, layout, gpu, linear)
+    tp_total, tp_hidden = _tensor_parallel(cfg, layout, gpu, linear_flops / linear_peak * slow)
     tp_comm = tp_total - tp_hidden
 
     # Pipeline bubble and point-to-point.
