@@ -71,16 +71,16 @@ def poison_local_grad(trainer: Trainer) -> None:
 
 
 def block_output_dtype(trainer: Trainer) -> torch.dtype:
-    """The dtype a block's first Linear produces in a training forward (no autocast: under
-    mixed precision FSDP2 gathers the weights in the compute dtype)."""
+    """The dtype a block's first Linear produces in a training forward (one process under
+    mixed precision: autocast; a multi-process layout: FSDP2 gathers the weights in the
+    compute dtype)."""
     seen: list[torch.dtype] = []
     block = next(iter(trainer.module.model.layers.values()))
     linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
     hook = linear.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
     x, _ = trainer._local_batch()
     trainer.module.parallel.train()
-    assert not torch.is_autocast_enabled(trainer.device.type)
-    with torch.no_grad():
+    with torch.no_grad(), trainer.module.autocast():
         trainer.module.model(x[:1])
     hook.remove()
     return seen[0]
@@ -145,7 +145,10 @@ def run_steps(trainer: Trainer, inject: dict | None = None,
         "compiled": [getattr(b, "_compiled_call_impl", None) is not None
                      for b in trainer.module.model.layers.values()],
         "root_compiled": getattr(trainer.module.model, "_compiled_call_impl", None) is not None,
-        "dynamo": {"frames": dict(counters["frames"]), "stats": dict(counters["stats"])},
+        # one process: the model and its loss compiled together (parallel/apply.py)
+        "whole_compiled": trainer.module.parallel.train_loss is not None,
+        "dynamo": {"frames": dict(counters["frames"]), "stats": dict(counters["stats"]),
+                   "graph_break": dict(counters["graph_break"])},
     }
 
 

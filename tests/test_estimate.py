@@ -6,7 +6,8 @@ Measured here (CPU, torch 2.13):
   ``pretrain.parallel`` code, collectives as no-ops) for zero3 dp=4, tp=2 and tp2 x pp2 x dp2.
 - activation peak: ``memory_probe.ActivationTracker`` (exact live tensor bytes over one
   forward + backward, gradients set aside) with bf16 parameters and no autocast, as FSDP2's
-  mixed precision runs every layout (parallel/data_parallel.needs_wrapper), against
+  mixed precision runs multi-process layouts (parallel/data_parallel.needs_wrapper), and
+  with fp32 parameters under autocast, as one process runs (data_parallel.autocasts), against
   ``activations + logits and loss + backward transient``. SDPA is the fused CPU flash
   kernel (no s x s scores, like flash-attn), RMSNorm is the composite kernel on CPU (fp32
   copies); the CUDA-only terms are covered by the GPT-3 tests below.
@@ -160,21 +161,29 @@ def test_state_bytes_sharded_layouts_match_local_shards():
                                                                    measured["pp_rank"]), name
 
 
-def measure_activations(cfg: Config) -> int:
-    """Activation peak of one forward + backward with the parameters in bf16, as FSDP2's
-    mixed precision gathers them, and no autocast (as the trainer runs every layout)."""
+def measure_activations(cfg: Config, fsdp_like: bool) -> int:
+    """Activation peak of one forward + backward as the trainer runs it: with the parameters
+    in bf16, as FSDP2's mixed precision gathers them, and no autocast (``fsdp_like``: a
+    multi-process layout); else fp32 parameters under autocast (one process:
+    parallel/data_parallel.autocasts), its cached weight casts counted apart."""
     torch.manual_seed(0)
     model = GPT(cfg.model)
     set_attention_backend(model, cfg.model.attention)
-    model.to(torch.bfloat16)
+    if fsdp_like:
+        model.to(torch.bfloat16)
     model.tie_weights()
     apply_activation_checkpointing(model.layers, cfg.parallel.activation_checkpointing, 0)
     b, s, v = cfg.parallel.micro_batch_size, cfg.model.seq_len, cfg.model.vocab_size
     x, y = torch.randint(0, v, (b, s)), torch.randint(0, v, (b, s))
     tracker = ActivationTracker([*model.parameters(), *model.buffers()])
-    with tracker:
-        cross_entropy(model(x), y).backward()
-    assert tracker.weight_copy_bytes() == 0  # no autocast: no cached weight casts
+    with tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=not fsdp_like):
+        loss = cross_entropy(model(x), y)
+        with torch.autocast("cpu", enabled=False):  # as the trainer: casts cached a step
+            loss.backward()
+    if fsdp_like:
+        assert tracker.weight_copy_bytes() == 0  # no autocast: no cached weight casts
+    else:
+        assert tracker.weight_copy_bytes() > 0
     return tracker.peak([p.grad for p in model.parameters()])
 
 
@@ -199,7 +208,7 @@ def test_activation_peak_within_25_percent(model, ac, attention, fsdp_like):
                    dp=2 if fsdp_like else 1, activation_checkpointing=ac)
     layout = resolve_layout(cfg, cfg.parallel.dp)
     rm = rank_memory(cfg, layout, 0, device="cpu")
-    measured = measure_activations(cfg)
+    measured = measure_activations(cfg, fsdp_like)
     assert abs(rm.activation_peak / measured - 1) < 0.25, (rm.activation_peak, measured)
 
 

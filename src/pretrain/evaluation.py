@@ -94,9 +94,17 @@ class Evaluator:
     def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Validation batches ``indices`` (of micro_batch_size sequences), concatenated."""
         batches = [self.val_data.batch(i * self.mbs, self.mbs) for i in indices]
-        x = torch.cat([b[0] for b in batches]).to(self.device)
-        y = torch.cat([b[1] for b in batches]).to(self.device)
-        return x, y
+        return to_device(torch.cat([b[0] for b in batches]), self.device), \
+            to_device(torch.cat([b[1] for b in batches]), self.device)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on ``device`` without making the host wait: a pageable copy to a GPU
+    blocks until every kernel queued before it has run; a pinned one is queued like a
+    kernel (and the pinned block is reused only once the copy is done)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def sample(module, train_cfg, tokenizer: Path, device: torch.device) -> str | None:
@@ -115,8 +123,9 @@ def sample(module, train_cfg, tokenizer: Path, device: torch.device) -> str | No
     model.eval()
     # Same seed on every rank: data-parallel replicas draw the same tokens in lockstep.
     gen = torch.Generator(device=device).manual_seed(train_cfg.seed)
-    out = model.generate(
-        torch.tensor([prompt], device=device), train_cfg.sample_tokens,
-        temperature=train_cfg.sample_temperature, top_k=train_cfg.sample_top_k, generator=gen,
-    )
+    with module.autocast():  # the compute dtype training ran in
+        out = model.generate(
+            torch.tensor([prompt], device=device), train_cfg.sample_tokens,
+            temperature=train_cfg.sample_temperature, top_k=train_cfg.sample_top_k,
+            generator=gen)
     return tok.decode(out[0].tolist())

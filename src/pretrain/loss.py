@@ -7,6 +7,11 @@ computed over chunks of tokens: forward keeps only each token's log-sum-exp, bac
 rebuilds the softmax one chunk at a time and writes the gradient in the logits' own dtype.
 At most one chunk of fp32 exists at a time. Under tensor parallelism (DTensor logits
 sharded over the vocabulary, with ``loss_parallel``) the plain call is used.
+
+That loop is for eager runs. A compiled run (``fused=True``, called inside a compiled graph:
+parallel/apply.py) takes torch's own cross-entropy on the whole logits, which inductor fuses
+(upcast, log-sum-exp, gradient) without storing any fp32 copy: the chunking's memory saving
+without its Python loop and its dozens of kernel launches a micro batch.
 """
 
 from __future__ import annotations
@@ -59,12 +64,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad, None, None
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token loss of logits (..., vocab) against targets (...), computed in fp32."""
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, fused: bool = False
+                  ) -> torch.Tensor:
+    """Mean token loss of logits (..., vocab) against targets (...), computed in fp32.
+    ``fused``: the caller runs inside a compiled graph, where the whole-logits loss fuses."""
     logits, targets = logits.flatten(0, -2), targets.flatten()
     n, vocab = logits.shape
     # a DTensor is vocabulary-sharded (loss_parallel); a FakeTensor (tools/plan.py
     # --simulate) is not, and must take the path the real run takes
-    if not is_chunked(n, vocab, vocab_sharded=isinstance(logits, DTensor)):
+    if fused or not is_chunked(n, vocab, vocab_sharded=isinstance(logits, DTensor)):
         return F.cross_entropy(logits.float(), targets)
     return _ChunkedCrossEntropy.apply(logits, targets, chunk_rows(vocab))

@@ -16,7 +16,6 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from pretrain.loss import cross_entropy
 from pretrain.moe import aux_loss_scale, moe_layers
 from pretrain.parallel.apply import ParallelModel
 from pretrain.parallel.layout import Layout
@@ -34,11 +33,12 @@ class ScaledLoss:
     fp16 loss scaling multiplies it here, while ``scale`` is set: during training steps
     only (``PipelineStep.forward_backward`` sets it)."""
 
-    def __init__(self):
+    def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         self.scale: float | None = None
+        self.fn = loss
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = cross_entropy(logits, targets)
+        loss = self.fn(logits, targets)
         return loss if self.scale is None else loss * self.scale
 
 
@@ -82,19 +82,21 @@ class AccumulationStep:
         micro batch's squared gradient norm when ``measure``, else None)."""
         n = self.layout.microbatches
         chunks, split = self._micro_batches(x, y, measure)
+        pm = self.parallel
         total = torch.zeros((), device=self.device)
         small_sq = None
-        with loss_context(self.layout.tp):
+        # one autocast region for the step: each weight is cast once, not once a micro batch
+        with loss_context(self.layout.tp), pm.autocast():
             for i, (xs, ys) in enumerate(chunks):
                 self._sync_gradients(i == len(chunks) - 1 or (measure and i == 0))
                 weight = len(xs) / len(x) if split else 1 / n
-                loss = cross_entropy(self.model(xs), ys)
+                loss = pm.micro_batch_loss(xs, ys)
                 # an ordinary step divides by n: the same bits as before the halves existed
                 loss = loss * weight if split else loss / n
                 # an MoE layer's auxiliary losses count as this micro batch's loss does
                 unit = (weight if split else 1 / n) * (
                     self.scaler.get_scale() if self.scaler and self.has_moe else 1.0)
-                with aux_loss_scale(unit):
+                with aux_loss_scale(unit), pm.autocast(enabled=False):
                     (self.scaler.scale(loss) if self.scaler else loss).backward()
                 total += local(loss.detach())
                 if measure and i == 0:
@@ -119,8 +121,8 @@ class AccumulationStep:
 
     def eval_losses(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
         """The loss of one validation micro batch, as a one-element list."""
-        with loss_context(self.layout.tp), torch.no_grad():
-            return [local(cross_entropy(self.model(x), y))]
+        with loss_context(self.layout.tp), torch.no_grad(), self.parallel.autocast():
+            return [local(self.parallel.micro_batch_loss(x, y))]
 
 
 class PipelineStep:
@@ -134,7 +136,7 @@ class PipelineStep:
     def __init__(self, parallel: ParallelModel, scaler, optimizer: torch.optim.Optimizer):
         self.parallel, self.layout, self.device = parallel, parallel.layout, parallel.device
         self.scaler, self.optimizer = scaler, optimizer
-        self.loss = ScaledLoss()
+        self.loss = ScaledLoss(parallel.loss)
         self.schedule = build_schedule(parallel.parts, parallel.stage_ids, self.layout,
                                        parallel.mesh.pp, self.device, self.loss)
 

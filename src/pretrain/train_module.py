@@ -28,6 +28,7 @@ from pretrain.nonfinite import NonFiniteSteps, device_skip_supported, step_unles
 from pretrain.optim import build_optimizer, build_scheduler
 from pretrain.parallel import mesh as dist_env
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
+from pretrain.parallel.data_parallel import needs_wrapper
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.mesh import Meshes
 from pretrain.precision import Policy
@@ -47,11 +48,11 @@ class Place:
 
 
 def join(layout: Layout, device: torch.device, policy: Policy, world_size: int) -> Place:
-    """The process group and device mesh (several processes; one process too under mixed
-    precision, whose FSDP2 over a DP group of one casts the parameters:
-    parallel/data_parallel.needs_wrapper), and this rank's place in them."""
+    """The process group and device mesh (several processes; one process only when FSDP2
+    offloads its parameters: parallel/data_parallel.needs_wrapper), and this rank's place
+    in them. One process otherwise runs without a process group or wrapper."""
     mesh = None
-    if world_size > 1 or policy.mixed:
+    if world_size > 1 or needs_wrapper(layout, policy.mixed):
         device = dist_env.init_distributed(device)
         mesh = dist_env.build_mesh(layout, device)
     dp_rank = mesh.dp.get_local_rank() if mesh is not None else 0
@@ -142,6 +143,11 @@ class TrainModule:
             raise AttributeError(f"this rank holds pipeline stages {self.parallel.stage_ids}; "
                                  "use TrainModule.parts")
         return self.parts[0]
+
+    def autocast(self):
+        """The forwards' compute-dtype context (``ParallelModel.autocast``): what evaluation
+        and generation run under, as training does."""
+        return self.parallel.autocast()
 
     def generator_model(self) -> tuple[torch.nn.Module | None, str]:
         """The model ``generate`` can run on this rank, or None and why not: generation

@@ -1,13 +1,21 @@
 """Turn a meta-device GPT into this rank's share of the model, in the order that composes:
 
 fp8 conversion -> pipeline split -> tensor (+ sequence) parallel -> activation checkpointing
--> compile (per block, fullgraph) -> FSDP2 / replicate, all on the meta device (no memory), then
-materialise: allocate the local shards and initialise them (each rank draws only its own
-shards' values, which are those of the same elements in one process: see initialization.py).
+-> compile -> FSDP2 / replicate, all on the meta device (no memory), then materialise:
+allocate the local shards and initialise them (each rank draws only its own shards' values,
+which are those of the same elements in one process: see initialization.py).
+
+Compile: one process compiles the model *and its loss* as one graph (``train_loss``, as
+nanoGPT compiles its loss inside the forward): inductor fuses the casts, the norms, the
+head and the cross-entropy, and the fp32 logits never exist. Under FSDP2 / TP each block
+compiles on its own (the wrapper's hooks run between blocks; torchtitan's way) and the loss
+separately, where its logits are a plain tensor.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -15,10 +23,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from pretrain.config import Config
+from pretrain.loss import cross_entropy
 from pretrain.model import GPT, set_attention_backend
 from pretrain.moe import GroupedExperts, MoE
 from pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
-from pretrain.parallel.data_parallel import apply_data_parallel, needs_wrapper
+from pretrain.parallel.data_parallel import apply_data_parallel, autocasts, needs_wrapper
 from pretrain.parallel.expert_parallel import apply_expert_parallel
 from pretrain.parallel.grad_clip import clip_grad_norm, global_grad_norm
 from pretrain.parallel.layout import Layout
@@ -44,6 +53,29 @@ class ParallelModel:
     mesh: Meshes | None = None
     stage_ids: list[int] = field(default_factory=lambda: [0])
     tied: TiedEmbedding | None = None
+    # one process under mixed precision: the matmuls' dtype under torch.autocast
+    autocast_dtype: torch.dtype | None = None
+    # (logits, targets) -> mean loss: compiled when the run compiles and the logits are a
+    # plain tensor (``compiled_loss``); the pipeline schedule's loss calls it too
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+    # (tokens, targets) -> mean loss of one micro batch through the whole model: model and
+    # loss compiled as one graph on one process (``whole_model_loss``)
+    train_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def autocast(self, enabled: bool = True) -> AbstractContextManager:
+        """The compute-dtype context of forwards (one process, mixed precision), a no-op
+        otherwise. Entered once around a whole step, autocast's cache casts each weight
+        once per step, not once per micro batch; ``enabled=False`` nested inside it (for
+        backward) keeps that cache."""
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=enabled)
+
+    def micro_batch_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean loss of one micro batch through this rank's whole model (no pipeline)."""
+        if self.train_loss is not None:
+            return self.train_loss(x, y)
+        return self.loss(self.parts[0](x), y)
 
     @property
     def has_first_stage(self) -> bool:
@@ -156,16 +188,46 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
         apply_activation_checkpointing(part.layers, layout.activation_checkpointing,
                                        cfg.parallel.ac_every_n_layers,
                                        mesh is not None and layout.sequence_parallel)
-        if cfg.train.compile:  # regional: each block once, the same code for all of them
+        if cfg.train.compile and mesh is not None:  # regional: each block once
             for block in part.layers.values():
-                compile_block(block, expert_parallel=mesh is not None and mesh.ep is not None)
+                compile_block(block, expert_parallel=mesh.ep is not None)
         if mesh is not None and needs_wrapper(layout, policy.mixed):
             apply_data_parallel(part, list(part.layers.values()), mesh, layout, policy)
     pm = ParallelModel(parts=parts, layout=layout, device=device, mesh=mesh,
-                       stage_ids=stage_ids)
+                       stage_ids=stage_ids,
+                       autocast_dtype=policy.compute_dtype
+                       if autocasts(layout, policy.mixed) else None)
+    if cfg.train.compile:
+        if mesh is None:
+            pm.train_loss = whole_model_loss(model)
+        elif layout.tp == 1:  # under TP the logits are vocabulary-sharded (loss_parallel)
+            pm.loss = compiled_loss()
     if mesh is not None:
         pm.tied = tied_embedding(cfg.model.tie_embeddings, parts, stage_ids, layout, mesh.root)
     return pm
+
+
+def whole_model_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The model and its loss compiled as one graph (fullgraph: a graph break is an error,
+    not a silent slowdown). The loss is torch's own cross-entropy on the whole logits:
+    inside the graph inductor fuses the upcast, the log-sum-exp and the gradient, so no fp32
+    copy of the logits is ever stored (what the eager path chunks to avoid)."""
+
+    def train_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(model(x), y, fused=True)
+
+    # static shapes: a measuring step's halves or an evaluation batch compile graphs of
+    # their own rather than turning the training graph dynamic
+    return torch.compile(train_loss, fullgraph=True, dynamic=False)
+
+
+def compiled_loss() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The cross-entropy compiled on its own (per-block compile: FSDP2, pipeline stages)."""
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, targets, fused=True)
+
+    return torch.compile(loss, fullgraph=True, dynamic=False)
 
 
 def compile_block(block: nn.Module, expert_parallel: bool) -> None:

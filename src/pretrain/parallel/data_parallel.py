@@ -6,8 +6,9 @@ as its backward is done, overlapping communication with compute. ZeRO-3 frees th
 parameters after forward; ZeRO-2 keeps them until backward (``reshard_after_forward=False``:
 one all-gather per step instead of two). HSDP shards within ``dp_shard`` and replicates
 across ``dp_replicate`` (a 2-D dp mesh). Parameters that are already DTensors on the TP mesh
-become 2-D (dp, tp) DTensors. Under mixed precision the wrapper goes on at dp = 1 too
-(``needs_wrapper``): FSDP2's ``MixedPrecisionPolicy`` is the one place parameters are cast.
+become 2-D (dp, tp) DTensors. Under mixed precision the wrapper goes on at dp = 1 too in a
+multi-process layout (``needs_wrapper``): FSDP2's ``MixedPrecisionPolicy`` casts the parameters
+there; one process alone autocasts instead (``autocasts``).
 """
 
 from __future__ import annotations
@@ -29,13 +30,25 @@ from pretrain.precision import Policy
 
 
 def needs_wrapper(layout: Layout, mixed: bool) -> bool:
-    """Whether a data-parallel wrapper goes on: with more than one DP rank, and under mixed
-    precision whatever the layout (a DP group of one then: its all-gather is the cast of
-    the parameters to the compute dtype, its reduce-scatter the cast of the gradients back).
-    This is how a bf16 run gets bf16 compute everywhere, one device included, without
-    autocast. ``mixed``: ``Policy.mixed`` (compute dtype below the parameter dtype); the
-    planner (planning/memory.py) asks the same question of a config."""
-    return layout.dp > 1 or mixed or layout.offload != "none"
+    """Whether a data-parallel wrapper goes on: with more than one DP rank, with offload
+    (FSDP2's own), and under mixed precision in a multi-process layout (a DP group of one
+    then, e.g. tp=2 x dp=1: its all-gather is the cast of the parameters to the compute
+    dtype, its reduce-scatter the cast of the gradients back). One process alone takes no
+    wrapper: it autocasts (``autocasts``), as nanoGPT and torchtitan's single-device path
+    do, so a step is its forwards, backwards, clip and optimizer step and nothing else (the
+    wrapper at dp = 1 copied and cast every weight and gradient per micro batch: the
+    measured H100 step spent 17% of its GPU time in those copies). ``mixed``:
+    ``Policy.mixed`` (compute dtype below the parameter dtype); the planner
+    (planning/memory.py) asks the same question of a config."""
+    return layout.dp > 1 or layout.offload != "none" or (mixed and layout.world_size > 1)
+
+
+def autocasts(layout: Layout, mixed: bool) -> bool:
+    """Whether the run computes under ``torch.autocast``: mixed precision with no wrapper
+    to cast the parameters (one process). The parameters stay in their (fp32) dtype, the
+    matmuls run in the compute dtype, the residual stream and norms in fp32 (torch's
+    autocast lists). The planner counts activations by the same answer."""
+    return mixed and not needs_wrapper(layout, mixed)
 
 
 def shard_dim(shape: tuple[int, ...], dp_shard: int) -> int:

@@ -68,6 +68,7 @@ class ActivationSetup:
     dropout: float = 0.0
     device: str = "cuda"  # cuda | cpu: which autocast rules and norm kernels apply
     autocast: bool = True  # compute dtype differs from the parameter dtype
+    fused_loss: bool = False  # the loss runs compiled (parallel/apply.py): fused by inductor
 
 
 def norm_saved_bytes(m: ModelConfig, a: ActivationSetup) -> int:
@@ -198,7 +199,9 @@ def head_and_loss(m: ModelConfig, a: ActivationSetup) -> tuple[float, float]:
     the plain path (``pretrain.loss.is_chunked``, the loss's own test):
     F.cross_entropy on an fp32 copy saves fp32 log-probabilities (4 n V) and its backward
     peaks at 8 n V more. Otherwise the chunked path saves the logits in the compute dtype and
-    a log-sum-exp, and backward adds the logits' gradient and two fp32 chunks."""
+    a log-sum-exp, and backward adds the logits' gradient and two fp32 chunks. A compiled
+    loss (``fused_loss``) saves the logits and a log-sum-exp too, and its fused backward
+    writes the logits' gradient in the compute dtype without fp32 chunks."""
     s, b, h, t = m.seq_len, a.micro_batch, m.d_model, a.tp
     n, vocab = s * b, padded_vocab_size(m) / t
     seq_div = t if a.sequence_parallel else 1
@@ -207,6 +210,8 @@ def head_and_loss(m: ModelConfig, a: ActivationSetup) -> tuple[float, float]:
     saved = norm_saved_bytes(m, a) * n * h / seq_div + a.compute_bytes * n * h
     saved += 16 * n  # int64 tokens and targets
     chunk = chunk_rows(padded_vocab_size(m))
+    if a.fused_loss:
+        return saved + a.compute_bytes * n * vocab + 4 * n, a.compute_bytes * n * vocab
     if not is_chunked(n, padded_vocab_size(m), vocab_sharded=t > 1):
         return saved + 4 * n * vocab, 8 * n * vocab
     return saved + a.compute_bytes * n * vocab + 4 * n, (

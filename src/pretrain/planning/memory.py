@@ -15,8 +15,10 @@ Parts (bytes per GPU, for the pipeline rank that needs the most):
   per-tensor temporaries are not counted. The total adds this to the forward/backward
   parts, though the step comes after the activations are freed (a margin the size of
   this part).
-- compute-dtype weight copies: under mixed precision FSDP2/replicate hold the bf16
-  unsharded parameters (at dp = 1 too: no autocast, see data_parallel.needs_wrapper): every local
+- compute-dtype weight copies: one process under mixed precision autocasts
+  (data_parallel.autocasts), and autocast's cache holds every weight's bf16 cast for the
+  step. In a multi-process layout FSDP2/replicate hold the bf16
+  unsharded parameters (at dp = 1 too, see data_parallel.needs_wrapper): every local
   parameter for ddp and zero2 (zero2 keeps them from forward to backward), the root and two
   blocks (one running, one prefetched) for zero3, all of them for zero3 under a pipeline
   (torch's pipelining turns resharding after backward off until the last microbatch).
@@ -54,7 +56,7 @@ from pretrain.config import Config
 from pretrain.hardware.gpus import GIB, GpuSpec
 from pretrain.model import padded_vocab_size
 from pretrain.muon import muon_matrix, orthogonalisation_bytes
-from pretrain.parallel.data_parallel import needs_wrapper
+from pretrain.parallel.data_parallel import autocasts, needs_wrapper
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.pipeline import stage_indices, stage_layers
 from pretrain.planning.activations import (
@@ -130,15 +132,21 @@ def activation_setup(cfg: Config, layout: Layout, device: str = "cuda") -> Activ
     """How activations are stored for this config and layout (see activations.py)."""
     prec = cfg.precision
     e = dtype_bytes(prec.compute_dtype)
-    # No autocast on any layout: FSDP2 casts the parameters (data_parallel.needs_wrapper),
-    # so the residual stream is in the compute dtype and each norm's output is one tensor
-    # of that dtype, shared by the projections that read it (model.RMSNorm/LayerNorm).
+    mixed = prec.compute_dtype != prec.param_dtype
     attention = "eager" if cfg.model.attention == "eager" else "fused"
+    # A wrapper (FSDP2 / replicate, data_parallel.needs_wrapper) casts the parameters: the
+    # residual stream is in the compute dtype and each norm's output is one tensor of that
+    # dtype, shared by the projections that read it. One process autocasts instead
+    # (data_parallel.autocasts): fp32 parameters feed the matmuls, so the residual stream
+    # is fp32, and on CUDA each projection casts the (fp32) norm output itself.
+    auto = autocasts(layout, mixed)
     return ActivationSetup(
         micro_batch=layout.micro_batch_size, tp=layout.tp,
         sequence_parallel=layout.sequence_parallel and layout.tp > 1, attention=attention,
-        compute_bytes=e, residual_bytes=e, norm_copies=False, sp_saves_gathered=False,
-        dropout=cfg.model.dropout, device=device, autocast=False,
+        compute_bytes=e, residual_bytes=dtype_bytes(prec.param_dtype) if auto else e,
+        norm_copies=auto and device == "cuda", sp_saves_gathered=False,
+        dropout=cfg.model.dropout, device=device, autocast=auto,
+        fused_loss=cfg.train.compile and layout.tp == 1,  # parallel/apply.py's rule
     )
 
 
@@ -199,7 +207,10 @@ def _weights_and_grad_buffers(cfg: Config, layout: Layout, sp: StageParams
     prec = cfg.precision
     e, reduce_b = dtype_bytes(prec.compute_dtype), dtype_bytes(prec.reduce_dtype)
     biggest_block = max(sp.blocks, default=0)
-    if not needs_wrapper(layout, prec.compute_dtype != prec.param_dtype):
+    mixed = prec.compute_dtype != prec.param_dtype
+    if autocasts(layout, mixed):  # autocast's cache: each weight's cast, for the whole step
+        return e * sp.local, 0.0
+    if not needs_wrapper(layout, mixed):
         return 0.0, 0.0  # no DP wrapper: no copies, gradients straight into .grad
     if layout.dp_mode == "zero3" and layout.pp == 1:
         weights = e * (sp.root + 2 * biggest_block)

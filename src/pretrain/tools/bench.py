@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from pretrain.compose import compose_config
 from pretrain.hardware.device import peak_memory_bytes
-from pretrain.loss import cross_entropy
 
 MODES = ("trainer", "plain", "hf")
 
@@ -47,33 +47,54 @@ def hf_gpt2(cfg, device):
     return GPT2LMHeadModel(hf_cfg).to(device)
 
 
+def plain_loop(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype,
+               compile_model: bool = False):
+    """nanoGPT's training step over ``model``: forward and ``F.cross_entropy`` under
+    autocast (compiled together when asked, as nanoGPT compiles its loss inside the
+    forward), backward, clip, fused AdamW on a GPU. Returns ``step(batches)`` over a list of
+    (x, y) micro batches already on the device; the loss stays on the device (no host
+    sync). The yardstick of ``plain`` mode and of tests/test_step_ops.py."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    mixed = compute_dtype != torch.float32
+
+    def forward_loss(x, y):
+        out = model(x)
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        return F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
+
+    fwd = torch.compile(forward_loss) if compile_model else forward_loss
+
+    def step(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        for x, y in batches:
+            with torch.autocast(device.type, dtype=compute_dtype, enabled=mixed):
+                loss = fwd(x, y) / len(batches)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def plain_step(mode: str, trainer, cfg):
-    """A nanoGPT-style step over ``trainer``'s model (``plain``) or transformers' GPT-2
-    (``hf``), on the trainer's data and precision; None when hf has no such model."""
+    """A nanoGPT-style step (``plain_loop``) over ``trainer``'s model (``plain``) or
+    transformers' GPT-2 (``hf``), on the trainer's data (read ahead, pinned, copied without
+    a host wait) and precision; None when hf has no such model."""
     device, policy = trainer.device, trainer.policy
     mbs = cfg.parallel.micro_batch_size
     accum = cfg.train.global_batch_size // mbs
     model = trainer.module.model if mode == "plain" else hf_gpt2(cfg, device)
     if model is None:
         return None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    data, pos = trainer.train_data, [0]
+    step = plain_loop(model, device, policy.compute_dtype, cfg.train.compile)
+    pos = [0]
 
     def step_fn():
-        for _ in range(accum):
-            x, y = data.batch(pos[0], mbs)
-            pos[0] += mbs
-            x, y = x.to(device), y.to(device)
-            # a plain loop has no FSDP2 to cast its weights: autocast, as nanoGPT does
-            with torch.autocast(device.type, dtype=policy.compute_dtype, enabled=policy.mixed):
-                out = model(x)
-                logits = out if mode == "plain" else out.logits
-                loss = cross_entropy(logits, y) / accum
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        x, y = trainer.prefetch.get(pos[0])  # the trainer's read-ahead thread, pinned
+        pos[0] += cfg.train.global_batch_size
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        return step(list(zip(x.chunk(accum), y.chunk(accum), strict=True)))
 
     return step_fn
 
