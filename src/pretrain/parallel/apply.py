@@ -207,15 +207,22 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
     return pm
 
 
+def forward_and_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(tokens, targets) -> mean loss through ``model``: what ``whole_model_loss`` compiles
+    (tests/test_compile_graphs.py traces it)."""
+
+    def train_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(model(x), y, fused=True)
+
+    return train_loss
+
+
 def whole_model_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The model and its loss compiled as one graph (fullgraph: a graph break is an error,
     not a silent slowdown). The loss is torch's own cross-entropy on the whole logits:
     inside the graph inductor fuses the upcast, the log-sum-exp and the gradient, so no fp32
     copy of the logits is ever stored (what the eager path chunks to avoid)."""
-
-    def train_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(model(x), y, fused=True)
-
+    train_loss = forward_and_loss(model)
     # static shapes: a measuring step's halves or an evaluation batch compile graphs of
     # their own rather than turning the training graph dynamic
     return torch.compile(train_loss, fullgraph=True, dynamic=False)
