@@ -47,12 +47,12 @@ class Policy:
 
     @property
     def mixed(self) -> bool:
-        """Compute in a lower dtype than the parameters are held in. Then FSDP2's
-        ``MixedPrecisionPolicy`` does the casting on every layout, a single device
-        included (zero3 over a data-parallel group of one: parallel/data_parallel.py), as
-        torchtitan does under FSDP: parameters gathered in the compute dtype, activations
-        and the residual stream in it, norms upcast inside themselves (model.py), no
-        autocast anywhere."""
+        """Compute in a lower dtype than the parameters are held in. In a multi-process
+        layout FSDP2's ``MixedPrecisionPolicy`` does the casting (a data-parallel group of
+        one where there is no data parallelism), as torchtitan does under FSDP: parameters
+        gathered in the compute dtype, activations and the residual stream in it, norms
+        upcast inside themselves. One process autocasts instead, with no wrapper
+        (parallel/data_parallel.autocasts)."""
         return self.compute_dtype != self.param_dtype
 
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
