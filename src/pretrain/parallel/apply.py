@@ -109,8 +109,11 @@ class ParallelModel:
         return self.tied.duplicates if self.tied is not None else frozenset()
 
     def train(self, mode: bool = True) -> None:
-        for part in self.parts:
-            part.train(mode)
+        """Every part in training (or eval) mode: a walk over every module, taken only
+        when the mode changes (not on every step)."""
+        if any(part.training != mode for part in self.parts):
+            for part in self.parts:
+                part.train(mode)
 
     def clip_grad_norm(self, max_norm: float, unscale=None) -> torch.Tensor:
         """Make the gradients whole (a weight tied across pipeline stages gets the sum of

@@ -90,6 +90,12 @@ class Layout:
                 "grad_accum": self.microbatches}
 
     def describe(self) -> str:
+        if self.world_size == 1 and self.offload == "none":
+            text = f"one device, no wrapper, micro batch {self.micro_batch_size} x " \
+                   f"{self.microbatches}"
+            if self.activation_checkpointing != "none":
+                text += f", {self.activation_checkpointing} activation checkpointing"
+            return text
         dp = f"dp={self.dp} ({self.dp_mode}"
         dp += f", {self.dp_replicate} replicas x {self.dp_shard} shards)" if self.hsdp else ")"
         if self.ep > 1:
