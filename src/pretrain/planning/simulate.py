@@ -33,6 +33,7 @@ from pretrain.loss import cross_entropy
 from pretrain.model import GPT
 from pretrain.optim import build_optimizer
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
+from pretrain.parallel.data_parallel import needs_wrapper
 from pretrain.parallel.layout import Layout, resolve_layout
 from pretrain.parallel.mesh import build_mesh
 from pretrain.parallel.tensor_parallel import loss_context
@@ -94,7 +95,10 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def _build(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str
            ) -> ParallelModel:
-    return parallelize_gpt(cfg, layout, mesh, torch.device("cpu"), policy, attention)
+    # one process without offload runs with no mesh (train_module.join): no wrapper, autocast
+    alone = layout.world_size == 1 and not needs_wrapper(layout, policy.mixed)
+    return parallelize_gpt(cfg, layout, None if alone else mesh, torch.device("cpu"), policy,
+                           attention)
 
 
 def _stage_input(part: GPT, cfg: Config, layout: Layout, policy: Policy) -> torch.Tensor:
@@ -184,7 +188,8 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str)
         tracker.track_external(*pm.parts, optimizer, *inputs)
         with tracker:
             for part, x in zip(pm.parts, inputs, strict=True):
-                _forward_backward(part, x, cfg, layout, policy)
+                with pm.autocast():  # one process: autocast, as the trainer's step
+                    _forward_backward(part, x, cfg, layout, policy)
         step_peak = tracker.get_tracker_snapshot("peak")
         before = _bytes(tracker.get_tracker_snapshot("current"))
         with tracker:  # entered again, its peak starts from what the step starts with
