@@ -28,7 +28,6 @@ from pretrain.nonfinite import NonFiniteSteps, device_skip_supported, step_unles
 from pretrain.optim import build_optimizer, build_scheduler
 from pretrain.parallel import mesh as dist_env
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
-from pretrain.parallel.data_parallel import needs_wrapper
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.mesh import Meshes
 from pretrain.precision import Policy
@@ -49,10 +48,10 @@ class Place:
 
 def join(layout: Layout, device: torch.device, policy: Policy, world_size: int) -> Place:
     """The process group and device mesh (several processes; one process only when FSDP2
-    offloads its parameters: parallel/data_parallel.needs_wrapper), and this rank's place
-    in them. One process otherwise runs without a process group or wrapper."""
+    offloads its parameters: ``Layout.one_device``), and this rank's place in them. One
+    process otherwise runs without a process group or wrapper."""
     mesh = None
-    if world_size > 1 or needs_wrapper(layout, policy.mixed):
+    if world_size > 1 or not layout.one_device:
         device = dist_env.init_distributed(device)
         mesh = dist_env.build_mesh(layout, device)
     dp_rank = mesh.dp.get_local_rank() if mesh is not None else 0

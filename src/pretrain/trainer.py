@@ -115,17 +115,10 @@ class Trainer:
             budget.steps, f"{budget.global_batch_tokens:,}",
             " ".join(filter(None, [plan["precision"], plan.get("fp8"),
                                    "(auto)" if "precision_auto" in plan else None])),
-            plan["attention"], self._compile_note(),
+            plan["attention"],
+            f" | compile ({self.layout.compile_scope()})" if cfg.train.compile else "",
             self.layout.describe(), self.device,
         )
-
-    def _compile_note(self) -> str:
-        """What train.compile compiles on this layout (parallel/apply.py's rule)."""
-        if not self.cfg.train.compile:
-            return ""
-        if self.world_size == 1 and self.layout.offload == "none":
-            return " | compile (model + loss, one graph)"
-        return " | compile (per block" + (", loss)" if self.layout.tp == 1 else ")")
 
     def _load_data(self) -> None:
         """The training and (when prepared) validation windows."""

@@ -200,7 +200,7 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
                        stage_ids=stage_ids,
                        autocast_dtype=policy.compute_dtype
                        if autocasts(layout, policy.mixed) else None)
-    if cfg.train.compile:
+    if cfg.train.compile:  # what Layout.compile_scope says
         if mesh is None:
             pm.train_loss = whole_model_loss(model)
         elif layout.tp == 1:  # under TP the logits are vocabulary-sharded (loss_parallel)

@@ -48,7 +48,7 @@ def autocasts(layout: Layout, mixed: bool) -> bool:
     to cast the parameters (one process). The parameters stay in their (fp32) dtype, the
     matmuls run in the compute dtype, the residual stream and norms in fp32 (torch's
     autocast lists). The planner counts activations by the same answer."""
-    return mixed and not needs_wrapper(layout, mixed)
+    return mixed and layout.one_device
 
 
 def shard_dim(shape: tuple[int, ...], dp_shard: int) -> int:

@@ -72,6 +72,19 @@ class Layout:
         return self.tp * self.pp * self.dp
 
     @property
+    def one_device(self) -> bool:
+        """One process with everything on its device: no process group, no wrapper
+        (train_module.join, parallel/data_parallel.needs_wrapper), autocast under mixed
+        precision, and compile takes the model and its loss as one graph (apply.py)."""
+        return self.world_size == 1 and self.offload == "none"
+
+    def compile_scope(self) -> str:
+        """What ``train.compile`` compiles on this layout (parallel/apply.py's rule)."""
+        if self.one_device:
+            return "model + loss, one graph"
+        return "per block, loss" if self.tp == 1 else "per block"
+
+    @property
     def n_stages(self) -> int:
         return self.pp * self.virtual_stages
 
@@ -90,7 +103,7 @@ class Layout:
                 "grad_accum": self.microbatches}
 
     def describe(self) -> str:
-        if self.world_size == 1 and self.offload == "none":
+        if self.one_device:
             text = f"one device, no wrapper, micro batch {self.micro_batch_size} x " \
                    f"{self.microbatches}"
             if self.activation_checkpointing != "none":

@@ -33,7 +33,6 @@ from pretrain.loss import cross_entropy
 from pretrain.model import GPT
 from pretrain.optim import build_optimizer
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
-from pretrain.parallel.data_parallel import needs_wrapper
 from pretrain.parallel.layout import Layout, resolve_layout
 from pretrain.parallel.mesh import build_mesh
 from pretrain.parallel.tensor_parallel import loss_context
@@ -96,9 +95,8 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 def _build(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str
            ) -> ParallelModel:
     # one process without offload runs with no mesh (train_module.join): no wrapper, autocast
-    alone = layout.world_size == 1 and not needs_wrapper(layout, policy.mixed)
-    return parallelize_gpt(cfg, layout, None if alone else mesh, torch.device("cpu"), policy,
-                           attention)
+    return parallelize_gpt(cfg, layout, None if layout.one_device else mesh,
+                           torch.device("cpu"), policy, attention)
 
 
 def _stage_input(part: GPT, cfg: Config, layout: Layout, policy: Policy) -> torch.Tensor:
