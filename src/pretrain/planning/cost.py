@@ -94,19 +94,20 @@ class StepCost:
 
     @property
     def device(self) -> float:
-        """The GPU's (and the links') time."""
+        """The GPU's (and the links') time, offload's serial host work included."""
         return (self.compute + self.recompute + self.tp_comm + self.pp_bubble + self.pp_p2p
                 + self.dp_exposed + self.ep_comm + self.offload)
 
     @property
     def host_bound(self) -> bool:
-        return self.host > self.device
+        return self.host > self.device - self.offload
 
     @property
     def total(self) -> float:
-        """The host launches kernels ahead of the GPU, so the step takes the longer of the
-        two (overlap assumed complete): GPU time, or host dispatch time when host-bound."""
-        return max(self.device, self.host)
+        """The host launches kernels ahead of the GPU, so forward and backward take the
+        longer of the two (overlap assumed complete): the GPU's time, or the host's dispatch
+        time when host-bound. Offload's copies and host step follow, not overlapped."""
+        return max(self.device - self.offload, self.host) + self.offload
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total, "device": self.device,
@@ -244,7 +245,7 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
     total = compute + recompute + tp_comm + bubble + p2p + dp_exposed + ep_comm + off
     bf16_peak = gpu.peak_flops("bfloat16") or peak
     host = host_seconds(cfg, layout)
-    total = max(total, host)
+    total = max(total - off, host) + off
     return StepCost(compute, recompute, tp_comm, bubble, p2p, dp_comm, dp_exposed,
                     mfu=model_flops / (total * bf16_peak), ep_comm=ep_comm, offload=off,
                     tp_hidden=tp_hidden, host=host)
