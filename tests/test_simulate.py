@@ -155,7 +155,13 @@ def test_the_simulated_optimizer_is_the_one_a_gpu_run_builds(optim):
     from pretrain.compose import compose_config
     from pretrain.model import GPT
     from pretrain.optim import build_optimizer
-    from pretrain.planning.simulate import TARGET, _build_optimizer, implementation
+    from pretrain.parallel.layout import resolve_layout
+    from pretrain.planning.simulate import (
+        TARGET,
+        _build_optimizer,
+        implementation,
+        optimizer_device,
+    )
 
     cfg = compose_config(["+recipe=llama-tiny", "model.n_layer=2", f"optim={optim}"])
     model = GPT(cfg.model)
@@ -166,3 +172,7 @@ def test_the_simulated_optimizer_is_the_one_a_gpu_run_builds(optim):
     cpu = implementation(build_optimizer(model, cfg.optim, 1e-3, torch.device("cpu")))
     assert simulated == gpu
     assert ("AdamW", True, False) in simulated and simulated != cpu
+    offload = resolve_layout(compose_config(["+recipe=llama-tiny", "parallel.offload=params"]),
+                             1)
+    assert optimizer_device(offload).type == "cpu"  # the host steps: the trainer's for-loop
+    assert implementation(_build_optimizer(pm, cfg, 1e-3, optimizer_device(offload))) == cpu

@@ -146,6 +146,12 @@ def _by_kind(snapshot: dict) -> dict[str, int]:
 TARGET = torch.device("cuda")
 
 
+def optimizer_device(layout: Layout) -> torch.device:
+    """Where the GPU run's optimizer steps, as the trainer passes it to build_optimizer
+    (``ParallelModel.param_device``): the host under parallel.offload=params, else the GPU."""
+    return torch.device("cpu") if layout.offload == "params" else TARGET
+
+
 def _build_optimizer(pm: ParallelModel, cfg: Config, lr: float,
                      device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
     return build_optimizer(torch.nn.ModuleList(pm.parts), cfg.optim, lr, device,
@@ -226,7 +232,7 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str)
         materialize(pm, torch.device("cpu"), None)
         # the optimizer as the GPU run builds it (fused AdamW), not as this CPU would
         optimizer = _build_optimizer(pm, cfg, cfg.optim.lr or 1e-4,  # lr 0: no Muon work
-                                     TARGET)
+                                     optimizer_device(layout))
         params = pm.parameters()
         init_optimizer_state(optimizer, params, measure=False)
         _warm_step(optimizer, params)
