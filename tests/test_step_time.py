@@ -83,3 +83,32 @@ def test_offload_plan_is_within_30_percent_of_the_h100_run():
     assert allocated == pytest.approx(3.76e9, rel=0.15)
     _, _, fused = _cost([*offload, "optim.fused=true"])
     assert fused.offload < cost.offload / 3  # torch's vectorised CPU AdamW
+
+
+@pytest.mark.gpu
+def test_an_offloaded_step_on_this_gpu_is_within_30_percent_of_the_plan():
+    """The GPU tier's check of the offload plan: gpt2-1.5b with parallel.offload=params
+    timed through the trainer's step on this GPU and host, against the planner for this
+    GPU type (its host figures were timed on another CPU: planning/calibration.py)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from pretrain.hardware.gpus import local_gpu
+    from pretrain.tools.bench import measure
+
+    overrides = ["+recipe=gpt2-124m", "model=gpt2-1.5b", "precision=bf16", "data=stdlib",
+                 "data.max_epochs=1000000", "train.global_batch_size=4",
+                 "parallel.micro_batch_size=1", "parallel.offload=params",
+                 "parallel.dp_mode=zero2", "parallel.activation_checkpointing=full"]
+    got = measure("trainer", overrides, steps=2, warmup=1)
+    cfg = compose_config(overrides)
+    layout, gpu = resolve_layout(cfg, 1), local_gpu("cuda")
+    cost = step_cost(cfg, layout, gpu, resolve_budget(cfg.model, cfg.budget, 4))
+    print(f"offload step: measured {got['step_s']:.2f} s, planned {cost.total:.2f} s; "
+          f"peak allocated {got['peak_memory_gb']:.2f} GB")
+    assert got["step_s"] == pytest.approx(cost.total, rel=0.30)
+    parts = estimate_memory(cfg, layout, gpu).worst.parts
+    allocated = sum(v for k, v in parts.items()
+                    if k not in ("CUDA context + NCCL", "allocator fragmentation"))
+    assert got["peak_memory_gb"] * 1e9 == pytest.approx(allocated, rel=0.30)
