@@ -61,13 +61,17 @@ from pretrain.budget import Budget
 from pretrain.config import Config
 from pretrain.hardware.gpus import GpuSpec
 from pretrain.parallel.activation_checkpoint import recomputed_linears
+from pretrain.parallel.data_parallel import needs_wrapper
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.pipeline import stage_indices, stage_layers
 from pretrain.planning.calibration import (
     HOST_ADAMW_NS,
     HOST_GRAD_ADD_NS,
     HOST_S_PER_COMPILED_BLOCK,
+    HOST_S_PER_COMPILED_LAUNCH,
+    HOST_S_PER_FSDP_UNIT,
     HOST_S_PER_OP,
+    LAUNCHES_PER_HEAVY_OP,
     SOLO_EAGER_SPEED,
     SOLO_KERNEL_SPEEDUP,
 )
@@ -157,22 +161,35 @@ def kernel_slowdown(cfg: Config, gpu: GpuSpec, world_size: int = 2) -> float:
     return 1 / gpu.kernel_efficiency / (1.0 if cfg.train.compile else EAGER_SPEED)
 
 
-def host_seconds(cfg: Config, layout: Layout) -> float:
-    """Host time to dispatch one step of this rank (planning/dispatch.py counts the ops):
-    every micro batch's ops outside the blocks and the loss's, eager; its blocks eager per
-    op or, compiled, per block call; then clipping and the optimizer step. A pipeline rank
-    is charged its blocks and, an upper bound, the embeddings, head and loss too."""
+def host_seconds(cfg: Config, layout: Layout, wrapped: bool | None = None) -> float:
+    """Host time to dispatch one step of this rank (planning/dispatch.py counts the ops),
+    per the path the trainer takes (parallel/apply.py): one process compiled runs model and
+    loss as one graph (its kernels' launches); compiled blocks elsewhere (a call each, the
+    rest eager); eager, every op, the chunked loss's loop included; FSDP2's hooks per unit
+    where a wrapper goes on (``wrapped``: the layout's answer unless given); then clipping
+    and the optimizer step. A pipeline rank is charged its blocks and, an upper bound, the
+    embeddings, head and loss too."""
     from pretrain.planning.dispatch import count_ops, loss_chunks
 
     m = cfg.model
     c = count_ops(m)
+    mixed = cfg.precision.compute_dtype != cfg.precision.param_dtype
+    if wrapped is None:
+        wrapped = needs_wrapper(layout, mixed)
     blocks = m.n_layer // layout.pp
-    chunks = loss_chunks(m, layout.micro_batch_size, vocab_sharded=layout.tp > 1)
-    eager = c.outside + c.loss_base + c.loss_per_chunk * chunks
-    if cfg.train.compile:
-        per_mb = eager * HOST_S_PER_OP + blocks * HOST_S_PER_COMPILED_BLOCK
+    fused_loss = cfg.train.compile and layout.tp == 1  # parallel/apply.py: loss compiled
+    chunks = 0 if fused_loss else loss_chunks(m, layout.micro_batch_size,
+                                              vocab_sharded=layout.tp > 1)
+    loss = c.loss_base + c.loss_per_chunk * chunks
+    if cfg.train.compile and layout.world_size == 1 and not wrapped:  # one graph
+        launches = LAUNCHES_PER_HEAVY_OP * (blocks * c.heavy_per_block + 4)  # + head, loss
+        per_mb = launches * HOST_S_PER_COMPILED_LAUNCH
+    elif cfg.train.compile:
+        per_mb = (c.outside + loss) * HOST_S_PER_OP + blocks * HOST_S_PER_COMPILED_BLOCK
     else:
-        per_mb = (eager + blocks * c.per_block) * HOST_S_PER_OP
+        per_mb = (c.outside + blocks * c.per_block + loss) * HOST_S_PER_OP
+    if wrapped:
+        per_mb += (blocks + 1) * HOST_S_PER_FSDP_UNIT
     return layout.microbatches * per_mb + c.step * HOST_S_PER_OP
 
 
