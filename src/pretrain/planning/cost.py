@@ -47,6 +47,13 @@ Stated assumptions (an idealised model for ranking layouts, not a promise of thr
   (torch's single-tensor for-loop, as build_optimizer makes it for host parameters, unless
   optim.fused=true), at the per-parameter times measured on a real host
   (planning/calibration.py, tools/bench_offload.py). Not overlapped.
+- Host dispatch: the host launches kernels ahead of the GPU, so forward and backward take
+  max(GPU time, host time) (offload's copies and host step then follow). Host time = the
+  aten ops the step dispatches (planning/dispatch.py counts them on the CPU) at a per-op
+  cost, plus FSDP2's per-unit hooks where a wrapper goes on; compiled blocks per call;
+  one process compiled (model and loss one graph) per kernel launch. Constants:
+  planning/calibration.py, fitted on recorded H100 runs. One GPU (no collectives beside
+  its kernels) runs them ``SOLO_KERNEL_SPEEDUP`` faster than the multi-GPU calibration.
 - Every call (collective or p2p, one per FSDP unit for DP) also costs a fixed latency: 10 us
   within a node, 30 us across nodes (NCCL small-message latencies are of this order); it only
   matters for small models, where bandwidth terms vanish.
