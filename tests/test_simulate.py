@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -141,3 +142,37 @@ def test_the_optimizer_step_holds_what_the_planner_counts(optim):
         assert measured <= 0.01 * result["optimizer_step_start_bytes"]
     assert ratio["optimizer_step_peak_bytes"] == pytest.approx(1.0, abs=0.1)
     assert "optimizer step transient   measured" in out
+
+
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_the_simulated_optimizer_is_the_one_a_gpu_run_builds(optim):
+    """The fake step's optimizer runs the kernels a CUDA run's does (fused AdamW: no
+    per-tensor temporaries; a foreach or for-loop AdamW would hold some), whatever this
+    CPU would pick for itself: its (class, fused, foreach) equal build_optimizer's for a
+    CUDA device."""
+    import torch
+
+    from pretrain.compose import compose_config
+    from pretrain.model import GPT
+    from pretrain.optim import build_optimizer
+    from pretrain.parallel.layout import resolve_layout
+    from pretrain.planning.simulate import (
+        TARGET,
+        _build_optimizer,
+        implementation,
+        optimizer_device,
+    )
+
+    cfg = compose_config(["+recipe=llama-tiny", "model.n_layer=2", f"optim={optim}"])
+    model = GPT(cfg.model)
+    pm = SimpleNamespace(parts=[model], tied=None)  # what _build_optimizer reads
+    simulated = implementation(_build_optimizer(pm, cfg, 1e-3, TARGET))
+    gpu = implementation(build_optimizer(torch.nn.ModuleList([model]), cfg.optim, 1e-3,
+                                         torch.device("cuda")))
+    cpu = implementation(build_optimizer(model, cfg.optim, 1e-3, torch.device("cpu")))
+    assert simulated == gpu
+    assert ("AdamW", True, False) in simulated and simulated != cpu
+    offload = resolve_layout(compose_config(["+recipe=llama-tiny", "parallel.offload=params"]),
+                             1)
+    assert optimizer_device(offload).type == "cpu"  # the host steps: the trainer's for-loop
+    assert implementation(_build_optimizer(pm, cfg, 1e-3, optimizer_device(offload))) == cpu

@@ -42,10 +42,18 @@ Stated assumptions (an idealised model for ranking layouts, not a promise of thr
   spans dp_shard / ep ranks, the rest of the model's dp_shard.
 - Offload (``parallel.offload=params``, FSDP2's CPUOffloadPolicy): each all-gather first
   copies the rank's parameter shard host-to-device, each reduce-scatter copies the
-  gradient shard back, over PCIe at the GPU type's ``pcie_gbps`` (one direction), and the
-  optimizer step runs on the host, reading and writing 28 bytes per fp32 parameter (weight,
-  gradient, two moments in; weight and moments out) at ``HOST_STEP_GBPS`` of host memory
-  bandwidth per GPU. Not overlapped (an upper bound on what offloading costs).
+  gradient shard back, over PCIe at the GPU type's ``pcie_gbps`` (one direction); the
+  host sums each gradient shard after the first into its gradient and runs the AdamW step
+  (torch's single-tensor for-loop, as build_optimizer makes it for host parameters, unless
+  optim.fused=true), at the per-parameter times measured on a real host
+  (planning/calibration.py, tools/bench_offload.py). Not overlapped.
+- Host dispatch: the host launches kernels ahead of the GPU, so forward and backward take
+  max(GPU time, host time) (offload's copies and host step then follow). Host time = the
+  aten ops the step dispatches (planning/dispatch.py counts them on the CPU) at a per-op
+  cost, plus FSDP2's per-unit hooks where a wrapper goes on; compiled blocks per call;
+  one process compiled (model and loss one graph) per kernel launch. Constants:
+  planning/calibration.py, fitted on recorded H100 runs. One GPU (no collectives beside
+  its kernels) runs them ``SOLO_KERNEL_SPEEDUP`` faster than the multi-GPU calibration.
 - Every call (collective or p2p, one per FSDP unit for DP) also costs a fixed latency: 10 us
   within a node, 30 us across nodes (NCCL small-message latencies are of this order); it only
   matters for small models, where bandwidth terms vanish.
@@ -60,8 +68,20 @@ from pretrain.budget import Budget
 from pretrain.config import Config
 from pretrain.hardware.gpus import GpuSpec
 from pretrain.parallel.activation_checkpoint import recomputed_linears
+from pretrain.parallel.data_parallel import needs_wrapper
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.pipeline import stage_indices, stage_layers
+from pretrain.planning.calibration import (
+    HOST_ADAMW_NS,
+    HOST_GRAD_ADD_NS,
+    HOST_S_PER_COMPILED_BLOCK,
+    HOST_S_PER_COMPILED_LAUNCH,
+    HOST_S_PER_FSDP_UNIT,
+    HOST_S_PER_OP,
+    LAUNCHES_PER_HEAVY_OP,
+    SOLO_EAGER_SPEED,
+    SOLO_KERNEL_SPEEDUP,
+)
 from pretrain.planning.params import expert_share, inventory, rank_params
 from pretrain.precision import dtype_bytes
 
@@ -81,14 +101,28 @@ class StepCost:
     ep_comm: float = 0.0  # expert parallelism's all-to-all token exchange
     offload: float = 0.0  # host<->device copies and the optimizer step on the host
     tp_hidden: float = 0.0  # TP traffic async TP overlaps with matmuls (not in the total)
+    host: float = 0.0  # the host's dispatch time: the step waits for it when it is longer
 
     @property
-    def total(self) -> float:
+    def device(self) -> float:
+        """The GPU's (and the links') time, offload's serial host work included."""
         return (self.compute + self.recompute + self.tp_comm + self.pp_bubble + self.pp_p2p
                 + self.dp_exposed + self.ep_comm + self.offload)
 
+    @property
+    def host_bound(self) -> bool:
+        return self.host > self.device - self.offload
+
+    @property
+    def total(self) -> float:
+        """The host launches kernels ahead of the GPU, so forward and backward take the
+        longer of the two (overlap assumed complete): the GPU's time, or the host's dispatch
+        time when host-bound. Offload's copies and host step follow, not overlapped."""
+        return max(self.device - self.offload, self.host) + self.offload
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "total": self.total}
+        return {**asdict(self), "total": self.total, "device": self.device,
+                "host_bound": self.host_bound}
 
 
 LATENCY_NODE_S = 10e-6  # per collective / p2p call within a node (NCCL small-message scale)
@@ -123,10 +157,47 @@ def _alpha(gpu: GpuSpec, ranks_in_group_span: int) -> float:
 EAGER_SPEED = 5762 / 6667
 
 
-def kernel_slowdown(cfg: Config, gpu: GpuSpec) -> float:
+def kernel_slowdown(cfg: Config, gpu: GpuSpec, world_size: int = 2) -> float:
     """How much longer than at the dense peak the kernels take: 1 / (the GPU type's
-    calibrated ``kernel_efficiency``), and eager blocks ``EAGER_SPEED`` of compiled ones."""
+    calibrated ``kernel_efficiency``), and eager blocks ``EAGER_SPEED`` of compiled ones.
+    One GPU runs no collectives beside its kernels: ``SOLO_KERNEL_SPEEDUP`` faster, eager
+    at ``SOLO_EAGER_SPEED`` (planning/calibration.py)."""
+    if world_size == 1:
+        eager = 1.0 if cfg.train.compile else SOLO_EAGER_SPEED
+        return 1 / (gpu.kernel_efficiency * SOLO_KERNEL_SPEEDUP) / eager
     return 1 / gpu.kernel_efficiency / (1.0 if cfg.train.compile else EAGER_SPEED)
+
+
+def host_seconds(cfg: Config, layout: Layout, wrapped: bool | None = None) -> float:
+    """Host time to dispatch one step of this rank (planning/dispatch.py counts the ops),
+    per the path the trainer takes (parallel/apply.py): one process compiled runs model and
+    loss as one graph (its kernels' launches); compiled blocks elsewhere (a call each, the
+    rest eager); eager, every op, the chunked loss's loop included; FSDP2's hooks per unit
+    where a wrapper goes on (``wrapped``: the layout's answer unless given); then clipping
+    and the optimizer step. A pipeline rank is charged its blocks and, an upper bound, the
+    embeddings, head and loss too."""
+    from pretrain.planning.dispatch import count_ops, loss_chunks
+
+    m = cfg.model
+    c = count_ops(m)
+    mixed = cfg.precision.compute_dtype != cfg.precision.param_dtype
+    if wrapped is None:
+        wrapped = needs_wrapper(layout, mixed)
+    blocks = m.n_layer // layout.pp
+    fused_loss = cfg.train.compile and layout.tp == 1  # parallel/apply.py: loss compiled
+    chunks = 0 if fused_loss else loss_chunks(m, layout.micro_batch_size,
+                                              vocab_sharded=layout.tp > 1)
+    loss = c.loss_base + c.loss_per_chunk * chunks
+    if cfg.train.compile and layout.world_size == 1 and not wrapped:  # one graph
+        launches = LAUNCHES_PER_HEAVY_OP * (blocks * c.heavy_per_block + 4)  # + head, loss
+        per_mb = launches * HOST_S_PER_COMPILED_LAUNCH
+    elif cfg.train.compile:
+        per_mb = (c.outside + loss) * HOST_S_PER_OP + blocks * HOST_S_PER_COMPILED_BLOCK
+    else:
+        per_mb = (c.outside + blocks * c.per_block + loss) * HOST_S_PER_OP
+    if wrapped:
+        per_mb += (blocks + 1) * HOST_S_PER_FSDP_UNIT
+    return layout.microbatches * per_mb + c.step * HOST_S_PER_OP
 
 
 def _selective_recompute(cfg: Config, block_fwd: float) -> float:
@@ -175,7 +246,7 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
     linear_peak = gpu.peak_flops("float8") if prec.fp8 and gpu.peak_flops("float8") else peak
     compute = model_flops / peak - linear_flops / peak + linear_flops / linear_peak
     recompute = extra / peak
-    slow = kernel_slowdown(cfg, gpu)
+    slow = kernel_slowdown(cfg, gpu, world)
     compute, recompute = compute * slow, recompute * slow
 
     tp_total, tp_hidden = _tensor_parallel(cfg, layout, gpu, linear_flops / linear_peak * slow)
@@ -197,36 +268,58 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
     off = offload_seconds(cfg, layout, gpu)
     total = compute + recompute + tp_comm + bubble + p2p + dp_exposed + ep_comm + off
     bf16_peak = gpu.peak_flops("bfloat16") or peak
+    host = host_seconds(cfg, layout)
+    total = max(total - off, host) + off
     return StepCost(compute, recompute, tp_comm, bubble, p2p, dp_comm, dp_exposed,
                     mfu=model_flops / (total * bf16_peak), ep_comm=ep_comm, offload=off,
-                    tp_hidden=tp_hidden)
+                    tp_hidden=tp_hidden, host=host)
 
 
-# Host memory bandwidth one GPU's share of a CPU optimizer step gets (8 GPUs sharing two
-# sockets of ~300 GB/s DDR5 stream bandwidth, about 40 GB/s each; a stated assumption).
-HOST_STEP_GBPS = 40
+def defers_reduction(layout: Layout) -> bool:
+    """Whether gradients accumulate over the micro batches unreduced (one reduction a step):
+    a pipeline (torch's pipelining), or DDP/ZeRO-2 over more than one DP rank (the trainer's
+    no-sync, step_strategy.defer_reduction); otherwise each micro batch's backward reduces."""
+    return layout.pp > 1 or (layout.dp > 1 and layout.dp_mode in ("ddp", "zero2")
+                             and layout.microbatches > 1)
 
 
 def offload_bytes(cfg: Config, layout: Layout) -> tuple[float, float]:
     """(host-to-device, device-to-host) bytes per step of parallel.offload=params: the
-    parameter shard once per all-gather, the gradient shard once per reduce-scatter."""
+    parameter shard once per all-gather, the gradient shard once per reduce-scatter. FSDP2
+    reshards after every backward, so ZeRO-2 gathers once per micro batch, ZeRO-3 twice."""
     if layout.offload != "params":
         return 0.0, 0.0
     local = rank_params(cfg.model, layout).local * dtype_bytes(cfg.precision.param_dtype)
     mb = layout.microbatches
-    if layout.dp_mode == "zero2" or layout.pp > 1:
-        gathers, reduces = (1 if layout.dp_mode == "zero2" else mb), 1
-    else:  # zero3: gathered for each forward and backward, reduced per microbatch
-        gathers, reduces = 2 * mb, mb
-    return gathers * local, reduces * local
+    if layout.pp > 1:
+        gathers = 1 if layout.dp_mode == "zero2" else mb
+    else:
+        gathers = mb if layout.dp_mode == "zero2" else 2 * mb
+    return gathers * local, offload_reductions(layout) * local
+
+
+def offload_reductions(layout: Layout) -> int:
+    """Gradient shards copied to the host per step (each after the first is summed there)."""
+    return 1 if defers_reduction(layout) else layout.microbatches
+
+
+def host_optimizer(cfg: Config) -> str:
+    """The AdamW build_optimizer makes for host parameters: fused only when optim.fused
+    says so (its default is fused on CUDA alone), else torch's single-tensor for-loop."""
+    return "fused" if cfg.optim.fused else "for_loop"
 
 
 def offload_seconds(cfg: Config, layout: Layout, gpu: GpuSpec) -> float:
+    """PCIe copies at the GPU type's ``pcie_gbps``, then the host's work, timed on a real
+    host (planning/calibration.py): the AdamW step over the rank's parameters and, for each
+    gradient shard copied back after the first, its sum into the host gradient."""
     h2d, d2h = offload_bytes(cfg, layout)
     if not h2d:
         return 0.0
     params = rank_params(cfg.model, layout).local
-    return (h2d + d2h) / (gpu.pcie_gbps * 1e9) + 28 * params / (HOST_STEP_GBPS * 1e9)
+    host = params * (HOST_ADAMW_NS[host_optimizer(cfg)]
+                     + (offload_reductions(layout) - 1) * HOST_GRAD_ADD_NS) * 1e-9
+    return (h2d + d2h) / (gpu.pcie_gbps * 1e9) + host
 
 
 def _tensor_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, linear_time: float

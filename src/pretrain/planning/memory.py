@@ -24,7 +24,8 @@ Parts (bytes per GPU, for the pipeline rank that needs the most):
   (torch's pipelining turns resharding after backward off until the last microbatch).
 - gradient buffers: FSDP2/replicate compute unsharded gradients per block in the compute
   dtype and reduce them in ``reduce_dtype``. When gradients accumulate without a reduction
-  (ddp/zero2 with several microbatches, which the trainer runs under no-sync, and any DP with
+  (ddp/zero2 over several DP ranks with several microbatches, which the trainer runs under
+  no-sync, and any DP with
   a pipeline, which torch's pipelining runs under no-sync), FSDP2 keeps an unsharded
   ``reduce_dtype`` accumulator for every local parameter (``FSDPParam.
   to_accumulated_grad_if_needed``).
@@ -68,6 +69,7 @@ from pretrain.planning.activations import (
     layer_terms,
     live_recv_buffers,
 )
+from pretrain.planning.cost import defers_reduction
 from pretrain.planning.params import StageParams, inventory, rank_params
 from pretrain.precision import dtype_bytes
 
@@ -216,8 +218,7 @@ def _weights_and_grad_buffers(cfg: Config, layout: Layout, sp: StageParams
         weights = e * (sp.root + 2 * biggest_block)
     else:
         weights = e * sp.unsharded
-    accumulate = layout.pp > 1 or (layout.dp_mode in ("ddp", "zero2")
-                                   and layout.microbatches > 1)
+    accumulate = defers_reduction(layout)  # else each backward reduces (dp=1 too)
     if accumulate:
         buffers = reduce_b * sp.unsharded + e * max(biggest_block, sp.root)
     else:

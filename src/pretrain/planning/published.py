@@ -21,7 +21,8 @@ figures below are the source's):
   parallel inputs kept as shards, as Megatron-LM keeps them).
 
 ``compare`` runs the planner on a row: predicted tokens/s per GPU (the cost model with the
-GPU type's calibrated ``kernel_efficiency``), memory of the fullest rank, and whether it fits.
+GPU type's calibrated ``kernel_efficiency``; its GPU time: the host dispatch term counts this
+project's ops, not those of the code that was measured), memory of the fullest rank, and whether it fits.
 ``tools/plan.py --published`` prints them all; docs/benchmarks.md holds that table.
 """
 
@@ -129,7 +130,8 @@ def compare(run: PublishedRun) -> dict:
     budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
     cost, mem = step_cost(cfg, layout, gpu, budget), estimate_memory(cfg, layout, gpu)
     published = run.tokens_per_s or run.tflops * 1e12 / budget.flops_per_token
-    predicted = budget.global_batch_tokens / cost.total / run.gpus
+    # the GPU's time: the host's (cost.host) is this project's dispatch, not the source's
+    predicted = budget.global_batch_tokens / cost.device / run.gpus
     return {"name": run.name, "source": run.source, "gpu": gpu.name, "gpus": run.gpus,
             "layout": layout.describe(), "published_tps": published,
             "predicted_tps": predicted, "ratio": predicted / published,

@@ -221,7 +221,18 @@ def format_plan(p: dict) -> str:
         f"overlap assumptions): {sm['total']:.4g} s/step, MFU {sm['mfu']:.0%} of the bf16 "
         f"peak, {p['time_days_at_model_bound']:.2f} days\n  per step: " + _cost_parts(sm),
     ]
+    if sm.get("host"):
+        lines.append(_host_line(sm))
     return "\n".join(lines)
+
+
+def _host_line(sm: dict) -> str:
+    """The host's dispatch time against the GPU's, and which the step waits for."""
+    if sm["host_bound"]:
+        return (f"  HOST-BOUND: dispatching the step's ops takes the host {sm['host']:.3g} s, "
+                f"the GPU's work {sm['device'] - sm['offload']:.3g} s: the GPU waits for launches (fewer, larger "
+                "ops per step help: larger micro batches, fewer loss chunks, fused kernels)")
+    return f"  host dispatch {sm['host']:.3g} s per step (hidden behind the GPU's work)"
 
 
 COST_PARTS = (("compute", "compute"), ("recompute", "recompute"), ("tp_comm", "TP exposed"),

@@ -17,6 +17,7 @@ the same rank, so the two can be compared wherever a simulation runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -138,9 +139,65 @@ def _by_kind(snapshot: dict) -> dict[str, int]:
             for k, v in snap.items() if k != "Total"}
 
 
-def _build_optimizer(pm: ParallelModel, cfg: Config, lr: float) -> torch.optim.Optimizer:
-    return build_optimizer(torch.nn.ModuleList(pm.parts), cfg.optim, lr, torch.device("cpu"),
+# The device the simulated run trains on: the optimizer is built for it (fused AdamW on
+# CUDA, build_optimizer's rule), though this CPU holds the (fake) parameters.
+TARGET = torch.device("cuda")
+
+
+def optimizer_device(layout: Layout) -> torch.device:
+    """Where the GPU run's optimizer steps, as the trainer passes it to build_optimizer
+    (``ParallelModel.param_device``): the host under parallel.offload=params, else the GPU."""
+    return torch.device("cpu") if layout.offload == "params" else TARGET
+
+
+def _build_optimizer(pm: ParallelModel, cfg: Config, lr: float,
+                     device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+    return build_optimizer(torch.nn.ModuleList(pm.parts), cfg.optim, lr, device,
                            also_embeddings=pm.tied.params if pm.tied is not None else ())
+
+
+def implementation(optimizer: torch.optim.Optimizer) -> list[tuple[str, bool, bool]]:
+    """(class, fused, foreach) of each torch optimizer inside ``optimizer`` (both of
+    MuonWithAdamW's): which kernels its step runs, so what it holds while stepping."""
+    parts = [getattr(optimizer, k) for k in ("muon", "adamw") if hasattr(optimizer, k)]
+    return [(type(o).__name__, bool(o.defaults.get("fused")), bool(o.defaults.get("foreach")))
+            for o in parts or [optimizer]]
+
+
+@contextlib.contextmanager
+def untracked_sharding_propagation():
+    """Keep DTensor's sharding propagation out of what MemTracker measures. DTensor works
+    out an op's output placement by running it on global-shape fake tensors, in the fake
+    mode it detects: ours, so a tracker inside it counts them as if the step held them.
+    torch 2.13 caches that per op and shape (a warm step keeps it out of the measured one);
+    torch 2.11 re-runs it for ``_fused_adamw_`` at every step, and its MemTracker counted
+    the whole model's fp32 weights, gradients and moments at global shape (the llama3-8b
+    zero3 rank: 126.79 GiB "optimizer step" against 14.96). The real run allocates nothing
+    there. Here propagation runs with the dispatch modes (tracker, our fake mode) set
+    aside, in a fake mode of its own. Written against torch 2.11-2.13's private
+    ``ShardingPropagator._propagate_tensor_meta_non_cached``; on a torch without it the
+    measurement is left as it is, and a warning says so."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    name = "_propagate_tensor_meta_non_cached"
+    original = getattr(ShardingPropagator, name, None)
+    if original is None:
+        log.warning("torch %s has no ShardingPropagator.%s: the measured step may count "
+                    "DTensor's global-shape sharding propagation (update "
+                    "simulate.untracked_sharding_propagation)", torch.__version__, name)
+        yield
+        return
+
+    def aside(self, op_schema):
+        with _disable_current_modes():
+            return original(self, op_schema)
+
+    setattr(ShardingPropagator, name, aside)
+    try:
+        yield
+    finally:
+        setattr(ShardingPropagator, name, original)
 
 
 @torch.no_grad()
@@ -171,10 +228,9 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str)
     pm = _build(cfg, layout, mesh, policy, attention)  # on the meta device
     with FakeTensorMode(allow_non_fake_inputs=True):  # meta -> fake: shapes, no storage
         materialize(pm, torch.device("cpu"), None)
-        # AdamW as a GPU builds it (fused: no per-tensor temporaries), not as this CPU would
-        fused = cfg.optim.fused if cfg.optim.fused is not None else True
-        optimizer = _build_optimizer(pm, replace(cfg, optim=replace(cfg.optim, fused=fused)),
-                                     cfg.optim.lr or 1e-4)  # lr 0 would skip Muon's work
+        # the optimizer as the GPU run builds it (fused AdamW), not as this CPU would
+        optimizer = _build_optimizer(pm, cfg, cfg.optim.lr or 1e-4,  # lr 0: no Muon work
+                                     optimizer_device(layout))
         params = pm.parameters()
         init_optimizer_state(optimizer, params, measure=False)
         _warm_step(optimizer, params)
@@ -184,13 +240,14 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str)
         inputs = [_stage_input(p, cfg, layout, policy) for p in pm.parts]
         tracker = MemTracker()
         tracker.track_external(*pm.parts, optimizer, *inputs)
-        with tracker:
+        with untracked_sharding_propagation(), tracker:
             for part, x in zip(pm.parts, inputs, strict=True):
                 with pm.autocast():  # one process: autocast, as the trainer's step
                     _forward_backward(part, x, cfg, layout, policy)
         step_peak = tracker.get_tracker_snapshot("peak")
         before = _bytes(tracker.get_tracker_snapshot("current"))
-        with tracker:  # entered again, its peak starts from what the step starts with
+        # entered again, its peak starts from what the step starts with
+        with untracked_sharding_propagation(), tracker:
             optimizer.step()
         opt_peak = _bytes(tracker.get_tracker_snapshot("peak"))
         optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,70 @@
+"""Every measured constant the step-time model uses, with the command that measured it.
+
+Re-measure on new hardware or after a change to the training step, and update the figures
+here (and the table in docs/benchmarks.md) together.
+"""
+
+from __future__ import annotations
+
+# --- parallel.offload=params: the host's share of a step -------------------------------
+# `python tools/bench_offload.py` (1 thread: torchrun gives each rank OMP_NUM_THREADS=1),
+# torch 2.13.0+cpu, AMD EPYC (AVX2, 2 cores), 2026-11-25: ns per fp32 parameter.
+# - torch's AdamW as build_optimizer makes it for host parameters (fused=False: on CPU
+#   tensors its single-tensor for-loop, about ten passes over memory): 11.5
+# - torch's fused CPU AdamW (optim.fused=true; one vectorised pass, the kind of step
+#   DeepSpeed's CPU Adam is): 1.42, 8.1x faster
+# - a gradient summed into the host gradient (each micro batch after the first): 0.71
+# Check against a GPU run: gpt2-1.5b, offload=params, zero2, micro batch 1 x 4, full AC,
+# one H100 (torch 2.11): about 24 s per step measured; this model says 23.4 s.
+HOST_ADAMW_NS = {"for_loop": 11.5, "fused": 1.42}
+HOST_GRAD_ADD_NS = 0.71
+# Host-device copies run at the GPU type's pcie_gbps (conf/gpu/), by DMA from pinned memory.
+
+# --- host dispatch: a step is the longer of its GPU work and its host work ------------------
+# Recorded H100 runs (one H100 80GB SXM, torch 2.11.0+cu130, this project at ec9a543,
+# /work/shared/gpu/README.md, bench_gpu side_by_side.sh; eager trainer profile prof.py:
+# 15,162 kernel launches in 2 steps, 1.00 s CPU against 0.49 s GPU, so launch-bound):
+#   GPT-2 124M, 16 x 1024 x 4, bf16: eager 0.384 s/step (170,522 tokens/s), compiled 0.429
+#   1.3B (24 x 2048, 16 heads), 8 x 2048 x 4: eager 1.236 s, compiled 1.225 (GPU-bound)
+# Recorded loops at the same shape (/work/shared/gpu/iso.py, same GPU, one process, no
+# wrapper, autocast, fused AdamW):
+#   eager, the chunked loss: 0.278 s (235,619 tokens/s); compiled whole model with
+#   F.cross_entropy: 0.1885 s (347,764); compiled with the chunked loss (eager): 0.2375 s.
+# planning/dispatch.count_ops (this CPU, torch 2.13 and 2.11 alike), GPT-2 124M, one micro
+# batch's forward and backward: 30 ops outside the blocks + 132 per block x 12 + the loss's
+# 7 + 26 per chunk x 50 chunks (16 x 1024 tokens, 333 a chunk) = 2,921; a step: 4 x 2,921
+# + 11 (clip, fused AdamW) = 11,695 (`python tools/bench_dispatch.py ...` prints them).
+# - an eager op, one process (what the trainer runs since the one-device path, cdb9968):
+#   the iso eager loop's 0.278 s / 11,695 = 23.8 us of host time per dispatched op.
+HOST_S_PER_OP = (65536 / 235_619) / 11695
+# - FSDP2's wrapper (multi-process layouts, offload; at dp=1 too at ec9a543): its hooks,
+#   copies and casts per unit (each block and the root) and micro batch: the trainer's
+#   eager step (0.384 s) less the iso eager loop (0.278 s), over 4 x 13 unit calls: 2.0 ms.
+HOST_S_PER_FSDP_UNIT = (65536 / 170_522 - 65536 / 235_619) / (4 * 13)
+# - a compiled block (regional compile: multi-process layouts), forward and backward: the
+#   trainer's compiled step (0.429 s, wrapped, loss eager then) less its eager ops
+#   (4 x (30 + 7 + 26 x 50) + 11 = 5,359) and wrapper calls, over 48 block calls: 4.1 ms
+#   (dynamo's guards, AOTAutograd's runtime wrappers, the launches): more than the block's
+#   132 eager ops (3.1 ms), so per-block compile did not pay at 124M.
+HOST_S_PER_COMPILED_BLOCK = (65536 / 152_698 - 5359 * HOST_S_PER_OP
+                             - 4 * 13 * HOST_S_PER_FSDP_UNIT) / 48
+# - one graph (model + loss, one process): inductor's wrapper launches each kernel; about
+#   two per matmul or attention op (the op, the fused pointwise work after it). A stated
+#   figure, not fitted: the iso loop's whole-model compile (0.1885 s) was not host-bound
+#   (swapping its loss for the 5,228-op eager chunk loop added only 0.049 s), so this only
+#   needs to be small; 6 us a launch.
+HOST_S_PER_COMPILED_LAUNCH = 6e-6
+LAUNCHES_PER_HEAVY_OP = 2
+
+# --- kernels on one GPU -------------------------------------------------------------------
+# A GPU type's kernel_efficiency (conf/gpu/) was fitted on torchtitan's 8B over 8 GPUs,
+# where FSDP's all-gathers and reduce-scatters run beside the compute kernels and take SMs
+# and memory bandwidth from them. One GPU runs no collectives: the 1.3B compiled step
+# (1.225 s, GPU-bound) is 1.415 s at that efficiency, so alone the kernels reach
+# 1.415 / 1.225 = 1.155x it (the planner's pessimism at 1.3B, explained).
+SOLO_KERNEL_SPEEDUP = 1.415 / 1.225
+# Eager against compiled blocks on one GPU, this project at ec9a543: the 1.3B eager step
+# 1.236 s against 1.225 compiled (GELU/LayerNorm blocks: eager runs fused norm and GELU
+# kernels already). torchtitan's Llama blocks (RMSNorm, SwiGLU, RoPE) lost more
+# (cost.EAGER_SPEED); applied where the published rows measured it, on several GPUs.
+SOLO_EAGER_SPEED = 1.225 / 1.236
