@@ -118,8 +118,8 @@ def _mup_groups(model: torch.nn.Module, cfg: OptimConfig, lr: float, s: Scales,
                 skip: set[int] = frozenset()) -> list[dict]:
     """muP's/CompleteP's two AdamW groups (pretrain.parametrization): everything
     vector-like (embeddings, norms, biases, an untied head, routers: LR as given, no decay,
-    epsilon / width), then the hidden matrices (LR and epsilon / width, CompleteP's
-    epsilon / depth too and decay x width). The first group's LR is the one logged."""
+    epsilon / width), then the hidden matrices (LR and epsilon / width, decay x width,
+    CompleteP's epsilon / depth too). The first group's LR is the one logged."""
     hidden, other = [], []
     for name, p in model.named_parameters():
         if p.requires_grad and id(p) not in skip:
