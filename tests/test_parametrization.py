@@ -52,6 +52,23 @@ def test_attention_scale_is_one_over_d_head_from_the_bases_sp_scale(width, scale
     assert attention_scale(tiny(d_model=width)) is None  # sp: the kernel's 1/sqrt(d_head)
 
 
+def test_output_mult_is_the_bases_logit_multiplier_and_sp_ignores_it():
+    """logits x output_mult x base_width / d_model under mup; sp's are as they were."""
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    base = built(tiny(parametrization="mup", base_width=64, output_mult=2.0))
+    assert torch.equal(base(tokens), 2.0 * built(tiny())(tokens))
+    assert built(tiny(d_model=128, parametrization="mup", base_width=64,
+                      output_mult=3.0)).output_scale == 1.5
+    assert built(tiny(output_mult=4.0)).output_scale == 1.0
+
+
+def test_a_non_positive_output_mult_is_refused():
+    from pretrain.parametrization import problems
+
+    found = problems(tiny(parametrization="mup", base_width=64, output_mult=0.0), "adamw")
+    assert found == ["model.output_mult=0.0 must be positive (1: the base's logits unscaled)"]
+
+
 def test_hidden_init_shrinks_with_width_and_vector_like_does_not():
     wide = built(tiny(d_model=256, parametrization="mup", base_width=64))
     sp = built(tiny(d_model=256))
