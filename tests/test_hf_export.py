@@ -27,8 +27,9 @@ LLAMA = dataclasses.replace(GPT2, n_kv_head=2, pos_emb="rope", norm="rmsnorm", m
 MIXTRAL = dataclasses.replace(LLAMA, moe_experts=4, moe_top_k=2, moe_d_ff=48)
 OLMOE = dataclasses.replace(MIXTRAL, n_kv_head=None, qk_norm=True, moe_norm_topk=False)
 # muP and CompleteP at a width and depth other than their bases: every multiplier (output,
-# 1/d_head attention, 1/L residual branches) is not 1 and must be folded into the weights.
-GPT2_MUP = dataclasses.replace(GPT2, parametrization="mup", base_width=32)
+# 1/d_head attention, 1/L residual branches) is not 1 and must be folded into the weights
+# (GPT2_MUP's output multiplier with the base's output_mult too).
+GPT2_MUP = dataclasses.replace(GPT2, parametrization="mup", base_width=32, output_mult=3.0)
 LLAMA_COMPLETEP = dataclasses.replace(LLAMA, parametrization="completep", base_width=16,
                                       base_depth=1)
 OLMOE_COMPLETEP = dataclasses.replace(OLMOE, parametrization="completep", base_width=128,

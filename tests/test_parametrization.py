@@ -34,6 +34,41 @@ def test_base_width_mup_starts_from_the_sp_weights():
         assert torch.equal(a, b), name
 
 
+def test_base_width_mup_computes_sp():
+    """The attention keeps the base width's scale (sqrt(d_head_base) / d_head: the mup
+    package's attn_mult), so the base model is sp's to the bit; before, 1/d_head made its
+    scores 1/sqrt(d_head) = 1/4 of sp's here."""
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    sp, mup = built(tiny()), built(tiny(parametrization="mup", base_width=64))
+    assert torch.equal(sp(tokens), mup(tokens))
+
+
+@pytest.mark.parametrize("width,scale", [(64, 1 / 4), (256, 1 / 16), (1024, 1 / 64)])
+def test_attention_scale_is_one_over_d_head_from_the_bases_sp_scale(width, scale):
+    from pretrain.parametrization import attention_scale
+
+    cfg = tiny(d_model=width, parametrization="mup", base_width=64)  # 4 heads: d_head_base 16
+    assert attention_scale(cfg) == pytest.approx(scale, rel=1e-12)
+    assert attention_scale(tiny(d_model=width)) is None  # sp: the kernel's 1/sqrt(d_head)
+
+
+def test_output_mult_is_the_bases_logit_multiplier_and_sp_ignores_it():
+    """logits x output_mult x base_width / d_model under mup; sp's are as they were."""
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    base = built(tiny(parametrization="mup", base_width=64, output_mult=2.0))
+    assert torch.equal(base(tokens), 2.0 * built(tiny())(tokens))
+    assert built(tiny(d_model=128, parametrization="mup", base_width=64,
+                      output_mult=3.0)).output_scale == 1.5
+    assert built(tiny(output_mult=4.0)).output_scale == 1.0
+
+
+def test_a_non_positive_output_mult_is_refused():
+    from pretrain.parametrization import problems
+
+    found = problems(tiny(parametrization="mup", base_width=64, output_mult=0.0), "adamw")
+    assert found == ["model.output_mult=0.0 must be positive (1: the base's logits unscaled)"]
+
+
 def test_hidden_init_shrinks_with_width_and_vector_like_does_not():
     wide = built(tiny(d_model=256, parametrization="mup", base_width=64))
     sp = built(tiny(d_model=256))
@@ -70,7 +105,9 @@ def test_mup_groups_scale_lr_eps_and_decay(kind):
     assert other["lr"] == 1e-2 and hidden["lr"] == pytest.approx(1e-2 / 4)
     assert other["eps"] == pytest.approx(1e-8 / 4)
     assert hidden["eps"] == pytest.approx(1e-8 / 4 / (2 if kind == "completep" else 1))
-    assert hidden["weight_decay"] == pytest.approx(0.1 * (4 if kind == "completep" else 1))
+    # x width under both: lr x decay stays the base's (the mup package's MuAdamW, coupled
+    # decay; mup kept 0.1 before, so its per-step decay fell with the width)
+    assert hidden["weight_decay"] == pytest.approx(0.1 * 4)
     assert len(hidden["params"]) == 2 * 6 and len(other["params"]) == len(names) - 12
 
 

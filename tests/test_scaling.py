@@ -172,12 +172,13 @@ def test_isoflop_groups_and_parabola_minimum():
     assert abs(math.log(n_vertex / n_true)) < 0.5
 
 
-def _write_runs(root, pts: list[RunPoint]) -> None:
+def _write_runs(root, pts: list[RunPoint], data_tokens: float | None = None) -> None:
     for p in pts:
         run = root / p.name
         run.mkdir(parents=True)
         (run / "plan.json").write_text(json.dumps(
-            {"n_params": p.n_params, "tokens": p.tokens, "total_flops": 7 * p.n_params * p.tokens}))
+            {"n_params": p.n_params, "tokens": p.tokens, "total_flops": 7 * p.n_params * p.tokens,
+             "data_tokens": data_tokens}))
         (run / "result.json").write_text(json.dumps({"final_val_loss": p.loss,
                                                      "tokens": p.tokens}))
 
@@ -363,3 +364,40 @@ def test_chinchillas_own_runs_give_the_replications_estimates(tmp_path):
     for name, (value, stderr) in BESIROGLU.items():
         assert abs(law[name] - value) <= stderr, (name, law[name], value, stderr)
         assert law[name] == pytest.approx(BESIROGLU_HUBER[name], rel=5e-3), name
+
+
+def _ladder_at(budgets: np.ndarray, tokens_per_param: float = 20.0) -> list[RunPoint]:
+    """A pure ladder (one size per budget at ``tokens_per_param``), loss from TRUE_C."""
+    out = []
+    for c in budgets:
+        n = math.sqrt(c / (6 * tokens_per_param))
+        out.append(RunPoint(f"C{c:.2e}", n, tokens_per_param * n, c, float(TRUE_C.predict(c))))
+    return out
+
+
+@pytest.mark.parametrize("times_largest,epochs", [(36.0, 5.0), (1.2, None)])
+def test_tool_warns_when_the_targets_tokens_exceed_the_corpus(tmp_path, capsys,
+                                                              times_largest, epochs):
+    """The ladder read a corpus 1.2x its largest run's tokens; a target at 36x its largest
+    compute, at the same 20 tokens per parameter, trains on 6x those tokens: 5 epochs."""
+    from pretrain.tools import scaling_law
+
+    pts = _ladder_at(np.logspace(17, 19, 5))
+    corpus = 1.2 * pts[-1].tokens
+    _write_runs(tmp_path / "sweep", pts, data_tokens=corpus)
+    out = tmp_path / "out"
+    target = times_largest * pts[-1].flops
+    assert scaling_law.main([str(tmp_path / "sweep"), "--target-flops", f"{target:.17g}",
+                             "--out", str(out), "--bootstrap", "0", "--no-plots"]) == 0
+    text = capsys.readouterr().out
+    record = json.loads((out / "fit.json").read_text())["target_data"]
+    assert record["corpus_tokens"] == pytest.approx(corpus)
+    assert record["target_epochs"]["L(C)"] == pytest.approx(math.sqrt(times_largest) / 1.2)
+    if epochs is None:
+        assert "warning: the target" not in text
+        return
+    assert (f"by L(C) (at the ladder's 20 tokens per parameter): {epochs:.2f} epochs of the "
+            f"{corpus:,.0f}-token corpus the ladder was fitted on (its runs: at most 0.83)"
+            ) in text
+    # one epoch at 20 tokens per parameter: D = corpus, C = 6 (D / 20) D
+    assert f"a target of at most C = {6 * corpus ** 2 / 20:.3g}" in text

@@ -3,7 +3,7 @@
 Every backend takes q, k, v shaped (batch, seq, heads, head_dim), the layout flash-attn
 uses natively, with k and v possibly having fewer (grouped) heads, and returns
 (batch, seq, heads, head_dim). ``scale`` is the softmax scale of q.k: None for
-1/sqrt(head_dim), muP's 1/head_dim otherwise (pretrain.parametrization).
+1/sqrt(head_dim), muP's sqrt(base head_dim)/head_dim otherwise (pretrain.parametrization).
 """
 
 from __future__ import annotations

@@ -123,10 +123,14 @@ class ModelConfig:
     # pretrain/parametrization.py): sp (standard), mup, or completep (mup plus 1/depth
     # residual branches). base_width: the d_model the hyperparameters were tuned at
     # (None: this model's own); base_depth: the n_layer they were tuned at (completep).
-    # Both are ignored under sp, so one sweep can run sp and mup with the same recipe.
+    # output_mult: the base model's logit multiplier (the mup package's MuReadout
+    # output_mult), a hyperparameter tuned at the base width like the LR: the logits are
+    # h W^T x output_mult x base_width / d_model. All three are ignored under sp, so one
+    # sweep can run sp and mup with the same recipe.
     parametrization: Parametrization = Parametrization.sp
     base_width: int | None = None
     base_depth: int | None = None
+    output_mult: float = 1.0
 
 
 @dataclass

@@ -78,7 +78,7 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.n_kv_head * self.head_dim, eps=cfg.norm_eps) \
             if cfg.qk_norm else None
         self.dropout = cfg.dropout
-        self.scale = attention_scale(cfg)  # None: 1/sqrt(head_dim); muP: 1/head_dim
+        self.scale = attention_scale(cfg)  # None: 1/sqrt(head_dim); muP: sqrt(base head_dim)/head_dim
         self.kernel = KERNELS["sdpa"]  # set by set_attention_backend
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:

@@ -51,6 +51,32 @@ LR_RULES: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
 }
 
 
+# The peak LRs (optim.lr, after its rule or batch scaling) each optimizer usually trains
+# with, generous on both sides; outside, the plan warns (``lr_range_warning``): one LR is
+# rarely right for two optimizers (AdamW's 3e-3 moves LARS's weights 1000x too little).
+# - adamw: GPT-3's 0.6e-4 (175B) to 6e-4 (125M); tiny models to 1e-2 (README's sweeps).
+# - muon: AdamW's (match_rms_adamw); llama-tiny's best was 8e-3 (README).
+# - lamb: You et al. 2020's 1e-3 to 1.76e-2 (BERT); llama-tiny's best was 3.2e-2 (README).
+# - lars: You et al. 2017's 1 to 29 (ResNet-50, eta 1e-3); llama-tiny's best was 4 (README).
+LR_RANGES: dict[str, tuple[float, float]] = {
+    "adamw": (1e-5, 3e-2),
+    "muon": (1e-5, 5e-2),
+    "lamb": (1e-4, 1e-1),
+    "lars": (1e-1, 50.0),
+}
+
+
+def lr_range_warning(name: str, lr: float) -> str | None:
+    """What the plan says when ``lr`` is outside ``optim=name``'s usual range, else None."""
+    lo, hi = LR_RANGES[name]
+    if lo <= lr <= hi:
+        return None
+    side = "below" if lr < lo else "above"
+    return (f"lr {lr:.3g} is far {side} optim={name}'s usual range {lo:g} to {hi:g} "
+            f"(src/pretrain/optim.py LR_RANGES): an LR meant for another optimizer? "
+            f"conf/optim/{name}.yaml's lr is a starting point; set optim.lr")
+
+
 def lr_rule_problems(cfg: OptimConfig) -> list[str]:
     """The LR rule or batch scaling ``cfg`` asks for, if ``optim.name`` does not take it."""
     rules, scalings, why = LR_RULES[cfg.name]
@@ -92,8 +118,8 @@ def _mup_groups(model: torch.nn.Module, cfg: OptimConfig, lr: float, s: Scales,
                 skip: set[int] = frozenset()) -> list[dict]:
     """muP's/CompleteP's two AdamW groups (pretrain.parametrization): everything
     vector-like (embeddings, norms, biases, an untied head, routers: LR as given, no decay,
-    epsilon / width), then the hidden matrices (LR and epsilon / width, CompleteP's
-    epsilon / depth too and decay x width). The first group's LR is the one logged."""
+    epsilon / width), then the hidden matrices (LR and epsilon / width, decay x width,
+    CompleteP's epsilon / depth too). The first group's LR is the one logged."""
     hidden, other = [], []
     for name, p in model.named_parameters():
         if p.requires_grad and id(p) not in skip:

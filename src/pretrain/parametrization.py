@@ -8,17 +8,21 @@
   projections, both dimensions growing with width) start at ``init_std / sqrt(m)`` and take
   AdamW's LR and epsilon divided by ``m``; embeddings, norms, biases, an untied output head
   and MoE routers (one dimension fixed: "vector-like") keep ``init_std`` and the LR; the
-  logits are multiplied by ``1 / m`` (the output multiplier, which makes a tied head
-  vector-like too); attention scores are ``q.k / d_head`` instead of ``/ sqrt(d_head)``;
-  every AdamW epsilon is divided by ``m``. At ``d_model = base_width`` it is ``sp`` but for
-  the attention scale and nothing else.
+  logits are multiplied by ``model.output_mult / m`` (the output multiplier, which makes
+  a tied head vector-like too; ``output_mult``, the ``mup`` package's, is the base's, tuned
+  there like its LR); attention scores are ``q.k sqrt(d_head_base) / d_head`` (1/d_head, as
+  muP needs, with the base width's sp scale kept: the ``mup`` package's ``attn_mult``,
+  Cerebras muGPT) instead of ``/ sqrt(d_head)``; every AdamW epsilon is divided by ``m``
+  and the hidden weight decay multiplied by ``m`` (AdamW's per-step decay ``lr x decay``
+  stays the base's: the ``mup`` package's MuAdamW, whose decay is coupled to the LR as
+  torch's AdamW's is). At ``d_model = base_width`` with ``output_mult = 1`` it is ``sp``,
+  bit for bit.
 - ``completep`` (Dey et al. 2025, arXiv 2505.01618, alpha = 1): ``mup`` plus, with
   ``L = n_layer / model.base_depth``, every residual branch multiplied by ``1 / L``
   (attention and MLP outputs before they join the residual stream), residual projections
   initialised at base depth's GPT-2 scale (``init_std / sqrt(2 base_depth)``: the branch
-  multiplier, not the init, takes care of depth), the hidden epsilon divided by ``m L``
-  and the hidden weight decay multiplied by ``m`` (so ``lr x decay`` stays put, the
-  reference implementation's choice). The depth LR correction is ``L^(alpha - 1) = 1``.
+  multiplier, not the init, takes care of depth) and the hidden epsilon divided by ``m L``.
+  The depth LR correction is ``L^(alpha - 1) = 1``.
 
 Deviation from the reference implementation, for one reason: every rank's optimizer keeps
 exactly two parameter groups (hidden matrices; everything else), as ``sp`` does, so that
@@ -62,6 +66,7 @@ class Scales:
     kind: str
     width: float = 1.0
     depth: float = 1.0
+    output_mult: float = 1.0  # the base's logit multiplier (model.output_mult)
 
     @property
     def active(self) -> bool:
@@ -69,8 +74,8 @@ class Scales:
 
     @property
     def output(self) -> float:
-        """Multiplier of the logits."""
-        return 1.0 / self.width
+        """Multiplier of the logits: the base's ``output_mult``, divided by the width."""
+        return self.output_mult / self.width
 
     @property
     def residual(self) -> float:
@@ -92,8 +97,10 @@ class Scales:
 
     @property
     def hidden_decay(self) -> float:
-        """Factor of the hidden weight decay: completep keeps lr x decay constant."""
-        return self.width if self.kind == "completep" else 1.0
+        """Factor of the hidden weight decay: ``width``, so that AdamW's per-step decay
+        lr x decay stays the base's while the LR is divided by the width (the ``mup``
+        package's MuAdamW with its default coupled decay; CompleteP's reference)."""
+        return self.width if self.active else 1.0
 
 
 def scales(cfg: ModelConfig) -> Scales:
@@ -103,15 +110,19 @@ def scales(cfg: ModelConfig) -> Scales:
         return Scales("sp")
     width = cfg.d_model / (cfg.base_width or cfg.d_model)
     depth = cfg.n_layer / (cfg.base_depth or cfg.n_layer) if kind == "completep" else 1.0
-    return Scales(kind, width, depth)
+    return Scales(kind, width, depth, cfg.output_mult)
 
 
 def attention_scale(cfg: ModelConfig) -> float | None:
-    """The attention's softmax scale: None (the kernel's 1/sqrt(d_head)) under sp,
-    1/d_head under mup and completep."""
+    """The attention's softmax scale: None (the kernel's 1/sqrt(d_head)) under sp;
+    sqrt(d_head_base) / d_head under mup and completep, 1/d_head times the base width's
+    sp scale, so that the base model's scores are sp's (the ``mup`` package's attn_mult,
+    Cerebras muGPT). d_head_base is base_width / n_head: the heads stay, their width grows."""
     if str(cfg.parametrization) == "sp":
         return None
-    return 1.0 / (cfg.d_model // cfg.n_head)
+    head = cfg.d_model // cfg.n_head
+    base_head = (cfg.base_width or cfg.d_model) / cfg.n_head
+    return math.sqrt(base_head) / head
 
 
 def is_hidden(name: str) -> bool:
@@ -143,6 +154,9 @@ def problems(cfg: ModelConfig, optimizer: str) -> list[str]:
         value = getattr(cfg, key)
         if value is not None and value <= 0:
             out.append(f"model.{key}={value} must be positive (or null: this model's own)")
+    if not cfg.output_mult > 0:
+        out.append(f"model.output_mult={cfg.output_mult} must be positive (1: the base's "
+                   "logits unscaled)")
     if optimizer not in OPTIMIZERS:
         out.append(f"model.parametrization={cfg.parametrization} with optim={optimizer}: no "
                    "muP rule for LAMB/LARS trust ratios is implemented (their step is set "
@@ -154,7 +168,7 @@ def problems(cfg: ModelConfig, optimizer: str) -> list[str]:
 def fold_into_weights(cfg: ModelConfig, sd: dict, inverse: bool = False) -> dict:
     """A (full, unsharded) state dict whose plain-transformer forward (1/sqrt(d_head)
     attention, unit residual branches and logits) equals this model's, by exact algebra:
-    the attention scale into the queries (q' = q sqrt(d_head) / d_head: the q projection,
+    the attention scale into the queries (q' = q x scale x sqrt(d_head): the q projection,
     or the q norm's gain under QK-norm; RoPE is linear), the residual multiplier into the
     matrices (and biases) that write each branch's output, the output multiplier into the
     final norm's gain and bias. ``inverse``: the other way (importing such weights)."""

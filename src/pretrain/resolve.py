@@ -28,7 +28,7 @@ from pretrain.data.epochs import check_epochs
 from pretrain.hardware.device import pick_device
 from pretrain.hardware.gpus import GpuSpec
 from pretrain.hparams import apply_rules, describe, hparam_compute
-from pretrain.optim import scaled_lr
+from pretrain.optim import lr_range_warning, scaled_lr
 from pretrain.parallel.activation_checkpoint import describe as describe_checkpointing
 from pretrain.parallel.layout import (
     Layout,
@@ -90,7 +90,10 @@ def _auto_layout(cfg: Config, world_size: int, device: torch.device | GpuSpec, t
 
 def describe_run(cfg: Config, world_size: int, budget: Budget) -> dict:
     """The plan's facts that do not depend on the device: what every plan states, the
-    run's and ``tools/plan.py``'s (which extends it with memory, cost and time)."""
+    run's and ``tools/plan.py``'s (which extends it with memory, cost and time);
+    ``lr_warning`` only when the LR is outside the optimizer's usual range."""
+    lr = scaled_lr(cfg.optim, budget.global_batch_tokens)
+    warning = lr_range_warning(cfg.optim.name, lr)
     return {
         **budget.as_dict(),
         "precision": cfg.precision.name,
@@ -105,7 +108,8 @@ def describe_run(cfg: Config, world_size: int, budget: Budget) -> dict:
         "parametrization": str(cfg.model.parametrization),
         "data": cfg.data.name,
         **check_epochs(cfg.data, budget.tokens),
-        "lr": scaled_lr(cfg.optim, budget.global_batch_tokens),
+        "lr": lr,
+        **({"lr_warning": warning} if warning else {}),
         "checkpoint": describe_policy(cfg.checkpoint),
         "global_batch_size": cfg.train.global_batch_size,
         # C in DeepSeek's convention (non-embedding FLOPs/token x tokens), the x of the

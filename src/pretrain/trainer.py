@@ -101,6 +101,8 @@ class Trainer:
             log.info("precision=auto -> %s", plan["precision_auto"])
         if "hparam_rules" in plan:
             log.info(describe(plan["hparam_rules"]))
+        if "lr_warning" in plan:
+            log.warning(plan["lr_warning"])
         log.info(self.noise.describe())
         log.info(
             "model %s: %s params (%s non-embedding%s%s), %s FLOPs/token | budget %s -> %s "

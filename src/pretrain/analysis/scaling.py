@@ -46,6 +46,8 @@ class RunPoint:
     tokens: float
     flops: float
     loss: float
+    # training tokens of the corpus the run read (its plan's data_tokens); None: unknown
+    data_tokens: float | None = None
 
 
 # -- collecting runs ------------------------------------------------------------------------
@@ -101,8 +103,10 @@ def collect_runs(root: Path | str) -> list[RunPoint]:
         n = float(plan.get("n_params_active", plan["n_params"]))  # = n_params when dense
         d = float(result.get("tokens") or plan["tokens"])
         name = str(run_dir.relative_to(root)) if run_dir != root else root.name
+        corpus = plan.get("data_tokens")
         points.append(RunPoint(name=name, n_params=n, tokens=d, flops=run_compute(n, d),
-                               loss=float(result["final_val_loss"])))
+                               loss=float(result["final_val_loss"]),
+                               data_tokens=float(corpus) if corpus else None))
     return points
 
 

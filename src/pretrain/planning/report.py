@@ -191,6 +191,8 @@ def format_plan(p: dict) -> str:
         from pretrain.hparams import describe
 
         lines.append(describe(p["hparam_rules"]))
+    if p.get("lr_warning"):
+        lines.append(f"warning: {p['lr_warning']}")
     lines.append(f"memory per GPU (pipeline rank {p['fullest_pp_rank']}, the fullest):")
     for k, v in p["memory_gib"].items():
         if v:

@@ -26,7 +26,9 @@ over runs for the error bars. A cooldown branch (``checkpoint.branch_from``) is 
 a WSD ladder plus its branches (recipes/ladder-tiny-wsd.yaml, ladder-tiny-cooldown.yaml) fits
 L(N, D); a run that never decayed (constant LR, kept only to branch from) is left out.
 ``--points FILE.csv`` adds runs from elsewhere (columns
-n_params, tokens, loss), such as Chinchilla's own, as Besiroglu et al. 2024 extracted them. Writes ``fit.json``, ``loss_vs_compute.png`` and
+n_params, tokens, loss), such as Chinchilla's own, as Besiroglu et al. 2024 extracted them. Warns when the target's tokens (L(C)'s at
+the ladder's tokens per parameter, L(N, D)'s D_opt) exceed the corpus the runs read (their
+plans' ``data_tokens``): more than one epoch, which the fit of fresh-data runs cannot predict. Writes ``fit.json``, ``loss_vs_compute.png`` and
 ``isoflop.png`` into ``--out`` (default: ``<first folder>/scaling_law``).
 """
 
@@ -164,6 +166,25 @@ def fit_laws(points: list[RunPoint], target: float, bootstrap: int, seed: int, f
     return compute, chinchilla
 
 
+def report_target_data(points: list[RunPoint], target: float, chinchilla: FitReport | None,
+                       fit: dict) -> None:
+    """Warn where the target's tokens exceed the corpus the runs were fitted on (epochs >
+    1; pretrain/analysis/target_data.py); record the epochs in ``fit``."""
+    from pretrain.analysis.target_data import target_epochs
+
+    d_opt = chinchilla.predictions["d_opt"].value if chinchilla and chinchilla.predictions \
+        else None
+    record, warnings = target_epochs(points, target, d_opt)
+    if record:
+        fit["target_data"] = record
+        print("\ntarget data: " + ", ".join(
+            f"{law} {d:,.0f} tokens = {record['target_epochs'][law]:.3g} epochs"
+            for law, d in record["target_tokens"].items())
+              + f" of the {record['corpus_tokens']:,.0f}-token corpus")
+    for w in warnings:
+        print(f"warning: {w}")
+
+
 def report_isoflop(points: list[RunPoint], fit: dict) -> None:
     """Warn where a budget's best run is at the edge of its sizes; print (and record in
     ``fit``) each budget's parabola minimum."""
@@ -255,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
 
     fit: dict = {"runs": [vars(p) for p in points], "target_flops": target}
     compute, chinchilla = fit_laws(points, target, args.bootstrap, args.seed, fit)
+    report_target_data(points, target, chinchilla, fit)
     report_isoflop(points, fit)
 
     # the numbers first: a plot that cannot be drawn must not lose them
