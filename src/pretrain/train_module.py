@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pretrain import torch_compat
 from pretrain.config import Config
 from pretrain.fp8 import after_optimizer_step, fp8_all_gather
 from pretrain.initialization import local_region
@@ -175,7 +176,8 @@ class TrainModule:
         from fp16 loss scaling; a device tensor (no host sync)."""
         sq = self.parallel.grad_sq_norm()
         if self.scaler is not None:
-            sq = sq / self.scaler._get_scale_async().float() ** 2
+            scale = torch_compat.private("grad_scaler_scale_async")(self.scaler)
+            sq = sq / scale.float() ** 2
         return sq
 
     # -- the step ------------------------------------------------------------------------

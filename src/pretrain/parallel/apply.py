@@ -218,5 +218,4 @@ def materialize(pm: ParallelModel, device: torch.device, seed: int | None) -> No
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     for sub in module.modules():
         for name, buf in list(sub.named_buffers(recurse=False)):
-            sub.register_buffer(name, buf.to(device),
-                                persistent=name not in sub._non_persistent_buffers_set)
+            setattr(sub, name, buf.to(device))  # a registered buffer keeps its persistence

@@ -61,7 +61,7 @@ from pretrain.config import Config
 from pretrain.hardware.gpus import GpuSpec
 from pretrain.parallel.activation_checkpoint import recomputed_linears
 from pretrain.parallel.layout import Layout
-from pretrain.parallel.pipeline import stage_indices, stage_layers
+from pretrain.parallel.stages import stage_indices, stage_layers
 from pretrain.planning.params import expert_share, inventory, rank_params
 from pretrain.precision import dtype_bytes
 
