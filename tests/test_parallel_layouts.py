@@ -248,9 +248,13 @@ def test_pipeline_receive_buffers_are_bounded_by_the_microbatches_in_flight(grou
     in flight (torch's PipelineStage keeps one per microbatch of the step: 8 here), at most
     what the planner counts (planning/activations.inflight_chunks)."""
     from pretrain.compose import compose_config
+    from pretrain.parallel import pipeline
     from pretrain.parallel.layout import resolve_layout
     from pretrain.planning.activations import live_recv_buffers
 
+    if pipeline.stage_class() is not pipeline.BoundedStage:
+        pytest.skip(f"torch {torch.__version__} runs torch's own PipelineStage (BoundedStage's "
+                    "private hooks are torch 2.13's): one buffer per microbatch")
     processes, overrides = LAYOUTS[name]
     layout = resolve_layout(compose_config([*COMMON, *overrides]), processes)
     ranks = groups(processes)[name]["memory"]
@@ -261,6 +265,7 @@ def test_pipeline_receive_buffers_are_bounded_by_the_microbatches_in_flight(grou
         assert m["pipeline_recv_peak"] <= bound, (rank, m, bound)  # what the planner counts
         if layout.pp_schedule != "gpipe":  # GPipe runs every forward first: all in flight
             assert m["pipeline_recv_peak"] < layout.microbatches, (rank, m)
+    assert max(m["pipeline_recv_peak"] for m in ranks) > 0  # measured, not absent
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

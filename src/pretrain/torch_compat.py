@@ -33,9 +33,9 @@ class TorchCompatError(RuntimeError):
 
 @dataclass(frozen=True)
 class Private:
-    """One private name: where it lives (``module:attr.attr``; the first that exists wins,
-    or ``module`` alone for a module), the torch minors it was written against, what the
-    project uses it for and what to do when it is gone."""
+    """One private name: where it lives (``module:attr.attr``; the first that exists wins),
+    the torch minors it was written against, what the project uses it for and what to do
+    when it is gone."""
 
     where: tuple[str, ...]
     written_for: tuple[str, str]
@@ -105,9 +105,9 @@ PRIVATE: dict[str, Private] = {
     "enable_symm_mem_for_group": Private(
         ("torch.distributed._symmetric_memory:enable_symm_mem_for_group",), ("2.11", "2.13"),
         "parallel.async_tp (parallel/tensor_parallel.py)"),
-    "inductor_config": Private(
-        ("torch._inductor.config",), ("2.11", "2.13"),
-        "parallel.async_tp: inductor's _micro_pipeline_tp pass (parallel/tensor_parallel.py)"),
+    "micro_pipeline_tp": Private(
+        ("torch._inductor.config:_micro_pipeline_tp",), ("2.11", "2.13"),
+        "parallel.async_tp: inductor's micro-pipeline TP pass (parallel/tensor_parallel.py)"),
     "clear_sharding_prop_cache": Private(
         ("torch.distributed.tensor.debug:_clear_sharding_prop_cache",), ("2.11", "2.13"),
         "emptying DTensor's caches after a run (parallel/mesh.py)"),
@@ -154,11 +154,11 @@ def written_for(key: str) -> bool:
 
 
 def _resolve(where: str) -> object:
-    """The object at ``module:attr.attr`` (``module`` alone: the module); AttributeError or
-    ImportError when it is not there."""
+    """The object at ``module:attr.attr``; AttributeError or ImportError when it is not
+    there."""
     module, _, attrs = where.partition(":")
     obj: object = importlib.import_module(module)
-    for attr in filter(None, attrs.split(".")):
+    for attr in attrs.split("."):
         obj = getattr(obj, attr)
     return obj
 
@@ -195,6 +195,23 @@ def private(key: str) -> object:
     if not written_for(key):
         _warn_untested(key)
     return found
+
+
+def set_private(key: str, value: object) -> None:
+    """Set the private torch setting ``key`` names (a flag of a config module) to ``value``,
+    after checking, as ``private`` does, that this torch has it."""
+    private(key)
+    for where in PRIVATE[key].where:
+        module, _, attrs = where.partition(":")
+        *path, leaf = attrs.split(".")
+        try:
+            owner = _resolve(f"{module}:{'.'.join(path)}") if path else (
+                importlib.import_module(module))
+        except (ImportError, AttributeError):
+            continue
+        if hasattr(owner, leaf):
+            setattr(owner, leaf, value)
+            return
 
 
 def has(key: str) -> bool:

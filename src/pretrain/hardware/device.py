@@ -158,10 +158,10 @@ def cpu_native_matmul(dtype: torch.dtype) -> tuple[bool, str]:
     probes = ({"AVX512-BF16": "cpu_avx512_bf16", "AMX": "cpu_amx_tile"}
               if dtype == torch.bfloat16 else {"AMX-FP16": "cpu_amx_fp16"})
     needs = " or ".join(probes)
-    unknown = [torch_compat.missing_reason(k) for k in probes.values()
-               if not torch_compat.has(k)]
-    if unknown:  # torch's probes are private: without them, native is not shown
-        return False, f"{cap} CPU, {needs} unknown: {unknown[0]}"
+    gone = [torch_compat.PRIVATE[k].where[0] for k in probes.values() if not torch_compat.has(k)]
+    if gone:  # torch's probes are private: without them, native is not shown
+        return False, (f"{cap} CPU; whether it has {needs} is unknown: torch "
+                       f"{torch.__version__} has no {gone[0].replace(':', '.')}")
     flags = [f for f, key in probes.items() if torch_compat.private(key)()]
     if not flags:
         return False, f"{cap} CPU without {needs}"

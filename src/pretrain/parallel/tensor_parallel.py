@@ -155,4 +155,4 @@ def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     with warnings.catch_warnings():  # deprecated in favour of automatic registration
         warnings.simplefilter("ignore", FutureWarning)
         torch_compat.private("enable_symm_mem_for_group")(tp_mesh.get_group().group_name)
-    torch_compat.private("inductor_config")._micro_pipeline_tp = True
+    torch_compat.set_private("micro_pipeline_tp", True)
