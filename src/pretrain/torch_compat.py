@@ -147,6 +147,12 @@ def _minor_key(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split("."))
 
 
+def at_least(minor: str) -> bool:
+    """Whether the running torch is ``minor`` (``"2.13"``) or newer: for public behaviour
+    that changed between the tested versions."""
+    return _minor_key(torch_minor()) >= _minor_key(minor)
+
+
 def written_for(key: str) -> bool:
     """Whether the running torch is within the versions ``key``'s use was written for."""
     lo, hi = PRIVATE[key].written_for
