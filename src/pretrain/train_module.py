@@ -29,6 +29,7 @@ from pretrain.nonfinite import NonFiniteSteps, device_skip_supported, step_unles
 from pretrain.optim import build_optimizer, build_scheduler
 from pretrain.parallel import mesh as dist_env
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
+from pretrain.parallel.data_parallel import needs_wrapper
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.mesh import Meshes
 from pretrain.precision import Policy
@@ -48,11 +49,14 @@ class Place:
 
 
 def join(layout: Layout, device: torch.device, policy: Policy, world_size: int) -> Place:
-    """The process group and device mesh (several processes; one process too under mixed
-    precision, whose FSDP2 over a DP group of one casts the parameters:
-    parallel/data_parallel.needs_wrapper), and this rank's place in them."""
+    """The process group and device mesh (several processes; one process too wherever a DP
+    wrapper goes on, parallel/data_parallel.needs_wrapper: under mixed precision FSDP2 over
+    a DP group of one casts the parameters, and with ``parallel.offload=params`` it is what
+    brings the host's parameters to the GPU for each block), and this rank's place in them.
+    Without the group an offloaded fp32 run kept its weights on the host while its batches
+    went to the GPU: "index is on cuda:0, different from other tensors on cpu"."""
     mesh = None
-    if world_size > 1 or policy.mixed:
+    if world_size > 1 or needs_wrapper(layout, policy.mixed):
         device = dist_env.init_distributed(device)
         mesh = dist_env.build_mesh(layout, device)
     dp_rank = mesh.dp.get_local_rank() if mesh is not None else 0

@@ -128,7 +128,14 @@ class ParallelModel:
 
 def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
                 device: torch.device, policy: Policy) -> ParallelModel:
-    """Apply every parallelism to ``model`` (on the meta device); nothing is allocated."""
+    """Apply every parallelism to ``model`` (on the meta device); nothing is allocated.
+    ``mesh`` None: one process without a process group, which only a layout and policy
+    needing no DP wrapper may be (``train_module.join`` makes the group otherwise)."""
+    if mesh is None and needs_wrapper(layout, policy.mixed):
+        raise ValueError(
+            f"{layout.describe()} under {policy.compute_dtype} compute needs FSDP2 (mixed "
+            "precision or parallel.offload) and so a device mesh, even for one process: "
+            "join a process group first (train_module.join)")
     sharded = mesh is not None and layout.dp > 1 and layout.dp_mode in ("zero2", "zero3")
     if policy.fp8:
         from pretrain.fp8 import convert_to_fp8
