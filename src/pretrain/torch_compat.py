@@ -44,8 +44,9 @@ class Private:
                 "torch you have (src/pretrain/torch_compat.py)")
 
 
-_PIPELINE_FIX = ("pipeline layouts fall back to torch's plain PipelineStage "
-                 "(receive buffers for every microbatch) where this is missing")
+_PIPELINE_FIX = ("none needed: pipeline layouts then run torch's own PipelineStage, which "
+                 "holds a receive buffer for every microbatch; install torch 2.13 for "
+                 "buffers bounded by the microbatches in flight")
 PRIVATE: dict[str, Private] = {
     "make_tensor_from_meta": Private(
         ("torch.distributed.pipelining._utils:_make_tensor_from_meta",
@@ -66,7 +67,8 @@ PRIVATE: dict[str, Private] = {
         ("torch.distributed.pipelining:PipelineStage._forward_metadata_inference",
          "torch.distributed.pipelining:PipelineStage._shape_inference"),
         ("2.11", "2.13"), "the pipeline's shape-inference forward, not counted by MoE layers",
-        "without it MoE load counts include the pipeline's one shape-inference forward"),
+        "none needed for dense models; with MoE under a pipeline the load counts then "
+        "include the one shape-inference forward: install a tested torch"),
     "muon_newton_schulz": Private(
         ("torch.optim._muon:_zeropower_via_newtonschulz",), ("2.11", "2.13"),
         "Muon's orthogonalisation of whole matrices (muon.py)"),
@@ -120,19 +122,19 @@ PRIVATE: dict[str, Private] = {
     "grouped_mm": Private(
         ("torch:_grouped_mm",), ("2.11", "2.13"),
         "MoE experts as one grouped GEMM (moe.py)",
-        "without it MoE experts run one matmul each (slower, same result)"),
+        "none needed: MoE experts then run one matmul each (slower, same result)"),
     "cpu_avx512_bf16": Private(
         ("torch.cpu:_is_avx512_bf16_supported",), ("2.11", "2.13"),
         "precision=auto on a CPU (hardware/device.py)",
-        "without it precision=auto takes fp32 on the CPU; set precision=bf16 to choose"),
+        "name the precision (precision=bf16 or fp32): precision=auto then takes fp32 here"),
     "cpu_amx_tile": Private(
         ("torch.cpu:_is_amx_tile_supported",), ("2.11", "2.13"),
         "precision=auto on a CPU (hardware/device.py)",
-        "without it precision=auto takes fp32 on the CPU; set precision=bf16 to choose"),
+        "name the precision (precision=bf16 or fp32): precision=auto then takes fp32 here"),
     "cpu_amx_fp16": Private(
         ("torch.cpu:_is_amx_fp16_supported",), ("2.11", "2.13"),
         "precision=auto on a CPU (hardware/device.py)",
-        "without it precision=auto takes fp32 on the CPU; set precision=fp16 to choose"),
+        "name the precision (precision=fp16 or fp32): precision=auto then takes fp32 here"),
 }
 
 
