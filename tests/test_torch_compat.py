@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -124,3 +125,18 @@ def _exists(where: str) -> bool:
     except (ImportError, AttributeError):
         return False
     return True
+
+
+def test_zbv_on_gloo_is_refused_before_torch_2_13(monkeypatch):
+    """torch 2.11's pipeline warm-up sends a rank to itself where ZBV's V turns; gloo cannot
+    (the run died in its first step): refused naming the fix, NCCL and torch 2.13 let pass."""
+    from pretrain.config import ConfigError
+
+    zbv = SimpleNamespace(pp_schedule="zbv")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(ConfigError, match="interleaved_1f1b here, or torch 2.13"):
+        pipeline.check_schedule_runs_here(zbv, "cpu")
+    pipeline.check_schedule_runs_here(zbv, "cuda")
+    pipeline.check_schedule_runs_here(SimpleNamespace(pp_schedule="1f1b"), "cpu")
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
+    pipeline.check_schedule_runs_here(zbv, "cpu")

@@ -26,6 +26,7 @@ from torch.distributed.pipelining import (
 )
 
 from pretrain import torch_compat
+from pretrain.config import ConfigError
 from pretrain.model import GPT
 from pretrain.moe import uncounted
 from pretrain.parallel.layout import Layout
@@ -160,6 +161,19 @@ def split_model(model: GPT, layout: Layout, pp_rank: int) -> tuple[list[int], li
     return ids, [split_stage(model, s, layout.n_stages) for s in ids]
 
 
+def check_schedule_runs_here(layout: Layout, device_type: str) -> None:
+    """ZBV on gloo (the CPU) needs torch 2.13: torch 2.11's schedules warm each stage's
+    neighbour links up with a send and a receive, to the rank itself where the V turns (its
+    two stages are neighbours), and gloo cannot send to its own rank ("Pair is not
+    connected"); torch 2.13's warm-up skips that link. NCCL can."""
+    if (layout.pp_schedule == "zbv" and device_type == "cpu"
+            and not torch_compat.at_least("2.13")):
+        raise ConfigError([
+            f"parallel.pp_schedule=zbv on the CPU (gloo) needs torch 2.13 or newer; torch "
+            f"{torch.__version__} sends a rank a message from itself where the V turns, "
+            "which gloo cannot: use parallel.pp_schedule=interleaved_1f1b here, or torch 2.13"])
+
+
 def build_schedule(
     parts: list[nn.Module], stage_ids: list[int], layout: Layout, pp_mesh: DeviceMesh,
     device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -168,6 +182,7 @@ def build_schedule(
     microbatches (``scale_grads``), so with a mean loss per microbatch they equal those of
     one mean over the local batch, as without a pipeline."""
     group = pp_mesh.get_group()
+    check_schedule_runs_here(layout, pp_mesh.device_type)
     stage = stage_class()
     stages = [stage(part, sid, layout.n_stages, device, group=group)
               for part, sid in zip(parts, stage_ids, strict=True)]
