@@ -58,6 +58,9 @@ def cuda_present(monkeypatch):
     machine there is none to touch: a real call could not run anyway)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    # torch's own optimizers ask, whenever CUDA is available, whether a CUDA graph is being
+    # captured: harmless on a GPU box, a driver error on a CUDA build without a GPU
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
     def touched(*args, **kwargs):
         raise AssertionError("a train.device=cpu run touched CUDA")
