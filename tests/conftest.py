@@ -91,3 +91,17 @@ def markov_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("markov_data")
     write_markov_data(root / "markov")
     return root
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The gpu tier (tests marked ``gpu``: ``pytest -m gpu`` on a GPU box) is skipped,
+    saying why, where torch sees no CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: the gpu tier runs with pytest -m gpu "
+                                   "on a GPU machine")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

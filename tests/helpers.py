@@ -80,13 +80,23 @@ def make_data_config(root: Path | str, **overrides) -> DataConfig:
     return DataConfig(**kwargs)
 
 
+# Tests mean the CPU unless they say otherwise: on a machine with a GPU ``train.device=auto``
+# would pick it (and bf16, NCCL, cuda:LOCAL_RANK for every rank). The gpu tier (pytest -m
+# gpu) names ``train.device=cuda``.
+CPU = "train.device=cpu"
+
+
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Compose conf/config.yaml + overrides exactly as the tools do (pretrain.compose, the same
-    path train.py's config takes), then unset HydraConfig so tests stay independent."""
+    path train.py's config takes), then unset HydraConfig so tests stay independent. On the
+    CPU (``CPU``) unless the overrides name ``train.device``."""
     from pretrain.compose import compose_config as compose_like_the_tools
 
+    overrides = list(overrides)
+    if not any(o.lstrip("+~").startswith("train.device=") for o in overrides):
+        overrides.append(CPU)
     try:
-        return compose_like_the_tools(list(overrides), CONF_DIR)
+        return compose_like_the_tools(overrides, CONF_DIR)
     finally:
         HydraConfig.instance().cfg = None
 
@@ -184,9 +194,12 @@ def run_group(root: Path, common: list[str], nproc: int, layouts: dict[str, list
     if nproc == 1:
         from parallel_worker import run_layout
 
+        from pretrain.parallel.mesh import destroy
+
         with one_thread():
             for name, cfg in configs.items():
                 run_layout(cfg, out, name, list(eval_also))
+                destroy()  # the group of one a mixed-precision or offloaded run joined
     else:
         spec = write_spec(out / "spec.pkl", configs=configs, eval_also=list(eval_also))
         proc = run_script(HERE / "parallel_worker.py", str(out), str(spec), nproc=nproc,

@@ -198,3 +198,49 @@ def test_every_module_is_named_in_the_docs():
     assert unnamed == [], "name these in docs/architecture.md"
     tops = {f.parts[0].removesuffix(".py") for f in files}
     assert [t for t in sorted(tops) if not re.search(rf"\b{t}\b", layout)] == []
+
+
+def _private_torch_names(path: Path) -> list[str]:
+    """Private torch names ``path`` spells: an import of a torch module with a ``_`` part
+    or of a ``_`` name from one, or an attribute chain ``torch....._x`` (ATen operator
+    overloads under ``torch.ops`` are the dispatcher's names, not Python API)."""
+    def private(dotted: str) -> bool:
+        return any(p.startswith("_") and not p.startswith("__") for p in dotted.split("."))
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            found += [n for n in names if private(n)]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names
+                      if a.name.split(".")[0] == "torch" and private(a.name)]
+        elif isinstance(node, ast.Attribute):
+            chain, inner = [node.attr], node.value
+            while isinstance(inner, ast.Attribute):
+                chain.append(inner.attr)
+                inner = inner.value
+            dotted = ".".join([getattr(inner, "id", ""), *reversed(chain)])
+            if dotted.startswith("torch.") and not dotted.startswith("torch.ops.") and private(
+                    dotted):
+                found.append(dotted)
+    return found
+
+
+def test_only_torch_compat_spells_a_private_torch_name():
+    """Every private torch name goes through pretrain.torch_compat (looked up on use,
+    checked against the torch it was written for), so the package and the tools import on
+    any torch and one module says what a new torch broke."""
+    files = [*SRC.rglob("*.py"), *(REPO / "tools").glob("*.py")]
+    spelled = {str(p.relative_to(REPO)): names for p in files
+               if p.name != "torch_compat.py" and (names := _private_torch_names(p))}
+    assert spelled == {}
+
+
+def test_every_private_name_listed_is_used_and_every_one_used_is_listed():
+    from pretrain.torch_compat import PRIVATE
+
+    text = "\n".join(p.read_text() for p in SRC.rglob("*.py") if p.name != "torch_compat.py")
+    called = set(re.findall(r"torch_compat\.\w+\(\s*\"(\w+)\"", text))
+    assert called and called - set(PRIVATE) == set(), "not in torch_compat.PRIVATE"
+    assert [k for k in PRIVATE if f'"{k}"' not in text] == [], "listed but unused"

@@ -13,12 +13,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from two_ranks import blind_to_checkpoints, run_on_two_ranks
 
+from pretrain.checkpoint import manager as manager_module
 from pretrain.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
     ModelOptimizer,
     complete_checkpoints,
     resolve_checkpoint,
+    stager_reusable,
 )
 from pretrain.config import CheckpointConfig, ModelConfig
 from pretrain.model import GPT
@@ -200,36 +202,34 @@ def test_retention_does_not_hold_up_saving_and_hides_what_it_deletes(tmp_path, m
     assert [p.name for p in tmp_path.iterdir()] == ["step_0000002"]
 
 
-def test_async_saves_reuse_one_stager_and_its_memory(tmp_path, monkeypatch):
+def _two_async_saves(tmp_path, monkeypatch):
+    """Save steps 1 and 2 asynchronously (a training step between); check each loads back
+    bit-exactly. Returns the manager, the stagers async_save got and the tok_emb copy each
+    stage made."""
     model, opt = trained_pair(0)
     mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, keep_last=5))
     stagers, staged = [], []
     real_async_save = dcp.async_save
 
     def spy_async_save(state, **kwargs):
-        stagers.append(kwargs["async_stager"])
+        stager = kwargs["async_stager"]
+        stagers.append(stager)
+        real_stage = stager.stage
+
+        def spy_stage(state, **kwargs):
+            out = real_stage(state, **kwargs)
+            staged.append(out["model_optim"]["model"]["tok_emb.weight"])
+            return out
+
+        monkeypatch.setattr(stager, "stage", spy_stage)
         return real_async_save(state, **kwargs)
 
-    real_stage, real_close = mgr.stager.stage, mgr.stager.close
-
-    def spy_stage(state, **kwargs):
-        out = real_stage(state, **kwargs)
-        staged.append(out["model_optim"]["model"]["tok_emb.weight"])
-        return out
-
-    closed = []
     monkeypatch.setattr(dcp, "async_save", spy_async_save)
-    monkeypatch.setattr(mgr.stager, "stage", spy_stage)
-    monkeypatch.setattr(mgr.stager, "close", lambda: closed.append(1) or real_close())
-
     save(mgr, model, opt, 1)
     at_step_1 = {k: v.clone() for k, v in model.state_dict().items()}
     model(torch.randint(0, 64, (2, 16))).float().logsumexp(-1).mean().backward()
     opt.step()
     save(mgr, model, opt, 2)
-    assert len(stagers) == 2 and stagers[0] is stagers[1] is not None
-    # The second save copied into the first one's staging memory, not into fresh memory.
-    assert staged[0].data_ptr() == staged[1].data_ptr()
 
     for step, expected in ((1, at_step_1), (2, model.state_dict())):
         other, other_opt = trained_pair(1)
@@ -240,7 +240,35 @@ def test_async_saves_reuse_one_stager_and_its_memory(tmp_path, monkeypatch):
             assert torch.equal(value, expected[name]), (step, name)
     sa, sb = opt.state_dict()["state"], other_opt.state_dict()["state"]
     assert all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
+    return mgr, stagers, staged, (model, opt)
 
+
+def test_consecutive_async_saves_load_back_exactly_on_this_torch(tmp_path, monkeypatch):
+    """On every supported torch. torch 2.11's DefaultStager is single-use (it empties its
+    deep-copy table after one stage): reused, the second save raised KeyError: <class
+    'type'>, and a cluster run stopped at its second periodic save."""
+    mgr, stagers, staged, _ = _two_async_saves(tmp_path, monkeypatch)
+    assert len(stagers) == 2 and None not in stagers
+    assert (stagers[0] is stagers[1]) == stager_reusable()
+    mgr.close()
+
+
+def test_a_single_use_stager_gets_a_fresh_one_per_save(tmp_path, monkeypatch):
+    """The path torch 2.11 takes, on whichever torch this is."""
+    monkeypatch.setattr(manager_module, "STAGER_REUSABLE_FROM", "99.0")
+    mgr, stagers, staged, _ = _two_async_saves(tmp_path, monkeypatch)
+    assert mgr.stager is None and stagers[0] is not stagers[1]
+    mgr.close()
+
+
+@pytest.mark.skipif(not stager_reusable(), reason="this torch's DefaultStager is single-use")
+def test_async_saves_reuse_one_stager_and_its_memory(tmp_path, monkeypatch):
+    mgr, stagers, staged, (model, opt) = _two_async_saves(tmp_path, monkeypatch)
+    assert stagers[0] is stagers[1] is mgr.stager
+    # The second save copied into the first one's staging memory, not into fresh memory.
+    assert staged[0].data_ptr() == staged[1].data_ptr()
+    real_close, closed = mgr.stager.close, []
+    monkeypatch.setattr(mgr.stager, "close", lambda: closed.append(1) or real_close())
     mgr.close()
     mgr.close()
     assert closed == [1]  # closed once, and a second close() is harmless

@@ -143,7 +143,7 @@ COMMON = [
 ])
 def test_training_logs_noise_scale_at_every_logging_step(tmp_path, markov_root, name, nproc,
                                                         extra):
-    overrides = [*COMMON, *extra, f"data.root={markov_root}",
+    overrides = [*COMMON, *extra, "train.device=cpu", f"data.root={markov_root}",
                  f"runs_dir={tmp_path / 'runs'}", f"run_name={name}"]
     proc = run_script(REPO / "train.py", *overrides, nproc=nproc, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, failed(proc)

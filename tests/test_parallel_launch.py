@@ -47,7 +47,7 @@ def test_two_process_run_writes_once_from_rank_0(work_dir, tmp_path):
         "data.num_proc=1", f"data.root={tmp_path / 'data'}", f"runs_dir={tmp_path / 'runs'}",
         "budget=steps", "budget.steps=3", "train.global_batch_size=8",
         "parallel.micro_batch_size=2", "train.eval_batches=2", "train.eval_interval=2",
-        "train.sample_tokens=5", "logging=quiet", "logging.log_interval=1",
+        "train.sample_tokens=5", "logging=quiet", "logging.log_interval=1", "train.device=cpu",
     )
     # torchrun straight onto unprepared data: every rank stops before its process group,
     # naming the preparation command, and nothing is tokenised.

@@ -38,7 +38,7 @@ def command(work: Path, run: str, *extra: str) -> list[str]:
             "data.tokenizer_vocab_size=300", "data.num_proc=1", f"data.root={work / 'data'}",
             "precision=fp32", "budget=steps", f"budget.steps={STEPS}", "schedule.warmup_steps=3",
             "train.global_batch_size=8", "parallel.micro_batch_size=4", "train.eval_interval=1000",
-            "train.eval_batches=2", "train.sample_tokens=0", "logging=quiet",
+            "train.eval_batches=2", "train.sample_tokens=0", "logging=quiet", "train.device=cpu",
             "logging.log_interval=1", f"runs_dir={work / 'runs'}", f"run_name={run}", *extra]
 
 

@@ -28,7 +28,7 @@ def e2e(tmp_path_factory) -> dict:
         "data.validation_fraction=0.1", "budget=steps", f"budget.steps={STEPS}",
         f"schedule.warmup_steps={WARMUP}", f"optim.lr={PEAK_LR}", "train.eval_batches=4",
         f"train.global_batch_size={BATCH}", f"parallel.micro_batch_size={BATCH}",
-        "train.sample_tokens=16",
+        "train.sample_tokens=16", "train.device=cpu",
         # neutral: these do not change the run directory's name
         "logging=quiet", f"data.root={work / 'data'}", f"runs_dir={runs}", "data.num_proc=1",
     ]

@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from pretrain import torch_compat
 from pretrain.config import ModelConfig
 
 _AUX_SCALE = [1.0]
@@ -79,7 +80,7 @@ def _grouped_mm_runs(x: torch.Tensor, *dims: int) -> bool:
     it is traced (its meta kernel, which torch.compile runs, accepts bf16 only; eager CPU
     takes fp32 too). On GPUs PyTorch runs it on every architecture from sm80, with
     dedicated kernels on sm90+ (torchtitan's choice there)."""
-    if not hasattr(torch, "_grouped_mm") or x.device.type not in ("cpu", "cuda"):
+    if not torch_compat.has("grouped_mm") or x.device.type not in ("cpu", "cuda"):
         return False
     if not all(d * x.element_size() % 16 == 0 for d in dims):
         return False
@@ -94,7 +95,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
     w = w.to(x.dtype)
     if _grouped_mm_runs(x, w.shape[1], w.shape[2]):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        return torch_compat.private("grouped_mm")(x, w.transpose(-2, -1), offs=offsets)
     outs = [rows @ w[g].t() for g, rows in enumerate(x.split(counts.tolist()))]
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
 

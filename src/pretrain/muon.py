@@ -38,7 +38,8 @@ from collections import ChainMap
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+from pretrain import torch_compat
 
 _IN_BLOCK = re.compile(r"(^|\.)layers\.\d+\.")
 
@@ -60,7 +61,7 @@ def newton_schulz(m: torch.Tensor, group: dict, dtype: torch.dtype = torch.bfloa
     whatever it is given; tests/test_optimizers.py checks the two agree in bf16)."""
     coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
     if dtype == torch.bfloat16:
-        return _zeropower_via_newtonschulz(m, coefficients, steps, eps)
+        return torch_compat.private("muon_newton_schulz")(m, coefficients, steps, eps)
     a, b, c = coefficients
     x = m.to(dtype, copy=True)  # a copy: divided in place below, as torch's bf16 one is
     if m.size(0) > m.size(1):
@@ -129,7 +130,8 @@ class ShardedMuon(torch.optim.Muon):
         update = g.lerp(buf, momentum) if group["nesterov"] else buf
         update = orthogonalise(update, group, self.ns_dtype)
         p.mul_(1 - lr * group["weight_decay"])
-        p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+        adjust_lr = torch_compat.private("muon_adjust_lr")
+        p.add_(update, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))
 
 
 class _EitherState(ChainMap):

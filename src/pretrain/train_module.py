@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pretrain import torch_compat
 from pretrain.config import Config
 from pretrain.fp8 import after_optimizer_step, fp8_all_gather
 from pretrain.initialization import local_region
@@ -47,9 +48,12 @@ class Place:
 
 
 def join(layout: Layout, device: torch.device, policy: Policy, world_size: int) -> Place:
-    """The process group and device mesh (several processes; one process only when FSDP2
-    offloads its parameters: ``Layout.one_device``), and this rank's place in them. One
-    process otherwise runs without a process group or wrapper."""
+    """The process group and device mesh (several processes; one process too whenever it
+    is not ``Layout.one_device``: with ``parallel.offload=params`` FSDP2 is what brings the
+    host's parameters to the GPU for each block; without the group an offloaded run kept its
+    weights on the host while its batches went to the GPU: "index is on cuda:0, different
+    from other tensors on cpu"), and this rank's place in them. One process otherwise runs
+    without a process group or wrapper."""
     mesh = None
     if world_size > 1 or not layout.one_device:
         device = dist_env.init_distributed(device)
@@ -180,7 +184,8 @@ class TrainModule:
         from fp16 loss scaling; a device tensor (no host sync)."""
         sq = self.parallel.grad_sq_norm()
         if self.scaler is not None:
-            sq = sq / self.scaler._get_scale_async().float() ** 2
+            scale = torch_compat.private("grad_scaler_scale_async")(self.scaler)
+            sq = sq / scale.float() ** 2
         return sq
 
     # -- the step ------------------------------------------------------------------------

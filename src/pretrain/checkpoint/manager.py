@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from pretrain import torch_compat
 from pretrain.config import CheckpointConfig
 from pretrain.parallel.mesh import broadcast_from_rank0
 
@@ -338,8 +339,22 @@ def describe_policy(cfg: CheckpointConfig) -> str:
     return f"{when}; {keep}; {'async' if cfg.async_save else 'blocking'}{points}"
 
 
+# torch 2.11's DefaultStager closes its StateDictStager after every stage: the staged
+# memory is let go and the deep-copy table emptied, so a second stage through the same
+# stager fails (``KeyError: <class 'type'>`` in _state_dict_stager.py). From torch 2.13 it
+# keeps both until close(). Below that, each save gets a fresh stager (as dcp.async_save
+# makes one per call when given none), with this project's options.
+STAGER_REUSABLE_FROM = "2.13"
+
+
+def stager_reusable() -> bool:
+    """Whether one ``DefaultStager`` may stage every save of a run on this torch."""
+    return torch_compat.at_least(STAGER_REUSABLE_FROM)
+
+
 def make_stager(device: torch.device) -> AsyncStager | None:
-    """The one stager a manager reuses for all its async saves: torch's ``DefaultStager``.
+    """The stager of a manager's async saves: torch's ``DefaultStager``, one reused for
+    every save where torch allows it (``stager_reusable``), else one per save.
 
     It keeps the CPU copy of every tensor it staged, keyed by the source tensor's storage,
     so the next save copies into the same memory; without it ``dcp.async_save`` makes a
@@ -385,7 +400,7 @@ class CheckpointManager:
         saves = cfg.enabled or bool(self.keep_steps)
         self.group = (dist.new_group(backend="gloo")
                       if dist.is_initialized() and saves and cfg.async_save else None)
-        self.stager = make_stager(device) if cfg.async_save else None
+        self.stager = make_stager(device) if cfg.async_save and stager_reusable() else None
         # Rank 0's retention worker (made on first use) and the last pass given to it.
         self._deleter: ThreadPoolExecutor | None = None
         self._retention: Future | None = None
@@ -496,9 +511,11 @@ class CheckpointManager:
         return self._deleter
 
     def _async_save(self, state: dict[str, Any], tmp: Path) -> Future:
-        """``dcp.async_save`` through this manager's one stager (when torch has one)."""
-        reuse = {} if self.stager is None else {"async_stager": self.stager}
-        return dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group, **reuse)
+        """``dcp.async_save`` through this manager's one stager, or on a torch whose stager
+        is single-use, a fresh one (when torch has one)."""
+        stager = self.stager if self.stager is not None else make_stager(self.device)
+        given = {} if stager is None else {"async_stager": stager}
+        return dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group, **given)
 
     def wait(self) -> None:
         """Finish a pending async save (every rank calls it)."""

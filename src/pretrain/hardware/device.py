@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from pretrain import torch_compat
+
 log = logging.getLogger("pretrain")
 
 
@@ -153,13 +155,14 @@ def cpu_native_matmul(dtype: torch.dtype) -> tuple[bool, str]:
         ok = dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         ok = ok or (dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported())
         return ok, f"Arm CPU ({cap}) {'with' if ok else 'without'} {name} instructions"
-    if dtype == torch.bfloat16:
-        flags = [f for f, has in (("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
-                                  ("AMX", torch.cpu._is_amx_tile_supported())) if has]
-        needs = "AVX512-BF16 or AMX"
-    else:
-        flags = ["AMX-FP16"] if torch.cpu._is_amx_fp16_supported() else []
-        needs = "AMX-FP16"
+    probes = ({"AVX512-BF16": "cpu_avx512_bf16", "AMX": "cpu_amx_tile"}
+              if dtype == torch.bfloat16 else {"AMX-FP16": "cpu_amx_fp16"})
+    needs = " or ".join(probes)
+    gone = [torch_compat.PRIVATE[k].where[0] for k in probes.values() if not torch_compat.has(k)]
+    if gone:  # torch's probes are private: without them, native is not shown
+        return False, (f"{cap} CPU; whether it has {needs} is unknown: torch "
+                       f"{torch.__version__} has no {gone[0].replace(':', '.')}")
+    flags = [f for f, key in probes.items() if torch_compat.private(key)()]
     if not flags:
         return False, f"{cap} CPU without {needs}"
     isa = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL")

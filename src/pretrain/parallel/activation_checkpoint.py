@@ -30,9 +30,9 @@ from collections import defaultdict
 
 import torch
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from pretrain import torch_compat
 from pretrain.config import ModelConfig
 from pretrain.parallel.tensor_parallel import ROWWISE
 
@@ -134,7 +134,7 @@ def checkpoint_blocks(layers: nn.ModuleDict, every_n: int = 1, selective: bool =
     for key in list(layers.keys()):
         if (int(key) + 1) % every_n == 0:
             kwargs = {"context_fn": _selective_context} if selective else {}
-            layers[key] = checkpoint_wrapper(layers[key], **kwargs)
+            layers[key] = torch_compat.private("checkpoint_wrapper")(layers[key], **kwargs)
 
 
 def apply_activation_checkpointing(layers: nn.ModuleDict, mode: str, every_n: int,
@@ -150,6 +150,6 @@ def apply_activation_checkpointing(layers: nn.ModuleDict, mode: str, every_n: in
     elif sequence_parallel:
         for key in list(layers.keys()):
             if not hasattr(layers[key], "moe"):  # TP refuses a mixture of experts
-                layers[key] = checkpoint_wrapper(
+                layers[key] = torch_compat.private("checkpoint_wrapper")(
                     layers[key], context_fn=_sharded_inputs_context(layers[key]))
 

@@ -163,7 +163,14 @@ class ParallelModel:
 
 def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
                 device: torch.device, policy: Policy) -> ParallelModel:
-    """Apply every parallelism to ``model`` (on the meta device); nothing is allocated."""
+    """Apply every parallelism to ``model`` (on the meta device); nothing is allocated.
+    ``mesh`` None: one process without a process group, which only ``Layout.one_device``
+    may be (``train_module.join`` makes the group otherwise)."""
+    if mesh is None and not layout.one_device:
+        raise ValueError(
+            f"{layout.describe()} needs FSDP2 (parallel.offload, or several processes) and so "
+            "a device mesh, even for one process: join a process group first "
+            "(train_module.join)")
     sharded = mesh is not None and layout.dp > 1 and layout.dp_mode in ("zero2", "zero3")
     if policy.fp8:
         from pretrain.fp8 import convert_to_fp8
@@ -290,5 +297,4 @@ def materialize(pm: ParallelModel, device: torch.device, seed: int | None) -> No
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     for sub in module.modules():
         for name, buf in list(sub.named_buffers(recurse=False)):
-            sub.register_buffer(name, buf.to(device),
-                                persistent=name not in sub._non_persistent_buffers_set)
+            setattr(sub, name, buf.to(device))  # a registered buffer keeps its persistence

@@ -14,7 +14,6 @@ there; one process alone autocasts instead (``autocasts``).
 from __future__ import annotations
 
 import torch.nn as nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -23,6 +22,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import Shard
 
+from pretrain import torch_compat
 from pretrain.moe import GroupedExperts
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.mesh import Meshes
@@ -78,6 +78,7 @@ def apply_data_parallel(part: nn.Module, blocks: list[nn.Module], mesh: Meshes,
     offload = (CPUOffloadPolicy(pin_memory=mesh.fsdp.device_type == "cuda")
                if layout.offload == "params" else OffloadPolicy())
     if layout.dp_mode == "ddp":
+        replicate = torch_compat.private("replicate")
         for block in blocks:
             replicate(block, mesh=mesh.dp, mp_policy=mp)
         replicate(part, mesh=mesh.dp, mp_policy=mp)

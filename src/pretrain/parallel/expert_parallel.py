@@ -21,13 +21,27 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
+from pretrain import torch_compat
 from pretrain.moe import GroupedExperts
+
+
+def _all_to_all(x: torch.Tensor, output_split: list[int], input_split: list[int],
+                group) -> torch.Tensor:
+    """torch's functional all-to-all with autograd (its backward, the reverse exchange),
+    waited on."""
+    out = torch_compat.private("all_to_all_single_autograd")(x, output_split, input_split,
+                                                              group)
+    if isinstance(out, torch_compat.private("AsyncCollectiveTensor")):
+        out = torch_compat.private("wait_tensor")(out)
+    return out
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return torch_compat.has("FakeTensor") and isinstance(t, torch_compat.private("FakeTensor"))
 
 
 class _Exchange:
@@ -44,7 +58,7 @@ def _dispatch(mod: nn.Module, inputs: tuple, mesh: DeviceMesh):
     x, counts = inputs
     group, ep = mesh.get_group(), mesh.size()
     counts = counts.to(torch.int64)
-    if isinstance(counts, FakeTensor):
+    if _is_fake(counts):
         return _dispatch_balanced(mod, x, counts, mesh)
     # received[s, e]: rows source rank s sends for this rank's local expert e
     received = torch.empty_like(counts)
@@ -53,8 +67,7 @@ def _dispatch(mod: nn.Module, inputs: tuple, mesh: DeviceMesh):
     ex: _Exchange = mod._ep_exchange
     ex.sent = counts.view(ep, -1).sum(1).tolist()
     ex.received = received.sum(1).tolist()
-    rows = funcol.all_to_all_single_autograd(x, ex.received, ex.sent, group)
-    rows = funcol.wait_tensor(rows) if isinstance(rows, funcol.AsyncCollectiveTensor) else rows
+    rows = _all_to_all(x, ex.received, ex.sent, group)
     local_experts = received.shape[1]
     expert_of_row = torch.arange(local_experts, device=x.device).repeat(ep)
     expert_of_row = expert_of_row.repeat_interleave(received.reshape(-1))
@@ -69,8 +82,7 @@ def _dispatch_balanced(mod: nn.Module, x: torch.Tensor, counts: torch.Tensor,
     ep, rows = mesh.size(), x.shape[0]
     ex: _Exchange = mod._ep_exchange
     ex.sent = ex.received = [rows // ep + (r < rows % ep) for r in range(ep)]
-    out = funcol.all_to_all_single_autograd(x, ex.received, ex.sent, mesh.get_group())
-    out = funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    out = _all_to_all(x, ex.received, ex.sent, mesh.get_group())
     ex.order = torch.arange(rows, device=x.device)
     return out, counts.view(ep, -1).sum(0)
 
@@ -78,8 +90,7 @@ def _dispatch_balanced(mod: nn.Module, x: torch.Tensor, counts: torch.Tensor,
 def _combine(mod: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     ex: _Exchange = mod._ep_exchange
     back = torch.empty_like(out).index_copy(0, ex.order, out)  # source-rank order again
-    rows = funcol.all_to_all_single_autograd(back, ex.sent, ex.received, mesh.get_group())
-    return funcol.wait_tensor(rows) if isinstance(rows, funcol.AsyncCollectiveTensor) else rows
+    return _all_to_all(back, ex.sent, ex.received, mesh.get_group())
 
 
 def _shard_experts(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pretrain import torch_compat
 from pretrain.parallel.layout import Layout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -117,12 +118,11 @@ def clear_dtensor_caches() -> None:
     redistribute planners, and every ``functools`` cache in ``torch.distributed.tensor``
     (op sharding, tensor meta, transform plans, mesh topology; found, not listed, so a
     cache a new torch adds is emptied too). Caches are per thread where torch made them so;
-    this is the training thread, the one that filled them."""
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    _redistribute.clear_redistribute_planner_cache()
+    this is the training thread, the one that filled them. A torch without one of the two
+    private clearers skips it: the groups then live until exit, as they would anyway."""
+    for clear in ("clear_sharding_prop_cache", "clear_redistribute_planner_cache"):
+        if torch_compat.has(clear):
+            torch_compat.private(clear)()
     for obj in gc.get_objects():
         # type(), not isinstance(): isinstance reads __class__, which warns on torch's
         # deprecated aliases (torch.distributed.reduce_op)

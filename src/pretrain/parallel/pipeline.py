@@ -11,6 +11,7 @@ stages r and 2*pp-1-r, so the first and last stage share rank 0).
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 
 import torch
@@ -23,12 +24,15 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining._utils import _make_tensor_from_meta
-from torch.distributed.pipelining.stage import _RecvInfo
 
+from pretrain import torch_compat
+from pretrain.config import ConfigError
 from pretrain.model import GPT
 from pretrain.moe import uncounted
 from pretrain.parallel.layout import Layout
+from pretrain.parallel.stages import stage_indices, stage_layers
+
+log = logging.getLogger("pretrain")
 
 
 class _MadeOnUse(dict):
@@ -43,7 +47,24 @@ class _MadeOnUse(dict):
         return value
 
 
-class BoundedStage(PipelineStage):
+class UncountedStage(PipelineStage):
+    """torch's ``PipelineStage``, its shape-inference forward kept out of MoE counts.
+
+    torch runs each stage once on stand-in inputs (the first step) to learn its output
+    shapes: a forward in train mode that is not a training step, which an MoE layer must
+    not count (moe.uncounted). torch 2.13 calls that forward ``_forward_metadata_inference``,
+    2.11 ``_shape_inference``; a torch calls only its own, so both are wrapped here."""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with uncounted(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _shape_inference(self, *args, **kwargs):
+        with uncounted(self.submod):
+            return super()._shape_inference(*args, **kwargs)
+
+
+class BoundedStage(UncountedStage):
     """torch's ``PipelineStage`` holding receive buffers for the microbatches in flight only.
 
     torch 2.13 allocates, up front, an activation buffer (non-first stages) and a gradient
@@ -52,28 +73,25 @@ class BoundedStage(PipelineStage):
     holds buffers only for the microbatches in flight. Here a chunk's buffers are made when
     its receive is posted and dropped after its backward (autograd keeps whatever it saved
     of them), so at most the schedule's in-flight count exists (planning/memory.py counts
-    that). Everything else is torch's own."""
+    that). Everything else is torch's own. The hooks overridden are torch 2.13's private
+    ones (torch_compat: ``stage_forward_recv_hook``, ``stage_backward_recv_hook``):
+    ``stage_class`` uses this class only on a torch that has them."""
 
     def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
         if self.is_first:
             return super()._setup_forward_recv_info(num_microbatches, has_backward)
+        recv_info = torch_compat.private("RecvInfo")
+        make_tensor = torch_compat.private("make_tensor_from_meta")
         metas, source = self._stage_meta.inputs, self.stage_index - 1
         name = f"recv_for_{self.stage_index}_from_{source}"
         self.args_recv_info = _MadeOnUse(lambda: tuple(
-            _RecvInfo(input_name=name, source=source, tensor_meta=meta,
-                      buffer=_make_tensor_from_meta(meta, self.device))
+            recv_info(input_name=name, source=source, tensor_meta=meta,
+                      buffer=make_tensor(meta, self.device))
             for meta in metas))
 
     def _setup_backward_recv_info(self, num_microbatches: int) -> None:
         self.chunks = num_microbatches
         self.grad_recv_info = _MadeOnUse(lambda: self._create_grad_recv_info(self.act_send_info))
-
-    def _forward_metadata_inference(self, *args, **kwargs):
-        # torch runs the stage once on stand-in inputs (the first step) to learn its output
-        # shapes: a forward in train mode that is not a training step, which an MoE layer
-        # must not count (moe.uncounted).
-        with uncounted(self.submod):
-            return super()._forward_metadata_inference(*args, **kwargs)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
@@ -88,32 +106,37 @@ class BoundedStage(PipelineStage):
             self.args_recv_info.pop(bwd_chunk_id, None)
         return out
 
+
+_BOUNDED_NEEDS = ("stage_forward_recv_hook", "stage_backward_recv_hook", "RecvInfo",
+                  "make_tensor_from_meta")
+
+
+def stage_class() -> type[PipelineStage]:
+    """``BoundedStage`` on the torch its hooks were written for (2.13), else torch's own
+    stage (``UncountedStage``), with a warning: it holds receive buffers for every
+    microbatch of the step, which planning/memory.py does not count."""
+    missing = [k for k in _BOUNDED_NEEDS
+               if not (torch_compat.has(k) and torch_compat.written_for(k))]
+    if not missing:
+        return BoundedStage
+    log.warning("torch %s: pipeline stages are torch's own PipelineStage, which holds receive "
+                "buffers for every microbatch of a step, not only those in flight (more memory "
+                "than the plan says at many microbatches): BoundedStage's private torch hooks "
+                "(%s) are torch %s's; tested: torch %s", torch.__version__,
+                ", ".join(torch_compat.PRIVATE[k].where[0] for k in missing),
+                torch_compat.PRIVATE["stage_forward_recv_hook"].written_for[0],
+                " and ".join(torch_compat.TESTED))
+    if not torch_compat.has("stage_shape_inference"):
+        log.warning("torch %s: %s", torch.__version__,
+                    torch_compat.missing_reason("stage_shape_inference"))
+    return UncountedStage
+
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zbv": ScheduleZBVZeroBubble,
 }
-
-
-def stage_indices(layout: Layout, pp_rank: int) -> list[int]:
-    """The global stage indices this pipeline rank runs, in execution order (stage 0, the
-    whole model, without a pipeline). The planner (planning/params.py, planning/memory.py)
-    and the tied-embedding group (tied.py) read this too."""
-    if layout.pp == 1:
-        return [0]
-    if layout.pp_schedule == "zbv":
-        return [pp_rank, 2 * layout.pp - 1 - pp_rank]
-    return [pp_rank + v * layout.pp for v in range(layout.virtual_stages)]
-
-
-def stage_layers(n_layer: int, stage: int, n_stages: int) -> range:
-    """The global indices of the transformer blocks stage ``stage`` of ``n_stages`` runs
-    (balanced by count; validation requires n_layer % n_stages == 0). Stage 0 also holds
-    the embeddings, the last stage the final norm and the head (``split_stage``). The
-    planner counts parameters and activations per stage with this same function."""
-    per = n_layer // n_stages
-    return range(stage * per, (stage + 1) * per)
 
 
 def split_stage(model: GPT, stage: int, n_stages: int) -> GPT:
@@ -138,6 +161,19 @@ def split_model(model: GPT, layout: Layout, pp_rank: int) -> tuple[list[int], li
     return ids, [split_stage(model, s, layout.n_stages) for s in ids]
 
 
+def check_schedule_runs_here(layout: Layout, device_type: str) -> None:
+    """ZBV on gloo (the CPU) needs torch 2.13: torch 2.11's schedules warm each stage's
+    neighbour links up with a send and a receive, to the rank itself where the V turns (its
+    two stages are neighbours), and gloo cannot send to its own rank ("Pair is not
+    connected"); torch 2.13's warm-up skips that link. NCCL can."""
+    if (layout.pp_schedule == "zbv" and device_type == "cpu"
+            and not torch_compat.at_least("2.13")):
+        raise ConfigError([
+            f"parallel.pp_schedule=zbv on the CPU (gloo) needs torch 2.13 or newer; torch "
+            f"{torch.__version__} sends a rank a message from itself where the V turns, "
+            "which gloo cannot: use parallel.pp_schedule=interleaved_1f1b here, or torch 2.13"])
+
+
 def build_schedule(
     parts: list[nn.Module], stage_ids: list[int], layout: Layout, pp_mesh: DeviceMesh,
     device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -146,7 +182,9 @@ def build_schedule(
     microbatches (``scale_grads``), so with a mean loss per microbatch they equal those of
     one mean over the local batch, as without a pipeline."""
     group = pp_mesh.get_group()
-    stages = [BoundedStage(part, sid, layout.n_stages, device, group=group)
+    check_schedule_runs_here(layout, pp_mesh.device_type)
+    stage = stage_class()
+    stages = [stage(part, sid, layout.n_stages, device, group=group)
               for part, sid in zip(parts, stage_ids, strict=True)]
     cls = SCHEDULE_CLASSES[layout.pp_schedule]
     if layout.pp_schedule in ("gpipe", "1f1b"):

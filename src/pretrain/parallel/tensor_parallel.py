@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from pretrain import torch_compat
 from pretrain.config import ConfigError
 from pretrain.model import GPT
 
@@ -151,10 +152,7 @@ def enable_async_tp(tp_mesh: DeviceMesh) -> None:
             f"is on '{tp_mesh.device_type}': set parallel.async_tp=false"])
     import warnings
 
-    import torch._inductor.config
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
     with warnings.catch_warnings():  # deprecated in favour of automatic registration
         warnings.simplefilter("ignore", FutureWarning)
-        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
-    torch._inductor.config._micro_pipeline_tp = True
+        torch_compat.private("enable_symm_mem_for_group")(tp_mesh.get_group().group_name)
+    torch_compat.set_private("micro_pipeline_tp", True)

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from pretrain.parallel.layout import Layout
-from pretrain.parallel.pipeline import stage_indices
+from pretrain.parallel.stages import stage_indices
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

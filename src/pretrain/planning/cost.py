@@ -70,7 +70,7 @@ from pretrain.hardware.gpus import GpuSpec
 from pretrain.parallel.activation_checkpoint import recomputed_linears
 from pretrain.parallel.data_parallel import needs_wrapper
 from pretrain.parallel.layout import Layout
-from pretrain.parallel.pipeline import stage_indices, stage_layers
+from pretrain.parallel.stages import stage_indices, stage_layers
 from pretrain.planning.calibration import (
     HOST_ADAMW_NS,
     HOST_GRAD_ADD_NS,

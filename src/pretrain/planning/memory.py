@@ -59,7 +59,7 @@ from pretrain.model import padded_vocab_size
 from pretrain.muon import muon_matrix, orthogonalisation_bytes
 from pretrain.parallel.data_parallel import autocasts, needs_wrapper
 from pretrain.parallel.layout import Layout
-from pretrain.parallel.pipeline import stage_indices, stage_layers
+from pretrain.parallel.stages import stage_indices, stage_layers
 from pretrain.planning.activations import (
     ActivationSetup,
     backward_working_bytes,

@@ -4,9 +4,9 @@ The model is read from the meta-device GPT (the same module ``budget.count_param
 tied weights, biases, norms and vocabulary padding are all right), then each parameter is
 placed the way ``pretrain.parallel`` places it:
 
-- pipeline: stage s holds the layers ``parallel.pipeline.stage_layers`` gives it; stage 0
+- pipeline: stage s holds the layers ``parallel.stages.stage_layers`` gives it; stage 0
   the embeddings, the last stage the final norm and the head; ranks hold stages as
-  ``parallel.pipeline.stage_indices`` says (the functions the pipeline split itself uses).
+  ``parallel.stages.stage_indices`` says (the functions the pipeline split itself uses).
   A head tied to the embedding but on another stage is a second copy (Megatron's
   "embedding group", ``parallel/tied.py``).
 - tensor parallel: the dimension ``parallel.tensor_parallel.tp_shard_dim`` names, the one
@@ -34,7 +34,7 @@ from pretrain.config import ModelConfig
 from pretrain.muon import muon_matrix
 from pretrain.parallel.data_parallel import shard_dim
 from pretrain.parallel.layout import Layout
-from pretrain.parallel.pipeline import stage_indices, stage_layers
+from pretrain.parallel.stages import stage_indices, stage_layers
 from pretrain.parallel.tensor_parallel import tp_shard_dim
 
 

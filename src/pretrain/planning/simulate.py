@@ -25,8 +25,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from pretrain import torch_compat
 from pretrain.config import Config
 from pretrain.hardware.device import peak_rss_bytes
 from pretrain.initialization import local_region
@@ -47,7 +47,7 @@ log = logging.getLogger("pretrain.simulate")
 def _storages(t: torch.Tensor):
     """The real storages behind ``t``: a tensor subclass that wraps others (torchao's fp8
     weight for FSDP all-gathers) has none of its own."""
-    if is_traceable_wrapper_subclass(t):
+    if torch_compat.private("is_traceable_wrapper_subclass")(t):
         for attr in t.__tensor_flatten__()[0]:
             yield from _storages(getattr(t, attr))
     else:
@@ -222,8 +222,8 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str)
     transient: Muon's gathered matrices and Newton-Schulz's working set). A pipeline keeps
     several micro batches in flight; this measures one (the planner's ``inflight_chunks``
     multiplies by the schedule's count)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
+    FakeTensorMode = torch_compat.private("FakeTensorMode")  # noqa: N806 (a class)
+    MemTracker = torch_compat.private("MemTracker")  # noqa: N806
 
     pm = _build(cfg, layout, mesh, policy, attention)  # on the meta device
     with FakeTensorMode(allow_non_fake_inputs=True):  # meta -> fake: shapes, no storage
@@ -305,8 +305,6 @@ def cpu_stand_in(cfg: Config) -> Config:
 
 def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict:
     """Start rank ``rank`` of a ``world_size``-process run of ``cfg`` in this process."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from pretrain.attention import resolve_backend
 
     if not 0 <= rank < world_size:
@@ -322,7 +320,7 @@ def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict
     policy = resolve_policy(cfg.precision, device)
     attention = resolve_backend(cfg.model.attention, device, policy.compute_dtype)
     layout = resolve_layout(cfg, world_size)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=torch_compat.private("FakeStore")(), rank=rank, world_size=world_size)
     try:
         mesh = build_mesh(layout, device)
         coord = dict(zip(mesh.root.mesh_dim_names, mesh.root.get_coordinate(), strict=True))
