@@ -318,6 +318,54 @@ def test_a_failed_save_names_its_cause_and_keeps_the_older_checkpoints(
     assert mgr.latest() == tmp_path / "step_0000001"
 
 
+def refuse_writes(monkeypatch, folder: Path) -> None:
+    """Every write under ``folder`` fails as on a read-only filesystem (EROFS), from now on.
+    The write calls themselves fail: chmod does not stop root."""
+    import errno
+
+    def refusing(name):
+        real = getattr(Path, name)
+
+        def call(self, *args, **kwargs):
+            mode = args[0] if name == "open" and args else kwargs.get("mode", "r")
+            writes = name != "open" or any(c in str(mode) for c in "wax+")
+            if writes and Path(self).resolve().is_relative_to(folder.resolve()):
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+            return real(self, *args, **kwargs)
+        return call
+
+    for name in ("mkdir", "write_text", "write_bytes", "rename", "touch", "unlink", "open"):
+        monkeypatch.setattr(Path, name, refusing(name))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_read_only_folder_fails_the_save_with_its_cause(tmp_path, monkeypatch, async_save):
+    """The filesystem turns read-only: a blocking save fails making its step folder, an
+    async one writing meta.json once its shards are on disk. Both say so in the documented
+    words, and the older checkpoint is kept as it was."""
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, async_save=async_save))
+    save(mgr, model, opt, 1)
+    older = {f.name: f.read_bytes() for f in (tmp_path / "step_0000001").iterdir()}
+    expected = ("saving checkpoint step_0000002 in .* failed: the directory is read-only or "
+                "not writable.*older checkpoints there are kept")
+    if async_save:
+        mgr.save(2, {"model_optim": ModelOptimizer(model, opt), "train": Progress(2)},
+                 {"step": 2})
+        mgr.pending[0].result()  # the shards and their checksums are written
+        refuse_writes(monkeypatch, tmp_path)
+        with pytest.raises(CheckpointError, match=expected):
+            mgr.wait()
+    else:
+        refuse_writes(monkeypatch, tmp_path)
+        with pytest.raises(CheckpointError, match=expected):
+            save(mgr, model, opt, 2)
+    monkeypatch.undo()
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [1]
+    assert older == {f.name: f.read_bytes() for f in (tmp_path / "step_0000001").iterdir()}
+    mgr.close()
+
+
 @pytest.mark.parametrize("damage", ["64 bytes flipped in place", "random bytes, same size"])
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_corrupt_checkpoint_is_skipped_for_the_next_intact_one(tmp_path, caplog, compose,

@@ -322,6 +322,17 @@ def save_failure(final: Path, error: Exception) -> CheckpointError:
         "there are kept; the run stops here (resume from the newest once the cause is fixed).")
 
 
+def as_save_failure(final: Path, action: Callable[[], T]) -> T:
+    """``action()``, a step of saving ``final`` outside DCP (making its folder, writing
+    meta.json, the rename), with any error it raises said as ``save_failure`` says it."""
+    try:
+        return action()
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise save_failure(final, e) from e
+
+
 def describe_policy(cfg: CheckpointConfig) -> str:
     """When a run saves, in words, for the plan (``dry_run=true`` prints it): periodic saves
     only when enabled; a stop (signal, time limit, exit_interval) saves in any case."""
@@ -432,7 +443,7 @@ class CheckpointManager:
         tmp = final.with_name(final.name + ".tmp")
         # Rank 0's answer for every rank (one rank skipping the save would hang the others);
         # it arrives after rank 0 made the directory, so it is also the barrier before DCP.
-        if not on_rank0(lambda: self._prepare(final, tmp)):
+        if not on_rank0(lambda: as_save_failure(final, lambda: self._prepare(final, tmp))):
             log.warning("checkpoint %s already exists and is complete; not overwriting it",
                         final)
             return
@@ -532,7 +543,8 @@ class CheckpointManager:
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, sums)
         merged = {name: digest for part in every for name, digest in part.items()}
-        on_rank0(lambda: self._commit(tmp, meta, merged))
+        final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+        on_rank0(lambda: as_save_failure(final, lambda: self._commit(tmp, meta, merged)))
         if _rank() == 0:
             self._retain_in_background()
 
