@@ -135,8 +135,14 @@ def test_resolve_checkpoint_finds_the_newest_in_a_run_dir(tmp_path):
     save(mgr, model, opt, 3)
     save(mgr, model, opt, 6)
     assert resolve_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_0000006"
+    (tmp_path / "elsewhere").mkdir()
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         resolve_checkpoint(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointError, match="nowhere: no such path"):
+        resolve_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match=r"step_0000005: no such step folder; .* holds "
+                                              r"complete checkpoints at steps \[3, 6\]"):
+        resolve_checkpoint(tmp_path / "checkpoints" / "step_0000005")
 
 
 def test_due_by_steps_and_by_minutes(tmp_path):

@@ -182,6 +182,8 @@ def _message(error: Exception) -> str:
 def checkpoint_status(path: Path) -> str | None:
     """None if ``path`` is a complete checkpoint, else why not (for the warning)."""
     meta_path = path / META
+    if not path.is_dir():
+        return "no such directory" if not path.exists() else "not a directory"
     if not (path / ".metadata").exists():
         return "DCP .metadata is missing"
     if not meta_path.exists():
@@ -262,9 +264,26 @@ def complete_checkpoints(folder: Path, warn: bool = True) -> list[tuple[int, Pat
     return sorted(found)
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run directory, a checkpoints folder or one step directory -> a complete step dir."""
+def require_exists(path: str | Path, key: str | None = None) -> Path:
+    """``path`` if it exists, else a CheckpointError that says it is missing (and, for a
+    step folder, which steps its folder does hold), naming ``key`` when given."""
     p = Path(path)
+    if p.exists():
+        return p
+    named = f"{key}={p}" if key else str(p)
+    beside = ""
+    if STEP_DIR.match(p.name) and p.parent.is_dir():
+        steps = [s for s, _ in complete_checkpoints(p.parent, warn=False)]
+        beside = f"; {p.parent} holds complete checkpoints at steps {steps}"
+    what = "step folder" if STEP_DIR.match(p.name) else "path"
+    raise CheckpointError(f"{named}: no such {what}{beside}. Check the path: a run "
+                          "directory, its checkpoints folder or one step_XXXXXXX folder")
+
+
+def resolve_checkpoint(path: str | Path, key: str | None = None) -> Path:
+    """A run directory, a checkpoints folder or one step directory -> a complete step dir.
+    ``key``: the setting that named it, for the error of a missing path."""
+    p = require_exists(path, key)
     if STEP_DIR.match(p.name):
         why = checkpoint_status(p)
         if why:
