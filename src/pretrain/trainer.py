@@ -101,6 +101,8 @@ class Trainer:
             log.info("precision=auto -> %s", plan["precision_auto"])
         if "hparam_rules" in plan:
             log.info(describe(plan["hparam_rules"]))
+        if "width_note" in plan:
+            log.warning(plan["width_note"])
         log.info(self.noise.describe())
         log.info(
             "model %s: %s params (%s non-embedding%s%s), %s FLOPs/token | budget %s -> %s "
