@@ -172,6 +172,11 @@ class NoiseScaleProbe:
                 f"{small * self.seq_len:,} tokens, B_big = the global batch, "
                 f"{self.big_tokens:,} tokens; EMA {self.estimator.beta:.2f}")
 
+    def restore(self, state: dict | None) -> None:
+        """A resumed run's averages, from its checkpoint (None: saved before they were)."""
+        if state is not None:
+            self.estimator.load_state_dict(state)
+
     def record(self, small_sq: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
         """A measuring step's squared norms, kept on the device: the first micro batch's
         and the whole step's raw (unclipped) one."""

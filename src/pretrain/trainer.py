@@ -101,8 +101,6 @@ class Trainer:
             log.info("precision=auto -> %s", plan["precision_auto"])
         if "hparam_rules" in plan:
             log.info(describe(plan["hparam_rules"]))
-        if "width_note" in plan:
-            log.warning(plan["width_note"])
         log.info(self.noise.describe())
         log.info(
             "model %s: %s params (%s non-embedding%s%s), %s FLOPs/token | budget %s -> %s "
@@ -240,8 +238,7 @@ class Trainer:
         path = self.resume_from
         if path is not None:
             meta = CheckpointManager.load(path, self._checkpoint_state())
-            if "noise_scale" in meta:  # its EMAs (absent from checkpoints saved before them)
-                self.noise.estimator.load_state_dict(meta["noise_scale"])
+            self.noise.restore(meta.get("noise_scale"))  # the estimate's EMAs, if saved
             log.info("resumed from %s: step %d, %s tokens seen (saved with layout %s)",
                      path, self.step, f"{self.step * self.budget.global_batch_tokens:,}",
                      meta.get("layout"))
