@@ -85,7 +85,7 @@ def tie_rank_to_agent() -> bool:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
     agent = os.getppid()
-    launcher = os.environ.get(LAUNCHER_PID)
-    if launcher and parent_of(agent) != int(launcher):
+    launcher, above = os.environ.get(LAUNCHER_PID), parent_of(agent)
+    if launcher and above is not None and above != int(launcher):
         os.kill(os.getpid(), signal.SIGKILL)  # the agent is gone already: so is the run
     return die_with_parent(agent)
