@@ -7,11 +7,19 @@ Several processes: ``torchrun --nproc_per_node=N train.py +recipe=NAME`` (N = tp
 import os
 import sys
 
-import hydra
-from omegaconf import DictConfig
+from pretrain.lifeline import tie_rank_to_agent
 
-from pretrain.config import register_configs, to_config
-from pretrain.naming import RecipeNameError, check_recipe_overrides, register_resolvers
+tie_rank_to_agent()  # under torchrun: this rank dies with its agent, first thing
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from pretrain.config import register_configs, to_config  # noqa: E402
+from pretrain.naming import (  # noqa: E402
+    RecipeNameError,
+    check_recipe_overrides,
+    register_resolvers,
+)
 
 register_configs()
 register_resolvers()

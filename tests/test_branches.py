@@ -158,8 +158,18 @@ def test_refused_sources(compose, runs):
     assert "optim.lr=0.001 (source: 0.003)" in msg
     msg = branch_error(compose, runs, [f"checkpoint.branch_from={src}", "model.n_layer=3"])
     assert "different model" in msg and "model.n_layer=3" in msg
+    # only what works with a branch is suggested: resume=false changes nothing for it
+    assert "resume=false" not in msg and "use the checkpoint's model settings" in msg
+    assert branch_error(compose, runs, [f"checkpoint.branch_from={src}", "model.n_layer=3",
+                                        "checkpoint.resume=false"]) == msg
     msg = branch_error(compose, runs, [f"checkpoint.branch_from={src}", "optim=lamb"])
-    assert "optim=adamw" in msg
+    assert "use optim=adamw" in msg and "load_weights_only" not in msg
+    # a source that is not there is named as missing, a step folder as such
+    msg = branch_error(compose, runs, [f"checkpoint.branch_from={src}-typo"])
+    assert f"checkpoint.branch_from={src}-typo: no such path" in msg
+    msg = branch_error(compose, runs, [f"checkpoint.branch_from={ck / 'step_0000017'}"])
+    assert "step_0000017: no such step folder" in msg and "at steps [8, 16, 40]" in msg
+    assert ".metadata" not in msg
     msg = branch_error(compose, runs, [f"checkpoint.branch_from={src}",
                                        "train.global_batch_size=16"])
     assert "train.global_batch_size=16 (source: 8)" in msg

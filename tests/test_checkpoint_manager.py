@@ -137,8 +137,14 @@ def test_resolve_checkpoint_finds_the_newest_in_a_run_dir(tmp_path):
     save(mgr, model, opt, 3)
     save(mgr, model, opt, 6)
     assert resolve_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_0000006"
+    (tmp_path / "elsewhere").mkdir()
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         resolve_checkpoint(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointError, match="nowhere: no such path"):
+        resolve_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match=r"step_0000005: no such step folder; .* holds "
+                                              r"complete checkpoints at steps \[3, 6\]"):
+        resolve_checkpoint(tmp_path / "checkpoints" / "step_0000005")
 
 
 def test_due_by_steps_and_by_minutes(tmp_path):
@@ -344,6 +350,54 @@ def test_a_failed_save_names_its_cause_and_keeps_the_older_checkpoints(
                                               f"{cause}.*older checkpoints there are kept"):
         save(mgr, model, opt, 2)
     assert mgr.latest() == tmp_path / "step_0000001"
+
+
+def refuse_writes(monkeypatch, folder: Path) -> None:
+    """Every write under ``folder`` fails as on a read-only filesystem (EROFS), from now on.
+    The write calls themselves fail: chmod does not stop root."""
+    import errno
+
+    def refusing(name):
+        real = getattr(Path, name)
+
+        def call(self, *args, **kwargs):
+            mode = args[0] if name == "open" and args else kwargs.get("mode", "r")
+            writes = name != "open" or any(c in str(mode) for c in "wax+")
+            if writes and Path(self).resolve().is_relative_to(folder.resolve()):
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+            return real(self, *args, **kwargs)
+        return call
+
+    for name in ("mkdir", "write_text", "write_bytes", "rename", "touch", "unlink", "open"):
+        monkeypatch.setattr(Path, name, refusing(name))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_read_only_folder_fails_the_save_with_its_cause(tmp_path, monkeypatch, async_save):
+    """The filesystem turns read-only: a blocking save fails making its step folder, an
+    async one writing meta.json once its shards are on disk. Both say so in the documented
+    words, and the older checkpoint is kept as it was."""
+    model, opt = trained_pair(0)
+    mgr = CheckpointManager(tmp_path, CheckpointConfig(enabled=True, async_save=async_save))
+    save(mgr, model, opt, 1)
+    older = {f.name: f.read_bytes() for f in (tmp_path / "step_0000001").iterdir()}
+    expected = ("saving checkpoint step_0000002 in .* failed: the directory is read-only or "
+                "not writable.*older checkpoints there are kept")
+    if async_save:
+        mgr.save(2, {"model_optim": ModelOptimizer(model, opt), "train": Progress(2)},
+                 {"step": 2})
+        mgr.pending[0].result()  # the shards and their checksums are written
+        refuse_writes(monkeypatch, tmp_path)
+        with pytest.raises(CheckpointError, match=expected):
+            mgr.wait()
+    else:
+        refuse_writes(monkeypatch, tmp_path)
+        with pytest.raises(CheckpointError, match=expected):
+            save(mgr, model, opt, 2)
+    monkeypatch.undo()
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [1]
+    assert older == {f.name: f.read_bytes() for f in (tmp_path / "step_0000001").iterdir()}
+    mgr.close()
 
 
 @pytest.mark.parametrize("damage", ["64 bytes flipped in place", "random bytes, same size"])

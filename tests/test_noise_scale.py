@@ -153,3 +153,22 @@ def test_training_logs_noise_scale_at_every_logging_step(tmp_path, markov_root, 
     for step, value in logged.items():
         assert value is not None and math.isfinite(value) and value > 0, (step, value)
     assert read_result(run_dir)["noise_scale"] == pytest.approx(logged[9])
+
+
+def test_a_resumed_run_keeps_measuring_where_it_stopped(tmp_path, markov_root, compose):
+    """The averages are saved with each checkpoint and restored on resume: a run stopped
+    (train.exit_interval) and resumed ends with the uninterrupted run's noise scale."""
+    from pretrain.trainer import run
+
+    common = [*COMMON, "parallel.micro_batch_size=4", "budget.steps=8",
+              "logging.log_interval=1", f"data.root={markov_root}", "checkpoint.enabled=true",
+              f"runs_dir={tmp_path}"]
+    straight = run(compose(common), tmp_path / "straight")
+    stopped = compose([*common, "train.exit_interval=5"])
+    assert run(stopped, tmp_path / "resumed")["exit_code"] == 75  # saved at step 5
+    resumed = run(stopped, tmp_path / "resumed")
+    assert resumed["steps"] == straight["steps"] == 8
+    assert by_step(tmp_path / "resumed") == by_step(tmp_path / "straight")  # same training
+    assert straight["noise_scale"] is not None
+    assert resumed["noise_scale"] == straight["noise_scale"]
+    assert read_result(tmp_path / "resumed")["noise_scale"] == straight["noise_scale"]

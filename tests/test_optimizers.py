@@ -335,3 +335,4 @@ def test_a_checkpoint_of_another_optimizer_is_refused(compose, tmp_path, saved, 
     assert f"holds the state of optim={saved.get('name', 'adamw')} and this run is " \
            f"optim={now}" in str(e.value)
     assert f"checkpoint.load_weights_only={tmp_path} checkpoint.resume=false" in str(e.value)
+    check_compatible(tmp_path, cfg, "weights")  # what that advice does is accepted

@@ -134,6 +134,39 @@ def test_lamb_and_lars_are_refused_by_name():
         groups(tiny(parametrization="completep"), "lars")
 
 
+@pytest.mark.parametrize("kind", ["sp", "mup", "completep"])
+@pytest.mark.parametrize("value", [0, -8])
+def test_a_base_width_that_is_no_width_is_refused_under_every_parametrization(
+        compose, kind, value):
+    """Before anything is built (resolve_run: a run's first step): the key and the fix
+    named, sp included (it ignores the base, but a sweep shares the recipe with mup)."""
+    from pretrain.resolve import resolve_run
+
+    cfg = compose(["model=nano", f"model.parametrization={kind}",
+                   f"model.base_width={value}"])
+    with pytest.raises(ConfigError, match=rf"model.base_width={value} must be positive: the "
+                                          r"d_model the hyperparameters were tuned at \(or "
+                                          "null"):
+        resolve_run(cfg)
+
+
+def test_a_model_narrower_than_its_base_width_is_stated_in_the_plan(compose):
+    """muP's rules are ratios that hold on both sides of the base (the mup package and
+    Tensor Programs V's sweeps span widths below it), so m < 1 is run, and said."""
+    from pretrain.resolve import resolve_plan
+
+    narrow = compose(["model=nano", "model.parametrization=mup",
+                      "model.base_width=" + str(2 * compose(["model=nano"]).model.d_model)])
+    plan = resolve_plan(narrow)[0]
+    assert plan["width_multiplier"] == 0.5
+    assert "narrower than model.base_width" in plan["width_note"]
+    assert "LR is 2x the tuned one" in plan["width_note"]
+    wide = resolve_plan(compose(["model=nano", "model.parametrization=mup",
+                                 "model.base_width=16"]))[0]
+    assert "width_note" not in wide and wide["width_multiplier"] > 1
+    assert "width_multiplier" not in resolve_plan(compose(["model=nano"]))[0]  # sp
+
+
 def test_coord_check_flat_under_mup_and_completep_not_under_sp(tmp_path):
     """The issue's bar on a cheap subset: widths 64..256, 3 steps, fp32."""
     from pretrain.tools.coord_check import main

@@ -83,6 +83,13 @@ class NoiseScale:
         return {"grad_sq": self.grad_sq, "trace": self.trace, "big_sq": self.big_sq,
                 "updates": self.updates, "spikes": self.spikes}
 
+    def load_state_dict(self, state: dict) -> None:
+        """Continue a resumed run's averages where they stopped (the checkpoint's meta.json
+        holds them), so its estimate is the uninterrupted run's."""
+        self.grad_sq, self.trace = float(state["grad_sq"]), float(state["trace"])
+        self.big_sq = float(state["big_sq"])
+        self.updates, self.spikes = int(state["updates"]), int(state["spikes"])
+
 
 def compare_batch(batch_tokens: int, noise_tokens: float) -> str:
     """How the global batch compares with the noise scale, in McCandlish et al.'s trade-off
@@ -164,6 +171,11 @@ class NoiseScaleProbe:
                 f"each rank's {how} x dp={self.dp} = {small} sequences = "
                 f"{small * self.seq_len:,} tokens, B_big = the global batch, "
                 f"{self.big_tokens:,} tokens; EMA {self.estimator.beta:.2f}")
+
+    def restore(self, state: dict | None) -> None:
+        """A resumed run's averages, from its checkpoint (None: saved before they were)."""
+        if state is not None:
+            self.estimator.load_state_dict(state)
 
     def record(self, small_sq: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
         """A measuring step's squared norms, kept on the device: the first micro batch's

@@ -146,14 +146,17 @@ def init_std(cfg: ModelConfig, name: str, module: str) -> float:
 
 
 def problems(cfg: ModelConfig, optimizer: str) -> list[str]:
-    """What is wrong with ``model.parametrization`` and its bases in this config."""
-    if str(cfg.parametrization) == "sp":
-        return []
+    """What is wrong with ``model.parametrization`` and its bases in this config. A base
+    that is no size is refused under every parametrization (sp ignores it, but a sweep that
+    shares the recipe with mup would not)."""
     out = []
-    for key in ("base_width", "base_depth"):
+    for key, size in (("base_width", "d_model"), ("base_depth", "n_layer")):
         value = getattr(cfg, key)
         if value is not None and value <= 0:
-            out.append(f"model.{key}={value} must be positive (or null: this model's own)")
+            out.append(f"model.{key}={value} must be positive: the {size} the "
+                       f"hyperparameters were tuned at (or null: this model's own {size})")
+    if str(cfg.parametrization) == "sp":
+        return out
     if not cfg.output_mult > 0:
         out.append(f"model.output_mult={cfg.output_mult} must be positive (1: the base's "
                    "logits unscaled)")
@@ -162,6 +165,27 @@ def problems(cfg: ModelConfig, optimizer: str) -> list[str]:
                    "muP rule for LAMB/LARS trust ratios is implemented (their step is set "
                    "relative to each tensor's norm already); use optim=adamw or optim=muon, "
                    "or model.parametrization=sp")
+    return out
+
+
+def describe(cfg: ModelConfig) -> dict:
+    """What the plan states of the multipliers (nothing under sp). A model narrower than
+    its base (m < 1) is allowed, as in the ``mup`` package and in Tensor Programs V's width
+    sweeps, which span widths on both sides of the base: the rules are ratios and hold
+    either way, but the hidden LR then rises above the tuned one, so the plan says so."""
+    s = scales(cfg)
+    if not s.active:
+        return {}
+    out = {"width_multiplier": s.width}
+    if s.kind == "completep":
+        out["depth_multiplier"] = s.depth
+    if s.width < 1:
+        out["width_note"] = (
+            f"model.d_model={cfg.d_model} is narrower than model.base_width="
+            f"{cfg.base_width} (m = {s.width:g}): muP extrapolates down from the tuned "
+            f"width, the hidden matrices' LR is {1 / s.width:g}x the tuned one and the "
+            f"logits {1 / s.width:g}x; set model.base_width to the width the hyperparameters "
+            "were tuned at if this is not meant")
     return out
 
 

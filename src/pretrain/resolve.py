@@ -37,6 +37,7 @@ from pretrain.parallel.layout import (
     world_size_from_env,
 )
 from pretrain.parallel.mesh import env_rank
+from pretrain.parametrization import describe as describe_parametrization
 from pretrain.precision import Policy, resolve_auto_precision, resolve_policy
 
 log = logging.getLogger("pretrain")
@@ -106,6 +107,7 @@ def describe_run(cfg: Config, world_size: int, budget: Budget) -> dict:
         # the width and parametrisation tools/scaling_law.py --transfer groups runs by
         "width": cfg.model.d_model,
         "parametrization": str(cfg.model.parametrization),
+        **describe_parametrization(cfg.model),  # its multipliers, under mup/completep
         "data": cfg.data.name,
         **check_epochs(cfg.data, budget.tokens),
         "lr": lr,

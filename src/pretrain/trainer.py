@@ -233,6 +233,7 @@ class Trainer:
         path = self.resume_from
         if path is not None:
             meta = CheckpointManager.load(path, self._checkpoint_state())
+            self.noise.restore(meta.get("noise_scale"))  # the estimate's EMAs, if saved
             log.info("resumed from %s: step %d, %s tokens seen (saved with layout %s)",
                      path, self.step, f"{self.step * self.budget.global_batch_tokens:,}",
                      meta.get("layout"))
@@ -254,6 +255,7 @@ class Trainer:
         meta = {"step": self.step, "tokens": self.step * self.budget.global_batch_tokens,
                 "samples_seen": self.samples_seen, "layout": self.plan["layout"],
                 "world_size": self.world_size, "branch": self.branch,
+                "noise_scale": self.noise.estimator.state_dict(),
                 "config": OmegaConf.to_container(OmegaConf.structured(self.cfg))}
         self.ckpt.save(self.step, self._checkpoint_state(), meta, block=block)
 

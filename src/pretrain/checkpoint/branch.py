@@ -28,6 +28,7 @@ from pretrain.checkpoint.manager import (
     CheckpointError,
     complete_checkpoints,
     read_meta,
+    require_exists,
     resolve_checkpoint,
 )
 from pretrain.config import BudgetConfig, Config, ConfigError
@@ -143,10 +144,10 @@ def source_checkpoint(cfg: Config) -> Path:
     """The checkpoint ``checkpoint.branch_from`` names: a step directory as is; a run (or
     its checkpoints folder): its newest complete checkpoint at or before this branch's decay
     start. Rank 0's view (call inside ``on_rank0``)."""
-    src = Path(cfg.checkpoint.branch_from)
+    src = require_exists(cfg.checkpoint.branch_from, "checkpoint.branch_from")
     start = wsd_decay_start(run_steps(cfg), cfg.schedule)
     if src.name.startswith("step_"):
-        return resolve_checkpoint(src)
+        return resolve_checkpoint(src, "checkpoint.branch_from")
     folder = src / "checkpoints" if (src / "checkpoints").is_dir() else src
     found = complete_checkpoints(folder)
     usable = [p for s, p in found if s <= start]

@@ -183,6 +183,8 @@ def _message(error: Exception) -> str:
 def checkpoint_status(path: Path) -> str | None:
     """None if ``path`` is a complete checkpoint, else why not (for the warning)."""
     meta_path = path / META
+    if not path.is_dir():
+        return "no such directory" if not path.exists() else "not a directory"
     if not (path / ".metadata").exists():
         return "DCP .metadata is missing"
     if not meta_path.exists():
@@ -263,9 +265,26 @@ def complete_checkpoints(folder: Path, warn: bool = True) -> list[tuple[int, Pat
     return sorted(found)
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run directory, a checkpoints folder or one step directory -> a complete step dir."""
+def require_exists(path: str | Path, key: str | None = None) -> Path:
+    """``path`` if it exists, else a CheckpointError that says it is missing (and, for a
+    step folder, which steps its folder does hold), naming ``key`` when given."""
     p = Path(path)
+    if p.exists():
+        return p
+    named = f"{key}={p}" if key else str(p)
+    beside = ""
+    if STEP_DIR.match(p.name) and p.parent.is_dir():
+        steps = [s for s, _ in complete_checkpoints(p.parent, warn=False)]
+        beside = f"; {p.parent} holds complete checkpoints at steps {steps}"
+    what = "step folder" if STEP_DIR.match(p.name) else "path"
+    raise CheckpointError(f"{named}: no such {what}{beside}. Check the path: a run "
+                          "directory, its checkpoints folder or one step_XXXXXXX folder")
+
+
+def resolve_checkpoint(path: str | Path, key: str | None = None) -> Path:
+    """A run directory, a checkpoints folder or one step directory -> a complete step dir.
+    ``key``: the setting that named it, for the error of a missing path."""
+    p = require_exists(path, key)
     if STEP_DIR.match(p.name):
         why = checkpoint_status(p)
         if why:
@@ -321,6 +340,17 @@ def save_failure(final: Path, error: Exception) -> CheckpointError:
     return CheckpointError(
         f"saving checkpoint {final.name} in {folder} failed: {cause}. The older checkpoints "
         "there are kept; the run stops here (resume from the newest once the cause is fixed).")
+
+
+def as_save_failure(final: Path, action: Callable[[], T]) -> T:
+    """``action()``, a step of saving ``final`` outside DCP (making its folder, writing
+    meta.json, the rename), with any error it raises said as ``save_failure`` says it."""
+    try:
+        return action()
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise save_failure(final, e) from e
 
 
 def describe_policy(cfg: CheckpointConfig) -> str:
@@ -447,7 +477,7 @@ class CheckpointManager:
         tmp = final.with_name(final.name + ".tmp")
         # Rank 0's answer for every rank (one rank skipping the save would hang the others);
         # it arrives after rank 0 made the directory, so it is also the barrier before DCP.
-        if not on_rank0(lambda: self._prepare(final, tmp)):
+        if not on_rank0(lambda: as_save_failure(final, lambda: self._prepare(final, tmp))):
             log.warning("checkpoint %s already exists and is complete; not overwriting it",
                         final)
             return
@@ -549,7 +579,8 @@ class CheckpointManager:
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, sums)
         merged = {name: digest for part in every for name, digest in part.items()}
-        on_rank0(lambda: self._commit(tmp, meta, merged))
+        final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+        on_rank0(lambda: as_save_failure(final, lambda: self._commit(tmp, meta, merged)))
         if _rank() == 0:
             self._retain_in_background()
 

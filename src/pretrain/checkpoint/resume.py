@@ -39,48 +39,76 @@ log = logging.getLogger("pretrain")
 NEUTRAL_MODEL_KEYS = ("attention", "name", "dropout")
 
 
-def check_compatible(path: Path, cfg: Config) -> None:
-    """Refuse a checkpoint of another model before DCP reports a shape mismatch. Reads
-    meta.json: call it on rank 0 only, inside ``on_rank0``, which gives every rank the
-    same error."""
+# What fixes a model mismatch, by how the run uses the checkpoint (check_compatible's
+# ``use``): each names only what works for that use (a branch always reads its source, and
+# resume_from is read whatever checkpoint.resume says).
+MODEL_FIX = {
+    "resume": "Use the same model settings, another run_name, or checkpoint.resume=false to "
+              "start afresh.",
+    "resume_from": "Use the same model settings, or another checkpoint.resume_from.",
+    "branch": "A cooldown branch continues its source's model: use the checkpoint's model "
+              "settings, or train this model from scratch without checkpoint.branch_from "
+              "(under another run_name).",
+    "weights": "Use the checkpoint's model settings: checkpoint.load_weights_only loads "
+               "every weight, so every shape must match.",
+}
+
+
+def check_compatible(path: Path, cfg: Config, use: str = "resume") -> None:
+    """Refuse a checkpoint of another model before DCP reports a shape mismatch. ``use``:
+    how this run continues from it (a MODEL_FIX key); "weights" reads the model alone, so
+    its optimizer and loss scaling may differ. Reads meta.json: call it on rank 0 only,
+    inside ``on_rank0``, which gives every rank the same error."""
     saved = read_meta(path).get("config", {})
     now = OmegaConf.to_container(OmegaConf.structured(cfg.model))
     diff = [f"model.{k}={now[k]!r} (checkpoint: {v!r})" for k, v in saved.get("model", {}).items()
             if k not in NEUTRAL_MODEL_KEYS and k in now and now[k] != v]
     if diff:
         raise CheckpointError(
-            f"{path} holds a different model: {'; '.join(diff)}. Use the same model "
-            "settings, another run_name, or checkpoint.resume=false to start afresh.")
-    _check_precision(path, saved.get("precision", {}), cfg)
-    _check_optimizer(path, saved.get("optim", {}), cfg)
+            f"{path} holds a different model: {'; '.join(diff)}. {MODEL_FIX[use]}")
+    if use == "weights":
+        return
+    _check_precision(path, saved.get("precision", {}), cfg, use)
+    _check_optimizer(path, saved.get("optim", {}), cfg, use)
 
 
-def _check_optimizer(path: Path, saved: dict, cfg: Config) -> None:
+def _afresh(path: Path, use: str) -> str:
+    """How to start afresh from ``path``'s weights: what works for this ``use``."""
+    drop = " (and without checkpoint.resume_from)" if use == "resume_from" else ""
+    return (f"start afresh from its weights: checkpoint.load_weights_only={path} "
+            f"checkpoint.resume=false{drop}")
+
+
+def _check_optimizer(path: Path, saved: dict, cfg: Config, use: str) -> None:
     """The optimizer's state is one optimizer's (AdamW's moments, LARS's or Muon's
     momentum): resuming with another would fail inside DCP on a missing state key. A
     checkpoint from before ``optim.name`` existed is AdamW's."""
     name = saved.get("name", "adamw") if saved else cfg.optim.name
     if name == cfg.optim.name:
         return
+    fix = (f"A cooldown branch continues its source's optimizer state: use optim={name}."
+           if use == "branch" else
+           f"Resume with optim={name}, or {_afresh(path, use)} with a new optimizer.")
     raise CheckpointError(
         f"{path} holds the state of optim={name} and this run is optim={cfg.optim.name}. "
-        f"Resume with optim={name}, or start afresh from its weights with a new "
-        f"optimizer: checkpoint.load_weights_only={path} checkpoint.resume=false.")
+        + fix)
 
 
-def _check_precision(path: Path, saved: dict, cfg: Config) -> None:
+def _check_precision(path: Path, saved: dict, cfg: Config, use: str) -> None:
     """Loss scaling is state the checkpoint holds or lacks (fp16's scaler): resuming
     across it would fail inside DCP with a message about param_groups. Other precision
     changes (bf16 <-> fp32) resume fine: the weights and AdamW state are fp32 either way."""
     if not saved or bool(saved.get("loss_scaling")) == cfg.precision.loss_scaling:
         return
+    fix = (f"A cooldown branch continues its source's loss-scaler state: use precision="
+           f"{saved.get('name')}." if use == "branch" else
+           f"Resume with the checkpoint's precision, or {_afresh(path, use)}.")
     raise CheckpointError(
         f"{path} was saved with precision={saved.get('name')} "
         f"(loss_scaling={saved.get('loss_scaling')}) and this run is "
         f"precision={cfg.precision.name} (loss_scaling="
         f"{cfg.precision.loss_scaling}): fp16's loss-scaler state is in one and not "
-        "the other. Resume with the checkpoint's precision, or start afresh from its "
-        f"weights: checkpoint.load_weights_only={path} checkpoint.resume=false.")
+        f"the other. {fix}")
 
 
 def choose_resume(cfg: Config, run_dir: Path, skip: Sequence[Path] = ()) -> Path | None:
@@ -91,18 +119,18 @@ def choose_resume(cfg: Config, run_dir: Path, skip: Sequence[Path] = ()) -> Path
     if ck.branch_from:  # its own newest (a requeued branch), else the source's branch point
         own = newest_checkpoint(Path(run_dir) / "checkpoints", skip) if ck.resume else None
         path = own or source_checkpoint(cfg)
-        check_compatible(path, cfg)
+        check_compatible(path, cfg, "branch")
         if own is None:
             check_branch(path, cfg, run_dir)
         return path
     if ck.resume_from:
-        path = resolve_checkpoint(ck.resume_from)
+        path = resolve_checkpoint(ck.resume_from, "checkpoint.resume_from")
     elif ck.resume:
         path = newest_checkpoint(Path(run_dir) / "checkpoints", skip)
     else:
         return None
     if path is not None:
-        check_compatible(path, cfg)
+        check_compatible(path, cfg, "resume_from" if ck.resume_from else "resume")
     return path
 
 
@@ -135,8 +163,8 @@ def _weights_checkpoint(src: Path, cfg: Config) -> Path | None:
     ours that ``src`` names, checked against the model config."""
     if (src / "config.json").exists() and not (src / ".metadata").exists():
         return None
-    path = resolve_checkpoint(src)
-    check_compatible(path, cfg)
+    path = resolve_checkpoint(src, "checkpoint.load_weights_only")
+    check_compatible(path, cfg, "weights")
     return path
 
 

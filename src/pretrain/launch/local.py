@@ -7,6 +7,7 @@ requeue status of a run that stopped early (``tools/run_local.py`` is the comman
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from pretrain.config import ParallelConfig
 from pretrain.launch import LaunchError
+from pretrain.lifeline import LAUNCHER_PID, preexec
 from pretrain.parallel.layout import layout_world_size, model_parallel_size
 from pretrain.parallel.rules import world_problems
 from pretrain.paths import REPO
@@ -47,11 +49,23 @@ def prepare_command(overrides: list[str]) -> list[str]:
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
+def tied_env() -> dict[str, str]:
+    """This environment plus this launcher's pid, which each rank checks its agent's
+    parent against (lifeline.tie_rank_to_agent)."""
+    return {**os.environ, LAUNCHER_PID: str(os.getpid())}
+
+
+def run_tied(cmd: list[str]) -> int:
+    """Run ``cmd`` to its end, killed if this launcher dies first (lifeline.preexec)."""
+    return subprocess.run(cmd, preexec_fn=preexec()).returncode
+
+
 def run_forwarding_signals(cmd: list[str]) -> int:
     """Run ``cmd`` and return its status, passing SIGTERM, SIGINT and SIGUSR1 on to it
     (torchrun passes them to its workers, whose trainer saves and exits 75), so that
-    stopping this launcher stops the run instead of orphaning it."""
-    child = subprocess.Popen(cmd)
+    stopping this launcher stops the run instead of orphaning it. A launcher killed
+    outright (SIGKILL) takes ``cmd`` with it, and torchrun's ranks with that (lifeline)."""
+    child = subprocess.Popen(cmd, preexec_fn=preexec(), env=tied_env())
 
     def forward(signum, frame) -> None:
         child.send_signal(signum)

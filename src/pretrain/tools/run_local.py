@@ -11,13 +11,17 @@ The layout is composed exactly as train.py composes it; the world size is tp * p
 rendezvous, gloo on CPU or NCCL on GPUs. Multi-node runs go through slurm/ instead.
 Data not yet prepared is prepared first (``tools/prepare_data.py`` with the same
 overrides): the training processes never tokenise.
+
+Stopping it stops the run: SIGTERM, SIGINT (Ctrl-C) or SIGUSR1 are passed on (every rank
+saves a checkpoint and the launcher exits 75); killed outright (``kill -9``), it takes
+torchrun and every rank with it within moments, and the newest checkpoint is where the run
+resumes (pretrain/lifeline.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +33,7 @@ from pretrain.launch.local import (
     exit_status,
     prepare_command,
     run_forwarding_signals,
+    run_tied,
     world_size,
 )
 
@@ -52,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         # job, with the same overrides and data.num_proc worker processes.
         print(f"run_local: preparing data.name={cfg.data.name} first: "
               f"{shlex.join(prepare_command(overrides))}", file=sys.stderr, flush=True)
-        code = subprocess.run(prepare_command(overrides)).returncode
+        code = run_tied(prepare_command(overrides))
         if code:
             return code
     # a run stopped early to be requeued (signal, time limit, train.exit_interval): 75
