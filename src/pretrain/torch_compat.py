@@ -98,6 +98,15 @@ PRIVATE: dict[str, Private] = {
     "MemTracker": Private(
         ("torch.distributed._tools.mem_tracker:MemTracker",), ("2.11", "2.13"),
         "tools/plan.py --simulate (planning/simulate.py)"),
+    "TorchDispatchMode": Private(
+        ("torch.utils._python_dispatch:TorchDispatchMode",), ("2.11", "2.13"),
+        "counting the aten ops a step dispatches (planning/dispatch.py)"),
+    "disable_current_modes": Private(
+        ("torch.utils._python_dispatch:_disable_current_modes",), ("2.11", "2.13"),
+        "DTensor's sharding propagation kept out of --simulate's memory tracker"),
+    "ShardingPropagator": Private(
+        ("torch.distributed.tensor._sharding_prop:ShardingPropagator",), ("2.11", "2.13"),
+        "DTensor's sharding propagation kept out of --simulate's memory tracker"),
     "is_traceable_wrapper_subclass": Private(
         ("torch.utils._python_dispatch:is_traceable_wrapper_subclass",), ("2.11", "2.13"),
         "tools/plan.py --simulate (planning/simulate.py)"),

@@ -63,8 +63,7 @@ class Trainer:
         self.cfg, self.plan, self.budget = run.cfg, run.plan, run.budget
         self.device, self.policy, self.layout = run.device, run.policy, run.layout
         self.world_size = run.world_size
-        self.step = 0
-        self.samples_seen = 0
+        self.step = self.samples_seen = 0
         self.first_val_loss: float | None = None
         self.last_val_loss: float | None = None
         self.exit_code = 0
@@ -99,10 +98,10 @@ class Trainer:
         log.info("plan: %s", json.dumps(plan))
         if "precision_auto" in plan:
             log.info("precision=auto -> %s", plan["precision_auto"])
-        if "hparam_rules" in plan:
-            log.info(describe(plan["hparam_rules"]))
         if "lr_warning" in plan:
             log.warning(plan["lr_warning"])
+        if "hparam_rules" in plan:
+            log.info(describe(plan["hparam_rules"]))
         log.info(self.noise.describe())
         log.info(
             "model %s: %s params (%s non-embedding%s%s), %s FLOPs/token | budget %s -> %s "
@@ -269,10 +268,9 @@ class Trainer:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def train_step(self) -> tuple[float, float]:
-        """One optimizer step over the global batch; returns (mean loss, grad norm), both
-        global: the same on every rank. Reducing the loss costs an all-reduce and a host
-        sync each step: for tests and tools that want every step's loss. fit() calls
-        train_step_local and reduces the loss on logging steps only."""
+        """One optimizer step; returns (mean loss, grad norm), both global (the same on every
+        rank): an all-reduce and a host sync each step, for tests and tools that want every
+        step's loss. fit() calls train_step_local and reduces on logging steps only."""
         loss, norm = self.train_step_local()
         self._check_nonfinite()
         return self.module.global_loss(loss).item(), norm.item()
@@ -296,8 +294,7 @@ class Trainer:
     def logging_step(self, step: int) -> bool:
         """Whether fit() logs after optimizer step ``step`` (1-based): the noise scale is
         measured on those steps only, whose host syncs and collectives are there anyway."""
-        return step % self.cfg.logging.log_interval == 0 or step == self.budget.steps or \
-            step == 1
+        return step == 1 or step == self.budget.steps or step % self.cfg.logging.log_interval == 0
 
     def evaluate(self) -> float | None:
         """The mean validation loss (evaluation.Evaluator), None without a validation

@@ -32,7 +32,9 @@ HEAVY = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "attention", "embedding_
 def _Count():  # noqa: N802 (a mode class, made when first needed)
     """A dispatch mode counting the aten ops (and the heavy ones) run under it. Its base
     class lives in a private torch module: imported here, not when the planner loads."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from pretrain.torch_compat import private
+
+    TorchDispatchMode = private("TorchDispatchMode")  # noqa: N806 (a class)
 
     class Count(TorchDispatchMode):
         def __init__(self):

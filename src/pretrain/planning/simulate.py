@@ -177,8 +177,8 @@ def untracked_sharding_propagation():
     aside, in a fake mode of its own. Written against torch 2.11-2.13's private
     ``ShardingPropagator._propagate_tensor_meta_non_cached``; on a torch without it the
     measurement is left as it is, and a warning says so."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    from torch.utils._python_dispatch import _disable_current_modes
+    ShardingPropagator = torch_compat.private("ShardingPropagator")  # noqa: N806 (a class)
+    _disable_current_modes = torch_compat.private("disable_current_modes")
 
     name = "_propagate_tensor_meta_non_cached"
     original = getattr(ShardingPropagator, name, None)
