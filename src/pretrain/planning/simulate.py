@@ -240,10 +240,10 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str)
         inputs = [_stage_input(p, cfg, layout, policy) for p in pm.parts]
         tracker = MemTracker()
         tracker.track_external(*pm.parts, optimizer, *inputs)
-        with untracked_sharding_propagation(), tracker:
+        # one process: autocast, as the trainer's step (a no-op otherwise)
+        with untracked_sharding_propagation(), tracker, pm.autocast():
             for part, x in zip(pm.parts, inputs, strict=True):
-                with pm.autocast():  # one process: autocast, as the trainer's step
-                    _forward_backward(part, x, cfg, layout, policy)
+                _forward_backward(part, x, cfg, layout, policy)
         step_peak = tracker.get_tracker_snapshot("peak")
         before = _bytes(tracker.get_tracker_snapshot("current"))
         # entered again, its peak starts from what the step starts with
@@ -320,7 +320,8 @@ def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict
     policy = resolve_policy(cfg.precision, device)
     attention = resolve_backend(cfg.model.attention, device, policy.compute_dtype)
     layout = resolve_layout(cfg, world_size)
-    dist.init_process_group("fake", store=torch_compat.private("FakeStore")(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=torch_compat.private("FakeStore")(), rank=rank,
+                            world_size=world_size)
     try:
         mesh = build_mesh(layout, device)
         coord = dict(zip(mesh.root.mesh_dim_names, mesh.root.get_coordinate(), strict=True))
