@@ -31,12 +31,20 @@ def test_every_cell_composes_to_the_setting_it_names():
         assert len(batches) == 1, f"{model}: settings compared at different batches {batches}"
 
 
+# The embedded corpus's training tokens on CPython 3.11 (README's default run): the cells'
+# budgets stay under one epoch of it. (Its exact size is known once it is prepared, when
+# the run checks the epochs again; the recipes' own budgets were 1,048 epochs of it.)
+STDLIB_TOKENS = 2_582_882
+
+
 def test_every_cell_resolves_to_a_budget_the_run_accepts():
     for model in bench_gpu.MODELS:
         for setting in bench_gpu.SETTINGS:
             plan = bench_gpu.resolve_cell(model, setting, steps=20, warmup=5)
             assert plan["steps"] == 25, (model, setting)
-            assert plan["epochs"] is not None and plan["epochs"] < 1, (model, setting, plan)
+            assert plan["tokens"] < STDLIB_TOKENS, (model, setting, plan)
+            # prepared here already (another test ran it): the run's own check passes
+            assert plan["epochs"] is None or plan["epochs"] < 1, (model, setting, plan)
             assert plan["layout"]["world_size"] == 1
 
 

@@ -75,12 +75,19 @@ class AuxLoss(torch.autograd.Function):
         return grad, torch.full_like(aux, _AUX_SCALE[0])
 
 
-def _grouped_mm_runs(x: torch.Tensor, *dims: int) -> bool:
-    """Whether torch._grouped_mm takes these operands: rows 16-byte aligned, and bf16 where
-    it is traced (its meta kernel, which torch.compile runs, accepts bf16 only; eager CPU
-    takes fp32 too). On GPUs PyTorch runs it on every architecture from sm80, with
-    dedicated kernels on sm90+ (torchtitan's choice there)."""
-    if not torch_compat.has("grouped_mm") or x.device.type not in ("cpu", "cuda"):
+def grouped_mm_kernel():
+    """torch's grouped GEMM (a private name: torch_compat), or None on a torch without it.
+    Looked up when a module is built, not in its forward: the look-up imports, which
+    torch.compile does not trace (a graph break in a whole-model graph)."""
+    return torch_compat.private("grouped_mm") if torch_compat.has("grouped_mm") else None
+
+
+def _grouped_mm_runs(mm, x: torch.Tensor, *dims: int) -> bool:
+    """Whether torch._grouped_mm (``mm``; None: this torch has none) takes these operands:
+    rows 16-byte aligned, and bf16 where it is traced (its meta kernel, which torch.compile
+    runs, accepts bf16 only; eager CPU takes fp32 too). On GPUs PyTorch runs it on every
+    architecture from sm80, with dedicated kernels on sm90+ (torchtitan's choice there)."""
+    if mm is None or x.device.type not in ("cpu", "cuda"):
         return False
     if not all(d * x.element_size() % 16 == 0 for d in dims):
         return False
@@ -89,13 +96,16 @@ def _grouped_mm_runs(x: torch.Tensor, *dims: int) -> bool:
     return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                   mm=None) -> torch.Tensor:
     """Rows of ``x`` sorted by group (``counts`` rows each) times each group's ``w[g]^T``
-    (w: groups x out x in, nn.Linear's orientation)."""
+    (w: groups x out x in, nn.Linear's orientation); ``mm``: ``grouped_mm_kernel()``, else
+    looked up here (eager callers only)."""
     w = w.to(x.dtype)
-    if _grouped_mm_runs(x, w.shape[1], w.shape[2]):
+    mm = mm if mm is not None else grouped_mm_kernel()
+    if _grouped_mm_runs(mm, x, w.shape[1], w.shape[2]):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        return torch_compat.private("grouped_mm")(x, w.transpose(-2, -1), offs=offsets)
+        return mm(x, w.transpose(-2, -1), offs=offsets)
     outs = [rows @ w[g].t() for g, rows in enumerate(x.split(counts.tolist()))]
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
 
@@ -109,17 +119,18 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n, hidden, d_model))  # up (and SiLU input)
         self.w2 = nn.Parameter(torch.empty(n, d_model, hidden))  # down
         self.w3 = nn.Parameter(torch.empty(n, hidden, d_model)) if swiglu else None  # gate
+        self.mm = grouped_mm_kernel()
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert, ``counts`` rows for each expert this module holds (all of
         them, or with expert parallelism this rank's: then the weights are DTensors split
         along the experts, and each rank runs its own slice)."""
-        h = grouped_linear(x, _local(self.w1), counts)
+        h = grouped_linear(x, _local(self.w1), counts, self.mm)
         if self.w3 is not None:
-            h = F.silu(h) * grouped_linear(x, _local(self.w3), counts)
+            h = F.silu(h) * grouped_linear(x, _local(self.w3), counts, self.mm)
         else:
             h = F.gelu(h, approximate="tanh")
-        return grouped_linear(h, _local(self.w2), counts)
+        return grouped_linear(h, _local(self.w2), counts, self.mm)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
