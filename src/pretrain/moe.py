@@ -124,7 +124,13 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert, ``counts`` rows for each expert this module holds (all of
         them, or with expert parallelism this rank's: then the weights are DTensors split
-        along the experts, and each rank runs its own slice)."""
+        along the experts, and each rank runs its own slice). Under autocast (one process)
+        the rows are cast to its dtype first: torch's grouped GEMM is not on autocast's
+        lists, and fp32 rows would take the per-expert loop, whose data-dependent splits
+        inductor fails to compile."""
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):
+            x = x.to(torch.get_autocast_dtype(kind))
         h = grouped_linear(x, _local(self.w1), counts, self.mm)
         if self.w3 is not None:
             h = F.silu(h) * grouped_linear(x, _local(self.w3), counts, self.mm)

@@ -184,6 +184,7 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
         device.type == "cuda" or not layout.sequence_parallel)
     if mesh is not None and layout.async_tp:
         enable_async_tp(mesh.tp)
+    whole = layout.one_device  # compile: model + loss, one graph
     stage_ids, parts = [0], [model]
     if mesh is not None and layout.pp > 1:
         stage_ids, parts = split_model(model, layout, mesh.pp.get_local_rank())
@@ -198,9 +199,9 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
         apply_activation_checkpointing(part.layers, layout.activation_checkpointing,
                                        cfg.parallel.ac_every_n_layers,
                                        mesh is not None and layout.sequence_parallel)
-        if cfg.train.compile and mesh is not None:  # regional: each block once
+        if cfg.train.compile and not whole:  # regional: each block once
             for block in part.layers.values():
-                compile_block(block, expert_parallel=mesh.ep is not None)
+                compile_block(block, expert_parallel=mesh is not None and mesh.ep is not None)
         if mesh is not None and needs_wrapper(layout, policy.mixed):
             apply_data_parallel(part, list(part.layers.values()), mesh, layout, policy)
     pm = ParallelModel(parts=parts, layout=layout, device=device, mesh=mesh,
@@ -208,7 +209,7 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
                        autocast_dtype=policy.compute_dtype
                        if autocasts(layout, policy.mixed) else None)
     if cfg.train.compile:  # what Layout.compile_scope says
-        if mesh is None:
+        if whole:
             pm.train_loss = whole_model_loss(model)
         elif layout.tp == 1:  # under TP the logits are vocabulary-sharded (loss_parallel)
             pm.loss = compiled_loss()
