@@ -14,6 +14,7 @@ separately, where its logits are a plain tensor.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -229,23 +230,23 @@ def forward_and_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor],
 
 
 def whole_model_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The model and its loss compiled as one graph (fullgraph: a graph break is an error,
-    not a silent slowdown). The loss is torch's own cross-entropy on the whole logits:
-    inside the graph inductor fuses the upcast, the log-sum-exp and the gradient, so no fp32
-    copy of the logits is ever stored (what the eager path chunks to avoid)."""
-    train_loss = forward_and_loss(model)
-    # static shapes: a measuring step's halves or an evaluation batch compile graphs of
-    # their own rather than turning the training graph dynamic
-    return torch.compile(train_loss, fullgraph=True, dynamic=False)
+    """The model and its loss compiled as one graph. The loss is torch's own cross-entropy
+    on the whole logits: inside the graph inductor fuses the upcast, the log-sum-exp and
+    the gradient, so no fp32 copy of the logits is ever stored (what the eager path chunks
+    to avoid)."""
+    return _compiled(forward_and_loss(model))
 
 
 def compiled_loss() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The cross-entropy compiled on its own (per-block compile: FSDP2, pipeline stages)."""
+    return _compiled(functools.partial(cross_entropy, fused=True))
 
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, targets, fused=True)
 
-    return torch.compile(loss, fullgraph=True, dynamic=False)
+def _compiled(fn: Callable) -> Callable:
+    """fullgraph: a graph break is an error, not a silent slowdown; static shapes: a
+    measuring step's halves or an evaluation batch compile graphs of their own rather than
+    turning the training graph dynamic."""
+    return torch.compile(fn, fullgraph=True, dynamic=False)
 
 
 def compile_block(block: nn.Module, expert_parallel: bool) -> None:
