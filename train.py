@@ -7,19 +7,19 @@ Several processes: ``torchrun --nproc_per_node=N train.py +recipe=NAME`` (N = tp
 import os
 import sys
 
-from pretrain.lifeline import tie_rank_to_agent
+from pretrain.launch.lifeline import tie_rank_to_agent
 
 tie_rank_to_agent()  # under torchrun: this rank dies with its agent, first thing
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from pretrain.config import register_configs, to_config  # noqa: E402
-from pretrain.naming import (  # noqa: E402
+from pretrain.config.naming import (  # noqa: E402
     RecipeNameError,
     check_recipe_overrides,
     register_resolvers,
 )
+from pretrain.config.schema import register_configs, to_config  # noqa: E402
 
 register_configs()
 register_resolvers()
@@ -39,7 +39,7 @@ if int(os.environ.get("RANK", "0")) > 0:
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from pretrain.trainer import run
+    from pretrain.train.trainer import run
 
     result = run(to_config(cfg), HydraConfig.get().runtime.output_dir)
     if result and result.get("exit_code"):

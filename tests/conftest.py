@@ -32,8 +32,8 @@ from helpers import (  # noqa: E402
     write_markov_data,
 )
 
-from pretrain.config import Config, register_configs  # noqa: E402
-from pretrain.naming import register_resolvers  # noqa: E402
+from pretrain.config.naming import register_resolvers  # noqa: E402
+from pretrain.config.schema import Config, register_configs  # noqa: E402
 
 register_configs()
 register_resolvers()

@@ -24,8 +24,8 @@ import pytest
 import torch
 from hydra.core.hydra_config import HydraConfig
 
-from pretrain.config import Config, ConfigError, DataConfig
-from pretrain.config_checks import check
+from pretrain.config.schema import Config, ConfigError, DataConfig
+from pretrain.decision.checks import check
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -87,10 +87,10 @@ CPU = "train.device=cpu"
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Compose conf/config.yaml + overrides exactly as the tools do (pretrain.compose, the same
+    """Compose conf/config.yaml + overrides exactly as the tools do (pretrain.config.compose, the same
     path train.py's config takes), then unset HydraConfig so tests stay independent. On the
     CPU (``CPU``) unless the overrides name ``train.device``."""
-    from pretrain.compose import compose_config as compose_like_the_tools
+    from pretrain.config.compose import compose_config as compose_like_the_tools
 
     overrides = list(overrides)
     if not any(o.lstrip("+~").startswith("train.device=") for o in overrides):

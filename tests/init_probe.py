@@ -18,13 +18,13 @@ def _check(spec: dict) -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from pretrain.compose import compose_config
-    from pretrain.initialization import canonical_name, local_region
-    from pretrain.model import build_model
+    from pretrain.config.compose import compose_config
+    from pretrain.model.gpt import build_model
+    from pretrain.model.initialization import canonical_name, local_region
     from pretrain.parallel.apply import materialize, parallelize_gpt
     from pretrain.parallel.layout import resolve_layout
     from pretrain.parallel.mesh import build_mesh
-    from pretrain.precision import resolve_policy
+    from pretrain.precision.policy import resolve_policy
 
     cfg = compose_config(spec["overrides"])
     device = torch.device("cpu")
@@ -54,7 +54,7 @@ def _check(spec: dict) -> dict:
 if __name__ == "__main__":
     from memory_probe import forked
 
-    import pretrain.trainer  # noqa: F401  (import once, before forking)
+    import pretrain.train.trainer  # noqa: F401  (import once, before forking)
 
     for spec in json.loads(sys.argv[1]):
         print(forked(spec, _check), flush=True)

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from helpers import read_spec
 
-from pretrain.config import Config
-from pretrain.trainer import Trainer
+from pretrain.config.schema import Config
+from pretrain.train.trainer import Trainer
 
 COLLECTIVES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
                "reduce_scatter_tensor", "all_gather_object", "broadcast_object_list")

@@ -123,12 +123,12 @@ def _world(spec: dict) -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from pretrain.config import Config, ModelConfig, ParallelConfig, PrecisionConfig
-    from pretrain.optim import build_optimizer
+    from pretrain.config.schema import Config, ModelConfig, ParallelConfig, PrecisionConfig
+    from pretrain.optim.factory import build_optimizer
     from pretrain.parallel.apply import materialize, parallelize_gpt
     from pretrain.parallel.layout import resolve_layout
     from pretrain.parallel.mesh import build_mesh
-    from pretrain.precision import resolve_policy
+    from pretrain.precision.policy import resolve_policy
 
     cfg = Config()
     cfg.model = ModelConfig(**spec["model"])
@@ -166,8 +166,8 @@ def sp_blocks_saved(spec: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from pretrain.config import ModelConfig
-    from pretrain.model import GPT, set_attention_backend
+    from pretrain.config.schema import ModelConfig
+    from pretrain.model.gpt import GPT, set_attention_backend
     from pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
     from pretrain.parallel.tensor_parallel import apply_tensor_parallel
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from pretrain.muon import ShardedMuon, orthogonalise
-from pretrain.trust_ratio import Lamb
+from pretrain.optim.muon import ShardedMuon, orthogonalise
+from pretrain.optim.trust_ratio import Lamb
 
 KW = {"lr": 0.1, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
 OPTIMIZERS = {"sharded_muon": lambda p: ShardedMuon([p], **KW),

@@ -23,8 +23,8 @@ from parallel_worker import full_params, run_layout
 from torch.distributed.tensor import DTensor
 
 from pretrain.checkpoint.manager import ModelOptimizer
-from pretrain.config import Config
-from pretrain.trainer import Trainer
+from pretrain.config.schema import Config
+from pretrain.train.trainer import Trainer
 
 
 def whole_optimizer_state(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -27,9 +27,9 @@ from helpers import read_spec
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from pretrain.config import Config
+from pretrain.config.schema import Config
 from pretrain.parallel import pipeline
-from pretrain.trainer import Trainer
+from pretrain.train.trainer import Trainer
 
 # The most receive-info entries (each a chunk's buffers) one stage held at once, this run.
 RECV_PEAK = {"entries": 0}

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from pretrain.trainer import Trainer
+from pretrain.train.trainer import Trainer
 
 
 class Collect(logging.Handler):

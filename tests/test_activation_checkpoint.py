@@ -12,8 +12,8 @@ import torch
 from helpers import one_thread
 from torch.utils.checkpoint import CheckpointPolicy
 
-from pretrain.config import ModelConfig
-from pretrain.model import GPT, set_attention_backend
+from pretrain.config.schema import ModelConfig
+from pretrain.model.gpt import GPT, set_attention_backend
 from pretrain.parallel import activation_checkpoint as ac
 from pretrain.planning.activations import ActivationSetup, op_selective_terms
 

@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from helpers import REPO, one_thread, read_metrics
 
-from pretrain.compose import compose_config
+from pretrain.config.compose import compose_config
+from pretrain.decision.resolve import resolve_plan
 from pretrain.hardware import device as device_mod
 from pretrain.hardware.device import DeviceError, measure_matmul_flops, pick_device
 from pretrain.hardware.gpus import get_gpu
-from pretrain.precision import choose_auto, load_preset, resolve_auto_precision
-from pretrain.resolve import resolve_plan
+from pretrain.precision.policy import choose_auto, load_preset, resolve_auto_precision
 
 CPU = torch.device("cpu")
 GPU_ENV = ("CUDA_VISIBLE_DEVICES", "WORLD_SIZE", "SLURM_JOB_ID", "SLURM_GPUS_ON_NODE",
@@ -234,7 +234,7 @@ def _timed(fn) -> float:
 
 
 def nano_run(compose, prepared, run_dir, precision: str):
-    from pretrain.trainer import Trainer
+    from pretrain.train.trainer import Trainer
 
     cfg = compose([
         "model=nano", "model.vocab_size=300", "model.seq_len=32", f"precision={precision}",
@@ -252,7 +252,7 @@ def nano_run(compose, prepared, run_dir, precision: str):
 
 def test_bf16_named_on_a_cpu_without_it_warns_once_with_the_slowdown(
         compose, prepared, tmp_path, monkeypatch, caplog):
-    import pretrain.metrics as metrics_mod
+    import pretrain.train.metrics as metrics_mod
 
     monkeypatch.setattr(metrics_mod, "cpu_native_matmul",
                         lambda dtype: (False, "AVX2 CPU without AVX512-BF16 or AMX"))
@@ -274,7 +274,7 @@ def test_bf16_named_on_a_cpu_without_it_warns_once_with_the_slowdown(
     (14.8e9, 2.1e9, "faster than fp32 here all the same (7.0x)"),
 ])
 def test_the_emulated_dtype_warning_never_says_0x_slower(peak, fp32, says):
-    from pretrain.metrics import emulated_warning
+    from pretrain.train.metrics import emulated_warning
 
     text = emulated_warning("fp16", torch.float16, "AVX2 CPU without AMX-FP16", peak, fp32,
                             "fp32")

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 from test_parallel_validation import BASE, only_problem
 
-from pretrain.budget import resolve_budget
-from pretrain.config import ConfigError
+from pretrain.budget.compute import resolve_budget
+from pretrain.config.schema import ConfigError
 from pretrain.hardware.gpus import get_gpu
 from pretrain.parallel.layout import resolve_layout
 from pretrain.parallel.tensor_parallel import enable_async_tp

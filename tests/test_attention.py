@@ -7,15 +7,14 @@ import math
 import pytest
 import torch
 
-from pretrain.attention import (
+from pretrain.config.schema import ModelConfig
+from pretrain.model.attention import (
     AttentionBackendError,
     eager_attention,
     resolve_backend,
     sdpa_attention,
 )
-from pretrain.config import ModelConfig
-from pretrain.loss import cross_entropy
-from pretrain.model import (
+from pretrain.model.gpt import (
     GPT,
     Attention,
     apply_rope,
@@ -23,6 +22,7 @@ from pretrain.model import (
     rope_tables,
     set_attention_backend,
 )
+from pretrain.model.loss import cross_entropy
 
 CPU = torch.device("cpu")
 
@@ -178,7 +178,7 @@ def test_unknown_backend_lists_choices():
 @pytest.mark.parametrize("cc,first", [((9, 0), "CUDNN_ATTENTION"), ((10, 0), "CUDNN_ATTENTION"),
                                       ((8, 0), "FLASH_ATTENTION"), ((8, 9), "FLASH_ATTENTION")])
 def test_sdpa_priority_puts_cudnn_first_on_hopper_and_newer(monkeypatch, cc, first):
-    from pretrain.attention import sdpa_priority
+    from pretrain.model.attention import sdpa_priority
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
     order = sdpa_priority(torch.device("cuda", 0))
@@ -189,7 +189,7 @@ def test_sdpa_priority_puts_cudnn_first_on_hopper_and_newer(monkeypatch, cc, fir
 def test_sdpa_with_a_backend_priority_computes_the_same():
     from torch.nn.attention import SDPBackend
 
-    from pretrain.attention import sdpa_attention
+    from pretrain.model.attention import sdpa_attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 16, 4, 8, generator=g) for _ in range(3))

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from helpers import by_step, read_result
 
-from pretrain.budget import count_params
+from pretrain.budget.compute import count_params
 from pretrain.checkpoint.manager import CheckpointError
-from pretrain.config import ConfigError, ScheduleConfig
-from pretrain.optim import lr_multiplier, wsd_decay_start
-from pretrain.resolve import resolve_plan
-from pretrain.trainer import Trainer, run
+from pretrain.config.schema import ConfigError, ScheduleConfig
+from pretrain.decision.resolve import resolve_plan
+from pretrain.optim.factory import lr_multiplier, wsd_decay_start
+from pretrain.train.trainer import Trainer, run
 
 BATCH_TOKENS = 8 * 32
 SOURCE_STEPS, BRANCH_STEPS = 40, 20  # the branch decays over its last 4 steps, from step 16

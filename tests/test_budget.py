@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from pretrain.budget import BudgetError, count_params, flops_per_token, resolve_budget
-from pretrain.config import BudgetConfig, ModelConfig
+from pretrain.budget.compute import BudgetError, count_params, flops_per_token, resolve_budget
+from pretrain.config.schema import BudgetConfig, ModelConfig
 
 GPT2_124M = ModelConfig(name="gpt2-124m", n_layer=12, n_head=12, d_model=768, seq_len=1024,
                         vocab_size=50257)

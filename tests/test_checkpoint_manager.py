@@ -22,8 +22,8 @@ from pretrain.checkpoint.manager import (
     resolve_checkpoint,
     stager_reusable,
 )
-from pretrain.config import CheckpointConfig, ModelConfig
-from pretrain.model import GPT
+from pretrain.config.schema import CheckpointConfig, ModelConfig
+from pretrain.model.gpt import GPT
 
 CFG = ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, vocab_size=64)
 

@@ -1,4 +1,4 @@
-"""A key's allowed values live in one place, its Choice enum in pretrain.config: a value
+"""A key's allowed values live in one place, its Choice enum in pretrain.config.schema: a value
 outside it is refused at composition naming the key and the values, every user of the key
 handles exactly those values, and every output writes them as plain strings."""
 
@@ -15,10 +15,8 @@ from helpers import REPO
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from pretrain import config
-from pretrain.attention import KERNELS
-from pretrain.budget import rule_tokens
-from pretrain.config import (
+from pretrain.budget.compute import rule_tokens
+from pretrain.config.schema import (
     AttentionBackend,
     BudgetConfig,
     BudgetKind,
@@ -36,11 +34,13 @@ from pretrain.config import (
     PipelineSchedule,
     ScheduleConfig,
 )
-from pretrain.muon import NS_DTYPES
-from pretrain.optim import lr_multiplier, scaled_lr
+from pretrain.config.schema import schema as config
+from pretrain.model.attention import KERNELS
+from pretrain.optim.factory import lr_multiplier, scaled_lr
+from pretrain.optim.muon import NS_DTYPES
 from pretrain.parallel.pipeline import SCHEDULE_CLASSES
 from pretrain.planning.activations import inflight_chunks
-from pretrain.precision import DTYPES
+from pretrain.precision.policy import DTYPES
 
 # Every key with a closed set of values, a value outside it, and the values the refusal
 # must list.

@@ -17,7 +17,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from torch._functorch.aot_autograd import make_boxed_func
 
-from pretrain.model import GPT, set_attention_backend
+from pretrain.model.gpt import GPT, set_attention_backend
 from pretrain.parallel.apply import forward_and_loss
 
 

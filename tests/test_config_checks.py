@@ -6,11 +6,11 @@ import pytest
 from helpers import CORPUS_FILES, RECIPES, problems
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from pretrain.attention import AttentionBackendError
-from pretrain.config_checks import check
 from pretrain.data.prepare import DataError
-from pretrain.resolve import resolve_plan
-from pretrain.trainer import Trainer, run
+from pretrain.decision.checks import check
+from pretrain.decision.resolve import resolve_plan
+from pretrain.model.attention import AttentionBackendError
+from pretrain.train.trainer import Trainer, run
 
 
 def test_unknown_recipe_lists_available(compose):

@@ -72,7 +72,7 @@ def build_context(tmp_path_factory) -> set[str]:
 
 def test_build_context_has_the_code_and_leaves_out_outputs_and_caches(build_context):
     for needed in ("train.py", "pyproject.toml", "README.md", "conf/config.yaml",
-                   "recipes/gpt3-1.3b.yaml", "src/pretrain/trainer.py",
+                   "recipes/gpt3-1.3b.yaml", "src/pretrain/train/trainer.py",
                    "src/pretrain/data/loader.py",  # a package named data: not the data/ dir
                    "src/pretrain/parallel/apply.py", "tools/bench.py", "slurm/train.sbatch"):
         assert needed in build_context, f"{needed} is missing from the image"

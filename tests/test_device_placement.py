@@ -13,11 +13,11 @@ import torch
 from helpers import MARKOV_DATA
 from torch.distributed.tensor import DTensor
 
+from pretrain.decision.resolve import resolve_run
 from pretrain.parallel.apply import parallelize_gpt
 from pretrain.parallel.layout import resolve_layout
-from pretrain.precision import resolve_policy
-from pretrain.resolve import resolve_run
-from pretrain.trainer import Trainer
+from pretrain.precision.policy import resolve_policy
+from pretrain.train.trainer import Trainer
 
 
 def nano(compose, markov_root, *extra: str):

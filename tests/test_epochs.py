@@ -12,11 +12,11 @@ from dataclasses import replace
 import pytest
 from helpers import DATA_NAME, GPU_RECIPES, REPO, make_data_config
 
-from pretrain.budget import resolve_budget
-from pretrain.config import ConfigError
+from pretrain.budget.compute import resolve_budget
+from pretrain.config.schema import ConfigError
 from pretrain.data.epochs import check_epochs, corpus_size
 from pretrain.data.prepare import fingerprint
-from pretrain.resolve import resolve_plan
+from pretrain.decision.resolve import resolve_plan
 
 
 def budget_tokens(cfg) -> int:

@@ -29,10 +29,10 @@ import torch
 from helpers import one_thread
 from memory_probe import ActivationTracker, state_bytes
 
-from pretrain.config import Config, ModelConfig, ParallelConfig, PrecisionConfig
-from pretrain.loss import cross_entropy
-from pretrain.model import GPT, set_attention_backend
-from pretrain.optim import build_optimizer
+from pretrain.config.schema import Config, ModelConfig, ParallelConfig, PrecisionConfig
+from pretrain.model.gpt import GPT, set_attention_backend
+from pretrain.model.loss import cross_entropy
+from pretrain.optim.factory import build_optimizer
 from pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from pretrain.parallel.layout import resolve_layout
 from pretrain.parallel.pipeline import split_model
@@ -279,7 +279,7 @@ def test_inflight_microbatches_follow_the_schedules():
 
 
 def gpt3_175b(gbs: int) -> Config:
-    from pretrain.compose import compose_config
+    from pretrain.config.compose import compose_config
 
     return compose_config(["+recipe=gpt3-6.7b", "model=gpt3-175b", "model.pad_vocab_to=128",
                            f"train.global_batch_size={gbs}"])

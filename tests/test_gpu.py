@@ -22,7 +22,7 @@ import torch
 from helpers import MARKOV_DATA, REPO, compose_config, run_group
 from torch.distributed.tensor import DTensor
 
-from pretrain.trainer import Trainer
+from pretrain.train.trainer import Trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -65,7 +65,7 @@ def test_a_compiled_gpt2_124m_step_has_no_graph_break(markov_root, tmp_path):
 
 
 def test_auto_precision_takes_bf16_on_the_gpu():
-    from pretrain.resolve import resolve_plan
+    from pretrain.decision.resolve import resolve_plan
 
     plan = resolve_plan(compose_config([GPU]))[0]
     assert plan["device"].startswith("cuda")
@@ -82,7 +82,7 @@ def test_sdpa_runs_cudnn_or_flash_attention_on_hopper():
         pytest.skip(f"{torch.cuda.get_device_name()} is not Hopper or newer")
     from torch.profiler import ProfilerActivity, profile
 
-    from pretrain.attention import kernel
+    from pretrain.model.attention import kernel
 
     device = torch.device("cuda")
     q, k, v = (torch.randn(4, 1024, 12, 64, device=device, dtype=torch.bfloat16,
@@ -125,8 +125,8 @@ def test_an_async_checkpoint_from_gpu_memory_loads_back_bit_exactly(tmp_path):
     memory with non-blocking copies), twice with a step between (the stager reused where
     torch allows it); each loads back into GPU tensors bit for bit."""
     from pretrain.checkpoint.manager import CheckpointManager, ModelOptimizer
-    from pretrain.config import CheckpointConfig, ModelConfig
-    from pretrain.model import GPT
+    from pretrain.config.schema import CheckpointConfig, ModelConfig
+    from pretrain.model.gpt import GPT
 
     device = torch.device("cuda")
     cfg = ModelConfig(n_layer=2, n_head=2, d_model=64, seq_len=32, vocab_size=128)

@@ -13,9 +13,9 @@ import torch
 from omegaconf import OmegaConf
 
 from pretrain.checkpoint.manager import CheckpointManager, ModelOptimizer
-from pretrain.config import CheckpointConfig, Config, ModelConfig
-from pretrain.hf import ExportError, check_matches, hf_config, load_hf_weights
-from pretrain.model import GPT
+from pretrain.config.schema import CheckpointConfig, Config, ModelConfig
+from pretrain.model.gpt import GPT
+from pretrain.model.hf import ExportError, check_matches, hf_config, load_hf_weights
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,10 +137,10 @@ def test_one_dtype_table_for_policies_planner_and_export():
     """pretrain-export-hf's --dtype, the precision policy and the planner's bytes per element
     read one table: the export offers exactly its names, and the planner counts the bytes
     torch allocates for each."""
-    from pretrain.config import ParallelConfig, PrecisionConfig
+    from pretrain.config.schema import ParallelConfig, PrecisionConfig
     from pretrain.parallel.layout import resolve_layout
     from pretrain.planning.memory import activation_setup
-    from pretrain.precision import DTYPES, dtype_bytes
+    from pretrain.precision.policy import DTYPES, dtype_bytes
     from pretrain.tools import export_hf as tool
 
     assert tool.DTYPES is DTYPES

@@ -1,4 +1,4 @@
-"""Learning rate and batch size from the compute budget (src/pretrain/hparams.py): the
+"""Learning rate and batch size from the compute budget (src/pretrain/budget/hparams.py): the
 published DeepSeek rules against values computed by hand from the paper's formula, how a
 rule's values reach the plan and the layout, and the fit of both laws to a sweep."""
 
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from pretrain.analysis.hparam_fit import SweepPoint, best_of_budget, fit_hparam_laws
-from pretrain.budget import BudgetError
-from pretrain.config import ConfigError, ModelConfig
-from pretrain.config_checks import check
-from pretrain.hparams import DEEPSEEK, deepseek_flops_per_token, round_batch
-from pretrain.resolve import resolve_auto, resolve_plan
-from pretrain.trainer import run
+from pretrain.budget.compute import BudgetError
+from pretrain.budget.hparams import DEEPSEEK, deepseek_flops_per_token, round_batch
+from pretrain.config.schema import ConfigError, ModelConfig
+from pretrain.decision.checks import check
+from pretrain.decision.resolve import resolve_auto, resolve_plan
+from pretrain.train.trainer import run
 
 RULES = ["optim.lr_rule=deepseek", "train.batch_rule=deepseek"]
 

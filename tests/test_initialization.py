@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.compose import compose_config
-from pretrain.initialization import TILE, Init, fill_normal_, init_parameters
-from pretrain.model import build_model
+from pretrain.config.compose import compose_config
+from pretrain.model.gpt import build_model
+from pretrain.model.initialization import TILE, Init, fill_normal_, init_parameters
 
 PROBE = Path(__file__).with_name("init_probe.py")
 NANO = ["model=nano", "model.n_layer=4", "model.vocab_size=300", "precision=fp32",

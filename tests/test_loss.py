@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import pretrain.loss as loss_mod
+import pretrain.model.loss as loss_mod
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -44,7 +44,7 @@ def test_small_inputs_use_the_plain_loss():
 def test_planner_sizes_the_path_the_loss_takes(tokens, monkeypatch):
     """The planner's loss memory (planning/activations.head_and_loss) follows the path the
     loss really takes, at and around the chunk size (7 tokens of a 64-token vocabulary)."""
-    from pretrain.config import ModelConfig
+    from pretrain.config.schema import ModelConfig
     from pretrain.planning.activations import ActivationSetup, head_and_loss
 
     monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", 7 * 64)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrain.config import ModelConfig
-from pretrain.model import GPT, ffn_dim, padded_vocab_size
+from pretrain.config.schema import ModelConfig
+from pretrain.model.gpt import GPT, ffn_dim, padded_vocab_size
 
 N_LAYER, N_HEAD, D_MODEL, SEQ, VOCAB = 2, 4, 64, 32, 300
 
@@ -59,7 +59,7 @@ def gpt2_to_ours(hf) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 def test_logits_match_transformers_gpt2(tie, backend):
-    from pretrain.model import set_attention_backend
+    from pretrain.model.gpt import set_attention_backend
 
     hf = hf_gpt2(tie)
     ours = GPT(ModelConfig(n_layer=N_LAYER, n_head=N_HEAD, d_model=D_MODEL, seq_len=SEQ,

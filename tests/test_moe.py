@@ -12,16 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.budget import count_params, resolve_budget
-from pretrain.config import ConfigError, ModelConfig
-from pretrain.moe import MoE, aux_loss_scale, grouped_linear, routing_stats, update_biases
+from pretrain.budget.compute import count_params, resolve_budget
+from pretrain.config.schema import ConfigError, ModelConfig
+from pretrain.model.moe import MoE, aux_loss_scale, grouped_linear, routing_stats, update_biases
 
 TINY = ModelConfig(name="t", n_layer=2, n_head=2, d_model=32, vocab_size=64, seq_len=16,
                    mlp="swiglu", bias=False, moe_experts=4, moe_top_k=2, moe_d_ff=24)
 
 
 def build(cfg: ModelConfig, shared: bool = False) -> MoE:
-    from pretrain.model import MLP
+    from pretrain.model.gpt import MLP
 
     torch.manual_seed(0)
     moe = MoE(cfg, cfg.moe_d_ff, MLP(cfg, cfg.moe_d_ff) if shared else None)
@@ -183,7 +183,7 @@ def test_moe_tiny_has_the_dense_models_active_parameters_and_compute(compose):
     (["model=llama-tiny", "parallel.dp=2", "parallel.ep=2"], "the model has none"),
 ])
 def test_bad_moe_settings_are_refused_naming_the_key(compose, overrides, says):
-    from pretrain.config_checks import check
+    from pretrain.decision.checks import check
 
     with pytest.raises(ConfigError, match=says):
         check(compose(["model=moe-tiny", *overrides]))
@@ -200,7 +200,7 @@ def test_fsdp_shards_experts_along_their_rows_when_the_ranks_outnumber_them():
 def test_an_moe_block_compiles_whole_in_bf16():
     """fullgraph=True, as every GPU recipe compiles a block: no graph break in routing,
     counting or the grouped GEMMs, and the numbers of eager mode."""
-    from pretrain.model import Block
+    from pretrain.model.gpt import Block
 
     block = Block(TINY, 0)
     for p in block.parameters():
@@ -216,7 +216,7 @@ def test_an_moe_block_compiles_whole_in_bf16():
 def test_a_moe_tiny_run_trains_and_reports_the_expert_load(compose, prepared, tmp_path):
     from helpers import read_metrics
 
-    from pretrain.trainer import run
+    from pretrain.train.trainer import run
 
     cfg = compose(["model=moe-tiny", "model.vocab_size=300", "model.seq_len=32",
                    "model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.n_kv_head=1",

@@ -1,4 +1,4 @@
-"""Which overrides name a run: one list (pretrain.naming.NEUTRAL_KEYS) for the run directory
+"""Which overrides name a run: one list (pretrain.config.naming.NEUTRAL_KEYS) for the run directory
 and for the point of a Hydra sweep (conf/config.yaml's override_dirname.exclude_keys)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import dataclasses
 from helpers import CONF_DIR
 from hydra import compose, initialize_config_dir
 
-from pretrain.config import Config
-from pretrain.naming import is_neutral, neutral_keys, run_name
+from pretrain.config.naming import is_neutral, neutral_keys, run_name
+from pretrain.config.schema import Config
 
 
 def hydra_job(overrides: list[str]):

@@ -19,8 +19,8 @@ from helpers import MARKOV_DATA, REPO, VOCAB, by_step, failed, read_result, run_
 from noise_problem import B_SIMPLE, SIGMA, D, Regressions, draw, w_star
 from two_ranks import run_on_two_ranks
 
-from pretrain.noise_scale import NoiseScale, compare_batch, estimates
 from pretrain.parallel.grad_clip import global_grad_norm
+from pretrain.train.noise_scale import NoiseScale, compare_batch, estimates
 
 TOL = 0.10
 STEPS, EMA = 150, 0.98
@@ -158,7 +158,7 @@ def test_training_logs_noise_scale_at_every_logging_step(tmp_path, markov_root, 
 def test_a_resumed_run_keeps_measuring_where_it_stopped(tmp_path, markov_root, compose):
     """The averages are saved with each checkpoint and restored on resume: a run stopped
     (train.exit_interval) and resumed ends with the uninterrupted run's noise scale."""
-    from pretrain.trainer import run
+    from pretrain.train.trainer import run
 
     common = [*COMMON, "parallel.micro_batch_size=4", "budget.steps=8",
               "logging.log_interval=1", f"data.root={markov_root}", "checkpoint.enabled=true",

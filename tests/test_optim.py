@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from pretrain.config import ModelConfig, OptimConfig, ScheduleConfig
-from pretrain.model import GPT
-from pretrain.optim import (
+from pretrain.config.schema import ModelConfig, OptimConfig, ScheduleConfig
+from pretrain.model.gpt import GPT
+from pretrain.optim.factory import (
     build_optimizer,
     build_scheduler,
     lr_multiplier,

@@ -8,10 +8,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pretrain.model import GPT
-from pretrain.optim import build_optimizer, scaled_lr
-from pretrain.paths import CONF_DIR
-from pretrain.resolve import describe_run
+from pretrain.config.paths import CONF_DIR
+from pretrain.decision.resolve import describe_run
+from pretrain.model.gpt import GPT
+from pretrain.optim.factory import build_optimizer, scaled_lr
 
 CPU = torch.device("cpu")
 
@@ -67,7 +67,7 @@ def test_a_recipe_or_the_command_line_wins(compose, overrides, lr, decay):
 
 
 def _plan(compose, overrides: list[str]) -> dict:
-    from pretrain.budget import resolve_budget
+    from pretrain.budget.compute import resolve_budget
 
     cfg = compose(["model=nano", *overrides])
     return describe_run(cfg, 1, resolve_budget(cfg.model, cfg.budget,

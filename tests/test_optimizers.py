@@ -29,7 +29,7 @@ from test_parallel_layouts import (
     assert_same_training,
 )
 
-from pretrain.muon import orthogonalisation_bytes
+from pretrain.optim.muon import orthogonalisation_bytes
 
 # The LR of each, for the nano model: LARS's step is lr x eta x ||w|| per matrix (AdamW's
 # 1e-3 per element is ~lr x 1e-3 x 0.02 here) and plain momentum SGD on the rest.
@@ -160,7 +160,7 @@ def _steps(opt, params, grads_per_step):
 
 
 def test_lamb_and_lars_trust_ratios_equal_the_papers():
-    from pretrain.trust_ratio import Lamb, Lars
+    from pretrain.optim.trust_ratio import Lamb, Lars
 
     torch.manual_seed(0)
     w0, b0 = torch.randn(8, 5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
@@ -194,7 +194,7 @@ def test_lamb_and_lars_trust_ratios_equal_the_papers():
 def test_muon_on_one_process_is_torchs_muon():
     """ShardedMuon on plain tensors is torch.optim.Muon, bit for bit; MuonWithAdamW's
     AdamW half is torch's AdamW; match_rms_adamw scales by 0.2 sqrt(max(m, n))."""
-    from pretrain.muon import MuonWithAdamW, ShardedMuon
+    from pretrain.optim.muon import MuonWithAdamW, ShardedMuon
 
     torch.manual_seed(0)
     w0, b0 = torch.randn(16, 8), torch.randn(8)
@@ -220,7 +220,7 @@ def test_newton_schulz_in_float32_is_torchs_iteration(shape):
     """optim.muon_ns_dtype=float32 runs torch's quintic iteration in fp32: it agrees with
     the same iteration in float64 to fp32 rounding, with torch's bf16 one to bf16 rounding
     (a different iteration would differ by O(1)), and leaves its input as it was."""
-    from pretrain.muon import newton_schulz
+    from pretrain.optim.muon import newton_schulz
 
     torch.manual_seed(0)
     m = torch.randn(*shape)
@@ -236,9 +236,9 @@ def test_newton_schulz_in_float32_is_torchs_iteration(shape):
 
 
 def test_muon_state_round_trips_through_state_dict():
-    from pretrain.compose import compose_config
-    from pretrain.model import GPT
-    from pretrain.optim import build_optimizer
+    from pretrain.config.compose import compose_config
+    from pretrain.model.gpt import GPT
+    from pretrain.optim.factory import build_optimizer
 
     cfg = compose_config(["model=nano", "optim=muon"])
     torch.manual_seed(0)
@@ -300,7 +300,7 @@ def test_rules_an_optimizer_does_not_take_are_refused(compose, overrides, needle
 
 @pytest.mark.parametrize("opt", ["muon", "lamb", "lars"])
 def test_rules_an_optimizer_takes_pass(compose, opt):
-    from pretrain.config_checks import check
+    from pretrain.decision.checks import check
 
     extra = ["optim.lr_rule=deepseek"] if opt == "muon" else ["optim.lr_rule=power",
                                                               "optim.lr_law=[1.0,-0.1]"]

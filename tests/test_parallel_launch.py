@@ -164,7 +164,7 @@ def test_kill_9_of_the_launcher_leaves_no_rank_alive(tmp_path, markov_root):
 def test_a_rank_whose_agent_died_before_it_was_tied_kills_itself():
     """Between torchrun's fork and the rank's prctl the agent can die: the rank is adopted
     then, and its new parent's parent is not the launcher, so it takes SIGKILL itself."""
-    code = ("from pretrain.lifeline import tie_rank_to_agent; "
+    code = ("from pretrain.launch.lifeline import tie_rank_to_agent; "
             "print(tie_rank_to_agent(), flush=True)")
 
     def rank(launcher: int) -> subprocess.CompletedProcess:

@@ -256,7 +256,7 @@ def test_pipeline_receive_buffers_are_bounded_by_the_microbatches_in_flight(grou
     """parallel/pipeline.BoundedStage: a stage holds receive buffers only for the microbatches
     in flight (torch's PipelineStage keeps one per microbatch of the step: 8 here), at most
     what the planner counts (planning/activations.inflight_chunks)."""
-    from pretrain.compose import compose_config
+    from pretrain.config.compose import compose_config
     from pretrain.parallel import pipeline
     from pretrain.parallel.layout import resolve_layout
     from pretrain.planning.activations import live_recv_buffers
@@ -305,7 +305,7 @@ def test_tp2_halves_block_parameters(reference, groups):
 
 @pytest.mark.parametrize("name", ["zero3_dp2", "tp2", "pp2_1f1b"])
 def test_first_step_starts_from_the_one_process_weights(reference, groups, name):
-    """Each rank initialises only its own shards (pretrain.initialization), yet the first
+    """Each rank initialises only its own shards (pretrain.model.initialization), yet the first
     step's loss is that of one process to fp32 rounding: the same weights, bit for bit."""
     got = groups(2)[name]
     assert abs(got["losses"][0] - reference["single"]["losses"][0]) <= 1e-6

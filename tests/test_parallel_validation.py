@@ -11,8 +11,8 @@ import pytest
 from helpers import REPO, problems
 from hydra.errors import ConfigCompositionException
 
-from pretrain.config_checks import check
-from pretrain.resolve import resolve_plan
+from pretrain.decision.checks import check
+from pretrain.decision.resolve import resolve_plan
 
 # A layout that is sound on 8 processes: tp2 x pp2 x dp2, nano model, 2 microbatches.
 BASE = ["model=nano", "parallel=3d", "train.global_batch_size=16", "parallel.micro_batch_size=4"]
@@ -142,7 +142,7 @@ def test_auto_search_proposes_exactly_the_layouts_validation_accepts(compose):
     multi-stage schedule). train.compile=true rules ZB-V out for both."""
     import itertools
 
-    from pretrain.config import ParallelConfig
+    from pretrain.config.schema import ParallelConfig
     from pretrain.hardware.gpus import get_gpu
     from pretrain.planning import autolayout as al
 

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from pretrain.config import Config, ConfigError, ModelConfig, OptimConfig
-from pretrain.config_checks import check
-from pretrain.model import GPT
-from pretrain.optim import build_optimizer
+from pretrain.config.schema import Config, ConfigError, ModelConfig, OptimConfig
+from pretrain.decision.checks import check
+from pretrain.model.gpt import GPT
+from pretrain.optim.factory import build_optimizer
 
 CPU = torch.device("cpu")
 
@@ -45,7 +45,7 @@ def test_base_width_mup_computes_sp():
 
 @pytest.mark.parametrize("width,scale", [(64, 1 / 4), (256, 1 / 16), (1024, 1 / 64)])
 def test_attention_scale_is_one_over_d_head_from_the_bases_sp_scale(width, scale):
-    from pretrain.parametrization import attention_scale
+    from pretrain.model.parametrization import attention_scale
 
     cfg = tiny(d_model=width, parametrization="mup", base_width=64)  # 4 heads: d_head_base 16
     assert attention_scale(cfg) == pytest.approx(scale, rel=1e-12)
@@ -63,7 +63,7 @@ def test_output_mult_is_the_bases_logit_multiplier_and_sp_ignores_it():
 
 
 def test_a_non_positive_output_mult_is_refused():
-    from pretrain.parametrization import problems
+    from pretrain.model.parametrization import problems
 
     found = problems(tiny(parametrization="mup", base_width=64, output_mult=0.0), "adamw")
     assert found == ["model.output_mult=0.0 must be positive (1: the base's logits unscaled)"]
@@ -140,7 +140,7 @@ def test_a_base_width_that_is_no_width_is_refused_under_every_parametrization(
         compose, kind, value):
     """Before anything is built (resolve_run: a run's first step): the key and the fix
     named, sp included (it ignores the base, but a sweep shares the recipe with mup)."""
-    from pretrain.resolve import resolve_run
+    from pretrain.decision.resolve import resolve_run
 
     cfg = compose(["model=nano", f"model.parametrization={kind}",
                    f"model.base_width={value}"])
@@ -153,7 +153,7 @@ def test_a_base_width_that_is_no_width_is_refused_under_every_parametrization(
 def test_a_model_narrower_than_its_base_width_is_stated_in_the_plan(compose):
     """muP's rules are ratios that hold on both sides of the base (the mup package and
     Tensor Programs V's sweeps span widths below it), so m < 1 is run, and said."""
-    from pretrain.resolve import resolve_plan
+    from pretrain.decision.resolve import resolve_plan
 
     narrow = compose(["model=nano", "model.parametrization=mup",
                       "model.base_width=" + str(2 * compose(["model=nano"]).model.d_model)])

@@ -7,8 +7,8 @@ import torch
 from helpers import CONF_DIR
 from omegaconf import OmegaConf
 
-from pretrain.budget import count_params
-from pretrain.config import ModelConfig
+from pretrain.budget.compute import count_params
+from pretrain.config.schema import ModelConfig
 
 
 def load_model_config(name: str) -> ModelConfig:
@@ -131,7 +131,7 @@ def _tp_probe(model: dict, tp: int, rank: int) -> dict:
     from torch.distributed.tensor import Shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from pretrain.model import GPT
+    from pretrain.model.gpt import GPT
     from pretrain.parallel.tensor_parallel import apply_tensor_parallel
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp)
@@ -186,8 +186,8 @@ LAYOUTS = {  # parallel config of a 2-rank pipeline, 8 layers
 def test_planner_stage_split_equals_the_pipeline_split(model, par):
     """For every pipeline rank, the planner's blocks and parameter elements equal what
     ``parallel.pipeline.split_model`` keeps on that rank (tied head copies included)."""
-    from pretrain.config import Config, ParallelConfig
-    from pretrain.model import GPT
+    from pretrain.config.schema import Config, ParallelConfig
+    from pretrain.model.gpt import GPT
     from pretrain.parallel.layout import resolve_layout
     from pretrain.parallel.pipeline import split_model
     from pretrain.planning.params import rank_params

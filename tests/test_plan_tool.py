@@ -58,8 +58,8 @@ def test_auto_prints_ranked_candidates_and_why(plan_main, capsys):
 
 
 def test_auto_json_layout_is_valid(plan_main, capsys):
-    from pretrain.compose import compose_config
-    from pretrain.config_checks import check
+    from pretrain.config.compose import compose_config
+    from pretrain.decision.checks import check
 
     code, out, _ = run(plan_main, capsys, "+recipe=gpt3-1.3b", "parallel=auto", "--gpus", "8",
                        "--gpu", "a100-80gb", "--json")
@@ -131,7 +131,7 @@ def test_gpu_table_is_the_one_device_py_uses():
 def test_default_gpu_count_is_the_layouts_world_size(plan_main, capsys, monkeypatch):
     """Without --gpus the plan takes the layout's own size, the same formula a dry run and
     the trainer use (parallel.layout.layout_world_size): tp2 x pp2 x dp2 = 8."""
-    from pretrain.compose import compose_config
+    from pretrain.config.compose import compose_config
     from pretrain.parallel.layout import declared_world_size, layout_world_size
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -162,7 +162,7 @@ def test_gpu_names_match_exactly_one_type(device_name, gpu):
 def test_a_run_and_the_plan_take_mfu_against_the_same_peak():
     """fp8 runs included: the compute dtype's (bf16) peak, in the log and in the plan."""
     from pretrain.hardware.gpus import get_gpu
-    from pretrain.precision import load_preset, resolve_policy
+    from pretrain.precision.policy import load_preset, resolve_policy
 
     gpu = get_gpu("h100-80gb")
     for name in ("bf16", "fp16", "fp32", "fp8"):

@@ -76,7 +76,7 @@ from helpers import (
 )
 from precision_worker import block_output_dtype, run_steps
 
-from pretrain.trainer import Trainer
+from pretrain.train.trainer import Trainer
 
 STEPS, LR = 50, 3e-3
 BF16_RTOL = 2**-10

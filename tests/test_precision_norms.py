@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.config import ModelConfig
-from pretrain.model import make_norm
+from pretrain.config.schema import ModelConfig
+from pretrain.model.gpt import make_norm
 
 
 @pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])

@@ -51,7 +51,7 @@ def test_a_read_error_reaches_the_caller(prepared):
 
 
 def test_no_prefetch_thread_outlives_a_run(compose, prepared, tmp_path):
-    from pretrain.trainer import run
+    from pretrain.train.trainer import run
 
     cfg = compose([
         "model=nano", "model.vocab_size=300", "model.seq_len=32", "precision=fp32",

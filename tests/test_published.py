@@ -51,7 +51,7 @@ def test_megatron_gaps_are_kernel_speed(compared, name):
 
 
 def test_megatron_177b_and_gpt3_175b_recipe_fit():
-    from pretrain.compose import compose_config
+    from pretrain.config.compose import compose_config
     from pretrain.hardware.gpus import get_gpu
     from pretrain.parallel.layout import resolve_layout
     from pretrain.planning.memory import estimate_memory

@@ -10,9 +10,9 @@ import sys
 import pytest
 from helpers import CPU_RECIPES, GPU_RECIPES, RECIPES, REPO
 
-from pretrain.budget import count_params, flops_per_token
-from pretrain.config_checks import check
-from pretrain.resolve import resolve_plan
+from pretrain.budget.compute import count_params, flops_per_token
+from pretrain.decision.checks import check
+from pretrain.decision.resolve import resolve_plan
 
 PLAN_KEYS = {"n_params", "n_params_non_embedding", "tokens", "steps", "global_batch_tokens",
              "flops_per_token", "total_flops", "attention", "precision", "layout",

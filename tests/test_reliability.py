@@ -12,8 +12,8 @@ import sys
 import pytest
 from helpers import REPO
 
-from pretrain.naming import RecipeNameError
-from pretrain.trainer import Trainer, run
+from pretrain.config.naming import RecipeNameError
+from pretrain.train.trainer import Trainer, run
 
 NANO = ["model=nano", "model.vocab_size=300", "model.seq_len=32", "precision=fp32",
         "data.name=tinytext", "data.auto_prepare=false", "data.tokenizer_vocab_size=300",
@@ -163,7 +163,7 @@ def test_damaged_data_is_refused_naming_the_file(prepared_copy, damage):
 def test_a_second_run_in_the_same_directory_is_refused_and_a_dead_ones_lock_is_not(
         tmp_path):
 
-    from pretrain.run_lock import RunLock, RunLockedError
+    from pretrain.train.run_lock import RunLock, RunLockedError
 
     first = RunLock(tmp_path)
     first.acquire()
@@ -175,7 +175,7 @@ def test_a_second_run_in_the_same_directory_is_refused_and_a_dead_ones_lock_is_n
     first.release()
     RunLock(tmp_path).acquire()  # released: free again
     # a process that dies holding the lock: the kernel drops it
-    code = ("import sys; sys.path.insert(0, sys.argv[2]); from pretrain.run_lock import "
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from pretrain.train.run_lock import "
             "RunLock; RunLock(sys.argv[1]).acquire(); import os; os._exit(9)")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "b"),
                            str(REPO / "src")], timeout=60)
@@ -224,7 +224,7 @@ def test_a_signal_during_start_up_is_a_stop_request_not_a_kill(compose, prepared
     import os
     import signal
 
-    from pretrain.preemption import EXIT_REQUEUE, STOPPED
+    from pretrain.train.preemption import EXIT_REQUEUE, STOPPED
 
     cfg = compose([*NANO, f"data.root={prepared.parent}", "budget.steps=3"])
     trainer = Trainer(cfg, tmp_path / "run")

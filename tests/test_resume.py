@@ -19,7 +19,7 @@ from two_ranks import blind_to_checkpoints, run_on_two_ranks
 
 from pretrain.checkpoint.manager import CheckpointManager
 from pretrain.checkpoint.resume import resume_path
-from pretrain.config import CheckpointConfig
+from pretrain.config.schema import CheckpointConfig
 
 STEPS = 24
 EXIT_REQUEUE = 75

@@ -32,7 +32,7 @@ from pretrain.analysis.scaling import (  # noqa: E402
     report_chinchilla_law,
     report_compute_law,
 )
-from pretrain.budget import run_compute  # noqa: E402
+from pretrain.budget.compute import run_compute  # noqa: E402
 
 # L(C): a GPT-4-report-like curve, reducible part 2.0 nats at 1e17 FLOPs.
 TRUE_C = ComputeLaw(a=2.0 / 1e17**-0.1, b=-0.1, c=1.8)
@@ -203,8 +203,8 @@ def test_a_plans_compute_means_the_same_run_to_the_fit_and_the_budget(tmp_path):
     budget.flops, buys the same tokens; the fit reads that run at that C (same N, D); and
     the compute-optimal split of that C is a run of that C. The plan's PaLM-count
     total_flops is another number (attention included), never the fit's C."""
-    from pretrain.budget import resolve_budget
-    from pretrain.compose import compose_config
+    from pretrain.budget.compute import resolve_budget
+    from pretrain.config.compose import compose_config
 
     cfg = compose_config(["+recipe=isoflop-tiny"])
     gbs = cfg.train.global_batch_size

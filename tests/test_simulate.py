@@ -152,9 +152,9 @@ def test_the_simulated_optimizer_is_the_one_a_gpu_run_builds(optim):
     CUDA device."""
     import torch
 
-    from pretrain.compose import compose_config
-    from pretrain.model import GPT
-    from pretrain.optim import build_optimizer
+    from pretrain.config.compose import compose_config
+    from pretrain.model.gpt import GPT
+    from pretrain.optim.factory import build_optimizer
     from pretrain.parallel.layout import resolve_layout
     from pretrain.planning.simulate import (
         TARGET,

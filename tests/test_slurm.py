@@ -40,7 +40,7 @@ def trainer_checkpoints() -> bool:
 
 
 NO_CHECKPOINTS = "the trainer does not checkpoint or stop on SIGUSR1 yet (no CheckpointManager " \
-                 "in src/pretrain/trainer.py)"
+                 "in src/pretrain/train/trainer.py)"
 
 
 def _sbin_path() -> str:

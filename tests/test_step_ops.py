@@ -24,9 +24,9 @@ import pytest
 from helpers import MARKOV_DATA, compose_config, one_thread
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pretrain.model import build_model
+from pretrain.model.gpt import build_model
 from pretrain.tools.bench import plain_loop
-from pretrain.trainer import Trainer
+from pretrain.train.trainer import Trainer
 
 MAX_RATIO = 1.15  # issue 35: trainer ops per step / plain loop ops per step
 MICRO, SEQ, ACCUM = 1, 32, 2

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pretrain.budget import resolve_budget
-from pretrain.compose import compose_config
+from pretrain.budget.compute import resolve_budget
+from pretrain.config.compose import compose_config
 from pretrain.hardware.gpus import get_gpu
 from pretrain.parallel.layout import resolve_layout
 from pretrain.planning.cost import host_seconds, step_cost

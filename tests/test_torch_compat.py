@@ -130,7 +130,7 @@ def _exists(where: str) -> bool:
 def test_zbv_on_gloo_is_refused_before_torch_2_13(monkeypatch):
     """torch 2.11's pipeline warm-up sends a rank to itself where ZBV's V turns; gloo cannot
     (the run died in its first step): refused naming the fix, NCCL and torch 2.13 let pass."""
-    from pretrain.config import ConfigError
+    from pretrain.config.schema import ConfigError
 
     zbv = SimpleNamespace(pp_schedule="zbv")
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")

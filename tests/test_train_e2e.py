@@ -10,7 +10,7 @@ import sys
 import pytest
 from helpers import CORPUS_FILES, REPO, read_result, write_corpus
 
-from pretrain.naming import run_name
+from pretrain.config.naming import run_name
 
 STEPS, BATCH, SEQ, PEAK_LR, WARMUP = 30, 16, 64, 2e-3, 5
 TRAIN_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "memory_gb")

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pretrain.evaluation import Evaluator
-from pretrain.step_strategy import strategy_class
-from pretrain.trainer import Trainer
+from pretrain.train.evaluation import Evaluator
+from pretrain.train.step_strategy import strategy_class
+from pretrain.train.trainer import Trainer
 
 
 def nano_trainer(compose, prepared, run_dir, micro_batch: int, extra: tuple = ()) -> Trainer:

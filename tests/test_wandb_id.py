@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pretrain.metrics import WANDB_ID, wandb_run_id
-from pretrain.trainer import Trainer
+from pretrain.train.metrics import WANDB_ID, wandb_run_id
+from pretrain.train.trainer import Trainer
 
 
 def test_the_id_is_kept_for_a_resume_and_new_for_a_fresh_start(tmp_path):

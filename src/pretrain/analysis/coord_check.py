@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pretrain.config import ModelConfig, OptimConfig
-from pretrain.model import GPT, set_attention_backend
-from pretrain.optim import build_optimizer
+from pretrain.config.schema import ModelConfig, OptimConfig
+from pretrain.model.gpt import GPT, set_attention_backend
+from pretrain.optim.factory import build_optimizer
 
 VOCAB = 256
 N_HEAD = 4

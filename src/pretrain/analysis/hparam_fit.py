@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from pretrain.analysis.scaling import finished_runs
-from pretrain.hparams import HparamLaws, PowerLaw
+from pretrain.budget.hparams import HparamLaws, PowerLaw
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain.budget import FLOPS_PER_PARAM_TOKEN, run_compute
+from pretrain.budget.compute import FLOPS_PER_PARAM_TOKEN, run_compute
 
 HUBER_DELTA = 1e-3  # Hoffmann et al. 2022, section D.2
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from pretrain.budget import resolve_budget
+from pretrain.budget.compute import resolve_budget
 from pretrain.checkpoint.manager import (
     CheckpointError,
     complete_checkpoints,
@@ -31,8 +31,8 @@ from pretrain.checkpoint.manager import (
     require_exists,
     resolve_checkpoint,
 )
-from pretrain.config import BudgetConfig, Config, ConfigError
-from pretrain.optim import wsd_decay_start
+from pretrain.config.schema import BudgetConfig, Config, ConfigError
+from pretrain.optim.factory import wsd_decay_start
 
 # What a branch must share with its source, so that its first step is the step the source
 # would have taken next: the data and its order, the batch, the optimizer and its LR up to

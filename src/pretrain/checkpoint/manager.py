@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from pretrain import torch_compat
-from pretrain.config import CheckpointConfig
+from pretrain.config.schema import CheckpointConfig
 from pretrain.parallel.mesh import broadcast_from_rank0
 
 log = logging.getLogger("pretrain.checkpoint")

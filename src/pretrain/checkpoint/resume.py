@@ -32,7 +32,7 @@ from pretrain.checkpoint.manager import (
     resolve_checkpoint,
     verify_checksums,
 )
-from pretrain.config import Config
+from pretrain.config.schema import Config
 
 log = logging.getLogger("pretrain")
 # Model keys a checkpoint may differ in: they change no weight's shape or meaning.
@@ -183,8 +183,8 @@ def load_weights(source: str, cfg: Config, parts: list[torch.nn.Module], attenti
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from pretrain.hf import load_hf_weights
-    from pretrain.model import build_model
+    from pretrain.model.gpt import build_model
+    from pretrain.model.hf import load_hf_weights
 
     full = build_model(cfg, torch.device("cpu"), attention, cfg.train.seed)
     load_hf_weights(full, cfg.model, str(src))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain.config import DataConfig
+from pretrain.config.schema import DataConfig
 from pretrain.data.errors import DataError
 from pretrain.data.sources import iter_documents
 from pretrain.data.split import ValidationRule

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pretrain.config import ConfigError, DataConfig
+from pretrain.config.schema import ConfigError, DataConfig
 from pretrain.data.prepare import prepared_index
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain.config import DataConfig
+from pretrain.config.paths import SRC
+from pretrain.config.schema import DataConfig
 from pretrain.data.encode import (
     DONE,
     PLAN,
@@ -50,7 +51,6 @@ from pretrain.data.encode import (
 from pretrain.data.errors import DataError
 from pretrain.data.sources import apply_max_documents, expand_files, plan_pieces, stdlib_files
 from pretrain.data.tokenizer import make_tokenizer
-from pretrain.paths import SRC
 
 __all__ = ["DataError", "INDEX", "FORMAT_VERSION", "data_dir", "fingerprint", "is_prepared",
            "load_index", "merge", "plan", "encode", "prepare", "staging_dir", "stdlib_files"]

@@ -29,7 +29,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from pretrain.config import DataConfig
+from pretrain.config.schema import DataConfig
 from pretrain.data.errors import DataError
 
 log = logging.getLogger("pretrain")

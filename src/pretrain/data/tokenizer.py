@@ -13,7 +13,7 @@ import logging
 import time
 from pathlib import Path
 
-from pretrain.config import DataConfig
+from pretrain.config.schema import DataConfig
 from pretrain.data.errors import DataError
 from pretrain.data.sources import iter_documents
 from pretrain.data.split import ValidationRule

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pretrain.paths import CONF_DIR
+from pretrain.config.paths import CONF_DIR
 
 GIB = 1024**3
 CONF_GPU_DIR = CONF_DIR / "gpu"

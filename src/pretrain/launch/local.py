@@ -13,13 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain.config import ParallelConfig
+from pretrain.config.paths import REPO
+from pretrain.config.schema import ParallelConfig
 from pretrain.launch import LaunchError
-from pretrain.lifeline import LAUNCHER_PID, preexec
+from pretrain.launch.lifeline import LAUNCHER_PID, preexec
 from pretrain.parallel.layout import layout_world_size, model_parallel_size
 from pretrain.parallel.rules import world_problems
-from pretrain.paths import REPO
-from pretrain.preemption import EXIT_REQUEUE, STOPPED
+from pretrain.train.preemption import EXIT_REQUEUE, STOPPED
 
 
 def world_size(par: ParallelConfig, nproc: int | None) -> int:

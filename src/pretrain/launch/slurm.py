@@ -14,10 +14,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.config import Config
+from pretrain.config.paths import REPO
+from pretrain.config.schema import Config
 from pretrain.launch import LaunchError
 from pretrain.parallel.layout import layout_world_size, model_parallel_size
-from pretrain.paths import REPO
 
 TEMPLATE = REPO / "slurm" / "train.sbatch"
 PREPARE_TEMPLATE = REPO / "slurm" / "prepare.sbatch"

@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from pretrain import torch_compat
-from pretrain.config import ModelConfig
+from pretrain.config.schema import ModelConfig
 from pretrain.parallel.tensor_parallel import ROWWISE
 
 # A block's Linears in the order its forward runs them (model.Block: attention, then MLP).

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from pretrain.config import Config
-from pretrain.loss import cross_entropy
-from pretrain.model import GPT, set_attention_backend
-from pretrain.moe import GroupedExperts, MoE
+from pretrain.config.schema import Config
+from pretrain.model.gpt import GPT, set_attention_backend
+from pretrain.model.loss import cross_entropy
+from pretrain.model.moe import GroupedExperts, MoE
 from pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from pretrain.parallel.data_parallel import apply_data_parallel, autocasts, needs_wrapper
 from pretrain.parallel.expert_parallel import apply_expert_parallel
@@ -36,7 +36,7 @@ from pretrain.parallel.mesh import Meshes, all_reduce
 from pretrain.parallel.pipeline import split_model
 from pretrain.parallel.tensor_parallel import apply_tensor_parallel, enable_async_tp
 from pretrain.parallel.tied import TiedEmbedding, tied_embedding
-from pretrain.precision import Policy
+from pretrain.precision.policy import Policy
 
 
 @dataclass
@@ -174,7 +174,7 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
             "(train_module.join)")
     sharded = mesh is not None and layout.dp > 1 and layout.dp_mode in ("zero2", "zero3")
     if policy.fp8:
-        from pretrain.fp8 import convert_to_fp8
+        from pretrain.precision.fp8 import convert_to_fp8
 
         convert_to_fp8(model, policy.fp8_recipe, policy.fp8_filter, emulate=policy.fp8_emulate,
                        fsdp_all_gather=sharded)

@@ -23,10 +23,10 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import Shard
 
 from pretrain import torch_compat
-from pretrain.moe import GroupedExperts
+from pretrain.model.moe import GroupedExperts
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.mesh import Meshes
-from pretrain.precision import Policy
+from pretrain.precision.policy import Policy
 
 
 def needs_wrapper(layout: Layout, mixed: bool) -> bool:

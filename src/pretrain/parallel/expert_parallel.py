@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 from pretrain import torch_compat
-from pretrain.moe import GroupedExperts
+from pretrain.model.moe import GroupedExperts
 
 
 def _all_to_all(x: torch.Tensor, output_split: list[int], input_split: list[int],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from pretrain.config import Config, ParallelConfig, PipelineSchedule
+from pretrain.config.schema import Config, ParallelConfig, PipelineSchedule
 
 # Schedules that hold several stages per rank ("virtual" stages); the others hold one.
 MULTI_STAGE_SCHEDULES = (PipelineSchedule.interleaved_1f1b, PipelineSchedule.zbv)

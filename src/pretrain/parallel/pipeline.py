@@ -26,9 +26,9 @@ from torch.distributed.pipelining import (
 )
 
 from pretrain import torch_compat
-from pretrain.config import ConfigError
-from pretrain.model import GPT
-from pretrain.moe import uncounted
+from pretrain.config.schema import ConfigError
+from pretrain.model.gpt import GPT
+from pretrain.model.moe import uncounted
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.stages import stage_indices, stage_layers
 

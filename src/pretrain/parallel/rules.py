@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from pretrain.config import Config, ModelConfig, ParallelConfig
-from pretrain.model import ffn_dim, padded_vocab_size
+from pretrain.config.schema import Config, ModelConfig, ParallelConfig
+from pretrain.model.gpt import ffn_dim, padded_vocab_size
 from pretrain.parallel.layout import (
     MULTI_STAGE_SCHEDULES,
     layout_world_size,

@@ -31,8 +31,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from pretrain import torch_compat
-from pretrain.config import ConfigError
-from pretrain.model import GPT
+from pretrain.config.schema import ConfigError
+from pretrain.model.gpt import GPT
 
 # The Megatron plan, as data: the planner (planning/params.py) reads the same names.
 COLWISE = ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")  # Shard(0): output features
@@ -74,7 +74,7 @@ def _block_styles(block: nn.Module, fp8_tensorwise: bool):
     Float8 styles when every block Linear is a tensorwise Float8Linear (their inputs are
     cast to fp8 before the all-gather, as torchtitan does), else the plain ones."""
     if fp8_tensorwise:
-        from pretrain.fp8 import is_fp8
+        from pretrain.precision.fp8 import is_fp8
 
         linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
         if linears and all(is_fp8(m) for m in linears):

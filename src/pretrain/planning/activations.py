@@ -43,9 +43,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain.config import ModelConfig
-from pretrain.loss import chunk_rows, is_chunked
-from pretrain.model import ffn_token_width, padded_vocab_size
+from pretrain.config.schema import ModelConfig
+from pretrain.model.gpt import ffn_token_width, padded_vocab_size
+from pretrain.model.loss import chunk_rows, is_chunked
 from pretrain.parallel.activation_checkpoint import (
     block_linears,
     recomputed_linears,
@@ -193,10 +193,10 @@ def backward_working_bytes(m: ModelConfig, a: ActivationSetup) -> float:
 
 def head_and_loss(m: ModelConfig, a: ActivationSetup) -> tuple[float, float]:
     """(saved, transient) bytes of the final norm, output head and cross-entropy for one
-    microbatch, as ``pretrain.loss.cross_entropy`` computes it.
+    microbatch, as ``pretrain.model.loss.cross_entropy`` computes it.
 
-    Small batches (one chunk: ``pretrain.loss.chunk_rows``) and TP (``loss_parallel``) take
-    the plain path (``pretrain.loss.is_chunked``, the loss's own test):
+    Small batches (one chunk: ``pretrain.model.loss.chunk_rows``) and TP (``loss_parallel``) take
+    the plain path (``pretrain.model.loss.is_chunked``, the loss's own test):
     F.cross_entropy on an fp32 copy saves fp32 log-probabilities (4 n V) and its backward
     peaks at 8 n V more. Otherwise the chunked path saves the logits in the compute dtype and
     a log-sum-exp, and backward adds the logits' gradient and two fp32 chunks. A compiled

@@ -30,10 +30,10 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from pretrain.budget import Budget, resolve_budget
-from pretrain.config import Config, ParallelConfig
+from pretrain.budget.compute import Budget, resolve_budget
+from pretrain.config.schema import Config, ParallelConfig
 from pretrain.hardware.gpus import GpuSpec, get_gpu
-from pretrain.model import padded_vocab_size
+from pretrain.model.gpt import padded_vocab_size
 from pretrain.parallel.layout import Layout, layout_world_size, resolve_layout
 from pretrain.parallel.rules import layout_problems, tp_problems
 from pretrain.planning.cost import StepCost, step_cost

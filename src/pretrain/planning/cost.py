@@ -64,8 +64,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from pretrain.budget import Budget
-from pretrain.config import Config
+from pretrain.budget.compute import Budget
+from pretrain.config.schema import Config
 from pretrain.hardware.gpus import GpuSpec
 from pretrain.parallel.activation_checkpoint import recomputed_linears
 from pretrain.parallel.data_parallel import needs_wrapper
@@ -83,7 +83,7 @@ from pretrain.planning.calibration import (
     SOLO_KERNEL_SPEEDUP,
 )
 from pretrain.planning.params import expert_share, inventory, rank_params
-from pretrain.precision import dtype_bytes
+from pretrain.precision.policy import dtype_bytes
 
 
 @dataclass(frozen=True)

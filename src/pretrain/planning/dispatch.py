@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pretrain.config import ModelConfig
+from pretrain.config.schema import ModelConfig
 
 # Ops that launch one kernel each and that inductor does not fuse into a neighbour: a
 # compiled block launches these and about one fused kernel between two of them.
@@ -72,7 +72,7 @@ def _tiny(m: ModelConfig, layers: int) -> ModelConfig:
 
 
 def _fwd_bwd(m: ModelConfig) -> tuple[int, int, torch.nn.Module]:
-    from pretrain.model import GPT
+    from pretrain.model.gpt import GPT
 
     with torch.device("cpu"):
         model = GPT(m)
@@ -84,7 +84,7 @@ def _fwd_bwd(m: ModelConfig) -> tuple[int, int, torch.nn.Module]:
 
 
 def _loss_ops(chunks: int) -> int:
-    from pretrain.loss import _ChunkedCrossEntropy
+    from pretrain.model.loss import _ChunkedCrossEntropy
 
     logits = torch.randn(4 * chunks, 16, requires_grad=True)
     targets = torch.randint(0, 16, (4 * chunks,))
@@ -127,8 +127,8 @@ def _count(m: ModelConfig) -> OpCount:
 
 def loss_chunks(m: ModelConfig, micro_batch: int, vocab_sharded: bool = False) -> int:
     """Chunks of the loss for one micro batch (0: the plain F.cross_entropy path)."""
-    from pretrain.loss import chunk_rows, is_chunked
-    from pretrain.model import padded_vocab_size
+    from pretrain.model.gpt import padded_vocab_size
+    from pretrain.model.loss import chunk_rows, is_chunked
 
     n, vocab = micro_batch * m.seq_len, padded_vocab_size(m)
     return math.ceil(n / chunk_rows(vocab)) if is_chunked(n, vocab, vocab_sharded) else 0

@@ -52,11 +52,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from pretrain.budget import count_params
-from pretrain.config import Config
+from pretrain.budget.compute import count_params
+from pretrain.config.schema import Config
 from pretrain.hardware.gpus import GIB, GpuSpec
-from pretrain.model import padded_vocab_size
-from pretrain.muon import muon_matrix, orthogonalisation_bytes
+from pretrain.model.gpt import padded_vocab_size
+from pretrain.optim.muon import muon_matrix, orthogonalisation_bytes
 from pretrain.parallel.data_parallel import autocasts, needs_wrapper
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.stages import stage_indices, stage_layers
@@ -71,7 +71,7 @@ from pretrain.planning.activations import (
 )
 from pretrain.planning.cost import defers_reduction
 from pretrain.planning.params import StageParams, inventory, rank_params
-from pretrain.precision import dtype_bytes
+from pretrain.precision.policy import dtype_bytes
 
 # PipelineStep (step_strategy.py) calls schedule.step(..., return_outputs=False): no logits kept
 KEEPS_PIPELINE_OUTPUTS = False

@@ -30,8 +30,8 @@ import functools
 import math
 from dataclasses import dataclass
 
-from pretrain.config import ModelConfig
-from pretrain.muon import muon_matrix
+from pretrain.config.schema import ModelConfig
+from pretrain.optim.muon import muon_matrix
 from pretrain.parallel.data_parallel import shard_dim
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.stages import stage_indices, stage_layers
@@ -62,7 +62,7 @@ def inventory(model: ModelConfig) -> tuple[Param, ...]:
 def _inventory(fields: tuple) -> tuple[Param, ...]:
     import torch
 
-    from pretrain.model import GPT
+    from pretrain.model.gpt import GPT
 
     model = ModelConfig(*fields)
     with torch.device("meta"):

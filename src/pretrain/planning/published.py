@@ -118,8 +118,8 @@ RUNS: tuple[PublishedRun, ...] = (
 
 def compare(run: PublishedRun) -> dict:
     """The planner on one published run: its figures next to the published ones."""
-    from pretrain.budget import resolve_budget
-    from pretrain.compose import compose_config
+    from pretrain.budget.compute import resolve_budget
+    from pretrain.config.compose import compose_config
     from pretrain.hardware.gpus import get_gpu
     from pretrain.parallel.layout import resolve_layout
     from pretrain.planning.cost import step_cost

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pretrain.budget import Budget, resolve_budget
-from pretrain.config import Config
+from pretrain.budget.compute import Budget, resolve_budget
+from pretrain.config.schema import Config
 from pretrain.hardware.gpus import GIB, GpuSpec
-from pretrain.model import padded_vocab_size
+from pretrain.model.gpt import padded_vocab_size
 from pretrain.parallel.activation_checkpoint import describe as describe_checkpointing
 from pretrain.parallel.layout import Layout, resolve_layout
 from pretrain.parallel.rules import layout_problems
@@ -188,7 +188,7 @@ def format_plan(p: dict) -> str:
                          f"{cst['dp_exposed']:.3g}{ep}); {c['memory_gib']:.1f} GiB")
         lines.append(f"  why #1: {p['auto_why']}")
     if p.get("hparam_rules"):
-        from pretrain.hparams import describe
+        from pretrain.budget.hparams import describe
 
         lines.append(describe(p["hparam_rules"]))
     if p.get("lr_warning"):

@@ -27,19 +27,19 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pretrain import torch_compat
-from pretrain.config import Config
+from pretrain.config.schema import Config
 from pretrain.hardware.device import peak_rss_bytes
-from pretrain.initialization import local_region
-from pretrain.loss import cross_entropy
-from pretrain.model import GPT
-from pretrain.optim import build_optimizer
+from pretrain.model.gpt import GPT
+from pretrain.model.initialization import local_region
+from pretrain.model.loss import cross_entropy
+from pretrain.optim.factory import build_optimizer
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
 from pretrain.parallel.layout import Layout, resolve_layout
 from pretrain.parallel.mesh import build_mesh
 from pretrain.parallel.tensor_parallel import loss_context
 from pretrain.planning.memory import rank_memory
 from pretrain.planning.params import rank_params
-from pretrain.precision import Policy, dtype_bytes, resolve_policy
+from pretrain.precision.policy import Policy, dtype_bytes, resolve_policy
 
 log = logging.getLogger("pretrain.simulate")
 
@@ -305,7 +305,7 @@ def cpu_stand_in(cfg: Config) -> Config:
 
 def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict:
     """Start rank ``rank`` of a ``world_size``-process run of ``cfg`` in this process."""
-    from pretrain.attention import resolve_backend
+    from pretrain.model.attention import resolve_backend
 
     if not 0 <= rank < world_size:
         raise ValueError(f"--rank={rank} is not a rank of a {world_size}-process world "

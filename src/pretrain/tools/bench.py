@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pretrain.compose import compose_config
+from pretrain.config.compose import compose_config
 from pretrain.hardware.device import peak_memory_bytes
 
 MODES = ("trainer", "plain", "hf")
@@ -116,7 +116,7 @@ def timed(step_fn, warmup: int, steps: int, device: torch.device) -> float:
 def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
     cfg = compose_config([*overrides, "logging.wandb=disabled", "logging.progress_bar=false",
                           "train.sample_tokens=0"])
-    from pretrain.trainer import Trainer
+    from pretrain.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(cfg, Path(tmp))

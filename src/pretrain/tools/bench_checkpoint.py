@@ -23,8 +23,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from pretrain.checkpoint.manager import ModelOptimizer, own_checksums, verify_checksums
-from pretrain.compose import compose_config
-from pretrain.model import build_model
+from pretrain.config.compose import compose_config
+from pretrain.model.gpt import build_model
 
 
 def best_of(repeat: int, fn) -> float:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from pretrain.budget import resolve_budget
-from pretrain.compose import compose_config
+from pretrain.budget.compute import resolve_budget
+from pretrain.config.compose import compose_config
 from pretrain.hardware.gpus import get_gpu
 from pretrain.parallel.layout import resolve_layout
 from pretrain.planning.cost import step_cost

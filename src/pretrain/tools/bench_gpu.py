@@ -28,7 +28,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from pretrain.paths import REPO
+from pretrain.config.paths import REPO
 
 # Models at a batch of micro x accumulation that fits an 80 GB GPU without activation
 # checkpointing (tools/plan.py: 62 GiB for gpt3-1.3b at micro batch 8) and gives steps short
@@ -78,10 +78,10 @@ def command(model: str, setting: str, steps: int, warmup: int, mode: str = "trai
 def resolve_cell(model: str, setting: str, steps: int = 20, warmup: int = 5) -> dict:
     """The device-independent plan of a cell (budget, epochs of the corpus, layout), as the
     run resolves it before it starts: raises ConfigError where the run would stop."""
-    from pretrain.budget import resolve_budget
-    from pretrain.compose import compose_config
-    from pretrain.config_checks import check
-    from pretrain.resolve import describe_run
+    from pretrain.budget.compute import resolve_budget
+    from pretrain.config.compose import compose_config
+    from pretrain.decision.checks import check
+    from pretrain.decision.resolve import describe_run
 
     cfg = compose_config(overrides(model, setting, steps, warmup))
     check(cfg, 1)

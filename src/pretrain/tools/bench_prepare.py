@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pretrain.paths import REPO
+from pretrain.config.paths import REPO
 
 SUFFIXES = {".py", ".pyi", ".md", ".rst", ".txt", ".h"}
 CORPUS_VERSION = 1

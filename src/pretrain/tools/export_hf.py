@@ -24,10 +24,10 @@ from pretrain.checkpoint.manager import (
     read_meta,
     resolve_checkpoint,
 )
-from pretrain.config import ModelConfig
-from pretrain.hf import ExportError, hf_config, to_hf_state_dict
-from pretrain.model import GPT
-from pretrain.precision import DTYPES
+from pretrain.config.schema import ModelConfig
+from pretrain.model.gpt import GPT
+from pretrain.model.hf import ExportError, hf_config, to_hf_state_dict
+from pretrain.precision.policy import DTYPES
 
 
 def find_tokenizer(ckpt: Path, data: dict) -> Path | None:

@@ -36,9 +36,9 @@ import os
 import sys
 from pathlib import Path
 
-from pretrain.compose import compose_config
-from pretrain.config import ConfigError
-from pretrain.config_checks import check
+from pretrain.config.compose import compose_config
+from pretrain.config.schema import ConfigError
+from pretrain.decision.checks import check
 from pretrain.launch.slurm import (
     Container,
     LaunchError,

@@ -23,15 +23,15 @@ import argparse
 import json
 import sys
 
-from pretrain.budget import BudgetError, resolve_budget
-from pretrain.compose import compose_config
-from pretrain.config import ConfigError
-from pretrain.config_checks import check
+from pretrain.budget.compute import BudgetError, resolve_budget
+from pretrain.config.compose import compose_config
+from pretrain.config.schema import ConfigError
+from pretrain.decision.checks import check
+from pretrain.decision.resolve import describe_run, resolve_auto
 from pretrain.hardware.gpus import GpuError, get_gpu
 from pretrain.parallel.layout import layout_world_size
 from pretrain.planning.autolayout import LayoutError
 from pretrain.planning.report import build_plan, format_plan
-from pretrain.resolve import describe_run, resolve_auto
 
 FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2
 

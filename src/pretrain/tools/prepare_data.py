@@ -27,8 +27,8 @@ import os
 import sys
 from pathlib import Path
 
-from pretrain.compose import compose_config
-from pretrain.config import DataConfig
+from pretrain.config.compose import compose_config
+from pretrain.config.schema import DataConfig
 from pretrain.data.prepare import (
     DataError,
     data_dir,

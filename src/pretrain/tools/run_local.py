@@ -15,7 +15,7 @@ overrides): the training processes never tokenise.
 Stopping it stops the run: SIGTERM, SIGINT (Ctrl-C) or SIGUSR1 are passed on (every rank
 saves a checkpoint and the launcher exits 75); killed outright (``kill -9``), it takes
 torchrun and every rank with it within moments, and the newest checkpoint is where the run
-resumes (pretrain/lifeline.py).
+resumes (pretrain/launch/lifeline.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pretrain.compose import compose_config
+from pretrain.config.compose import compose_config
 from pretrain.data.prepare import needs_preparation
 from pretrain.launch import LaunchError
 from pretrain.launch.local import (

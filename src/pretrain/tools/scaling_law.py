@@ -17,7 +17,7 @@ with the override line that makes a recipe use the fitted laws. Writes ``hparams
 
 Otherwise it reads every run directory under the given folders that holds ``result.json`` (written only
 when a run finished its budget) and ``plan.json``; N is the plan's ``n_params``, D the
-tokens trained, C = 6 N D (``pretrain.budget.run_compute``: the plan's ``compute``, the C
+tokens trained, C = 6 N D (``pretrain.budget.compute.run_compute``: the plan's ``compute``, the C
 of ``budget=flops``; not its ``total_flops``, the hardware work). Fits
 L(C) = a C^b + c (needs 3+ runs) and L(N, D) = E + A/N^alpha + B/D^beta (needs 6+ runs at
 different tokens per parameter: an iso-FLOP sweep, not a pure 20-tokens-per-param
@@ -97,7 +97,7 @@ def hparam_report(dirs: list[Path], out: Path | None) -> int:
         group_by_compute,
         override_line,
     )
-    from pretrain.hparams import DEEPSEEK
+    from pretrain.budget.hparams import DEEPSEEK
 
     points = [p for d in dirs for p in collect_sweep(d)]
     if not points:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from pretrain.moe import aux_loss_scale, moe_layers
+from pretrain.model.moe import aux_loss_scale, moe_layers
 from pretrain.parallel.apply import ParallelModel
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.pipeline import build_schedule

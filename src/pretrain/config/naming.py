@@ -8,7 +8,7 @@ import re
 
 from omegaconf import OmegaConf
 
-from pretrain.config import Config
+from pretrain.config.schema import Config
 
 # Keys that do not change what is trained, and so name neither a run (run_name) nor a point
 # of a sweep (conf/config.yaml's hydra.job.config.override_dirname.exclude_keys reads them

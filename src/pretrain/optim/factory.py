@@ -9,16 +9,16 @@ from collections.abc import Iterable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from pretrain.config import ModelConfig, OptimConfig, ScheduleConfig
-from pretrain.muon import NS_DTYPES, MuonWithAdamW, ShardedMuon, muon_matrix
-from pretrain.parametrization import Scales, is_hidden, scales
-from pretrain.trust_ratio import Lamb, Lars
+from pretrain.config.schema import ModelConfig, OptimConfig, ScheduleConfig
+from pretrain.model.parametrization import Scales, is_hidden, scales
+from pretrain.optim.muon import NS_DTYPES, MuonWithAdamW, ShardedMuon, muon_matrix
+from pretrain.optim.trust_ratio import Lamb, Lars
 
 
 def scaled_lr(cfg: OptimConfig, global_batch_tokens: int) -> float:
     """``optim.lr`` was tuned at ``ref_batch_tokens``; adapt it to the actual global batch.
     An LR from a rule (``optim.lr_rule`` other than fixed, resolved into ``cfg.lr`` by
-    pretrain.hparams.apply_rules) is the LR for the run's own compute and batch already: it
+    pretrain.budget.hparams.apply_rules) is the LR for the run's own compute and batch already: it
     is used as it is, never rescaled a second time."""
     if cfg.lr_rule != "fixed" or cfg.lr_scaling == "none" or not cfg.ref_batch_tokens:
         return cfg.lr
@@ -73,7 +73,7 @@ def lr_range_warning(name: str, lr: float) -> str | None:
         return None
     side = "below" if lr < lo else "above"
     return (f"lr {lr:.3g} is far {side} optim={name}'s usual range {lo:g} to {hi:g} "
-            f"(src/pretrain/optim.py LR_RANGES): an LR meant for another optimizer? "
+            f"(src/pretrain/optim/factory.py LR_RANGES): an LR meant for another optimizer? "
             f"conf/optim/{name}.yaml's lr is a starting point; set optim.lr")
 
 
@@ -116,7 +116,7 @@ def model_scales(model: torch.nn.Module) -> Scales:
 
 def _mup_groups(model: torch.nn.Module, cfg: OptimConfig, lr: float, s: Scales,
                 skip: set[int] = frozenset()) -> list[dict]:
-    """muP's/CompleteP's two AdamW groups (pretrain.parametrization): everything
+    """muP's/CompleteP's two AdamW groups (pretrain.model.parametrization): everything
     vector-like (embeddings, norms, biases, an untied head, routers: LR as given, no decay,
     epsilon / width), then the hidden matrices (LR and epsilon / width, decay x width,
     CompleteP's epsilon / depth too). The first group's LR is the one logged."""

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from pretrain import torch_compat
-from pretrain.config import ModelConfig
+from pretrain.config.schema import ModelConfig
 
 _AUX_SCALE = [1.0]
 

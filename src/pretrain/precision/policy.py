@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pretrain.config import Config, PrecisionConfig
+from pretrain.config.paths import CONF_DIR
+from pretrain.config.schema import Config, PrecisionConfig
 from pretrain.hardware.gpus import GpuSpec
-from pretrain.paths import CONF_DIR
 
 # The one table of dtype names a config may use: precision policies, the planner's byte
 # counts (``dtype_bytes``) and tools/export_hf.py's --dtype all read it.
@@ -138,7 +138,7 @@ def resolve_policy(cfg: PrecisionConfig, device: torch.device) -> Policy:
                 "or set precision.fp8_allow_emulation=true to emulate it (slow, for tests)."
             )
         emulate = not ok
-        from pretrain.fp8 import require_torchao
+        from pretrain.precision.fp8 import require_torchao
 
         require_torchao()
     return Policy(

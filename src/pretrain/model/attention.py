@@ -3,7 +3,7 @@
 Every backend takes q, k, v shaped (batch, seq, heads, head_dim), the layout flash-attn
 uses natively, with k and v possibly having fewer (grouped) heads, and returns
 (batch, seq, heads, head_dim). ``scale`` is the softmax scale of q.k: None for
-1/sqrt(head_dim), muP's sqrt(base head_dim)/head_dim otherwise (pretrain.parametrization).
+1/sqrt(head_dim), muP's sqrt(base head_dim)/head_dim otherwise (pretrain.model.parametrization).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pretrain.config import AttentionBackend
+from pretrain.config.schema import AttentionBackend
 
 BACKENDS = tuple(AttentionBackend)
 

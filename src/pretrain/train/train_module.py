@@ -21,18 +21,18 @@ from dataclasses import dataclass
 import torch
 
 from pretrain import torch_compat
-from pretrain.config import Config
-from pretrain.fp8 import after_optimizer_step, fp8_all_gather
-from pretrain.initialization import local_region
-from pretrain.moe import routing_stats, update_biases
-from pretrain.nonfinite import NonFiniteSteps, device_skip_supported, step_unless
-from pretrain.optim import build_optimizer, build_scheduler
+from pretrain.config.schema import Config
+from pretrain.model.initialization import local_region
+from pretrain.model.moe import routing_stats, update_biases
+from pretrain.optim.factory import build_optimizer, build_scheduler
+from pretrain.optim.nonfinite import NonFiniteSteps, device_skip_supported, step_unless
 from pretrain.parallel import mesh as dist_env
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.mesh import Meshes
-from pretrain.precision import Policy
-from pretrain.step_strategy import step_strategy, strategy_class
+from pretrain.precision.fp8 import after_optimizer_step, fp8_all_gather
+from pretrain.precision.policy import Policy
+from pretrain.train.step_strategy import step_strategy, strategy_class
 
 log = logging.getLogger("pretrain")
 
@@ -201,7 +201,7 @@ class TrainModule:
         the whole model inside clip_grad_norm, and it is not finite whenever the loss is not
         (a NaN or inf loss back-propagates into the gradients, and every rank's norm covers
         every gradient), so every rank skips a non-finite step on the device
-        (pretrain/nonfinite.py). A non-fused optimizer reads the decision on the host."""
+        (pretrain/optim/nonfinite.py). A non-fused optimizer reads the decision on the host."""
         self.parallel.train()
         loss, small_sq = self.strategy.forward_backward(x, y, measure)
         grad_norm = self._clipped_grad_norm().detach()

@@ -13,9 +13,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
-from pretrain.config import Config, register_configs, to_config
-from pretrain.naming import check_recipe_overrides, register_resolvers
-from pretrain.paths import CONF_DIR
+from pretrain.config.naming import check_recipe_overrides, register_resolvers
+from pretrain.config.paths import CONF_DIR
+from pretrain.config.schema import Config, register_configs, to_config
 
 
 def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:

@@ -39,9 +39,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from pretrain.budget import BudgetError, rule_tokens
-from pretrain.config import Config, ModelConfig
-from pretrain.model import ffn_dim
+from pretrain.budget.compute import BudgetError, rule_tokens
+from pretrain.config.schema import Config, ModelConfig
+from pretrain.model.gpt import ffn_dim
 from pretrain.parallel.layout import derived_dp
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pretrain.config import ModelConfig
+from pretrain.config.schema import ModelConfig
 
 PARAMETRIZATIONS = ("sp", "mup", "completep")
 # Hidden matrices: both dimensions grow with the width (attention, MLP and experts' weights).

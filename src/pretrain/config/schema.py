@@ -66,7 +66,7 @@ Device = _choice("Device", "auto cpu cuda")
 # auxiliary-loss-free bias, or none.
 MoeBalance = _choice("MoeBalance", "aux_loss aux_free none")
 # model.parametrization: standard, muP (Yang et al. 2022), CompleteP (Dey et al. 2025); the
-# rules are pretrain/parametrization.py's.
+# rules are pretrain/model/parametrization.py's.
 Parametrization = _choice("Parametrization", "sp mup completep")
 
 
@@ -99,7 +99,7 @@ class ModelConfig:
     attention: AttentionBackend = AttentionBackend.auto
     # RMSNorm of the whole query and key projections before RoPE (OLMoE, OLMo 2).
     qk_norm: bool = False
-    # Mixture of experts (pretrain/moe.py): 0 experts is the dense model. Each MoE layer
+    # Mixture of experts (pretrain/model/moe.py): 0 experts is the dense model. Each MoE layer
     # routes every token to moe_top_k of moe_experts SwiGLU/GELU experts of width moe_d_ff
     # (None: d_ff's rule), plus moe_shared_experts always-on experts of that width; the
     # first moe_first_dense layers stay dense (DeepSeek). Router in fp32, softmax over all
@@ -120,7 +120,7 @@ class ModelConfig:
     # under-loaded one's up (DeepSeek-V3's gamma, 0.001).
     moe_bias_rate: float = 0.001
     # How init, per-parameter LRs and multipliers scale with width and depth (see
-    # pretrain/parametrization.py): sp (standard), mup, or completep (mup plus 1/depth
+    # pretrain/model/parametrization.py): sp (standard), mup, or completep (mup plus 1/depth
     # residual branches). base_width: the d_model the hyperparameters were tuned at
     # (None: this model's own); base_depth: the n_layer they were tuned at (completep).
     # output_mult: the base model's logit multiplier (the mup package's MuReadout
@@ -182,7 +182,7 @@ class DataConfig:
 @dataclass
 class PrecisionConfig:
     # auto: bf16 where the device multiplies it natively, fp16 on pre-Ampere GPUs, else fp32
-    # (pretrain.precision.choose_auto); the other names are the presets in conf/precision/.
+    # (pretrain.precision.policy.choose_auto); the other names are the presets in conf/precision/.
     name: str = "fp32"
     # Master weights and optimizer state.
     param_dtype: MasterDtype = MasterDtype.float32
@@ -245,7 +245,7 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    """The optimizer (src/pretrain/optim.py): AdamW by default; the config group
+    """The optimizer (src/pretrain/optim/factory.py): AdamW by default; the config group
     ``optim=adamw|lamb|lars|muon`` sets ``name`` and its hyperparameters."""
 
     name: OptimizerName = OptimizerName.adamw
@@ -254,7 +254,7 @@ class OptimConfig:
     # actual global batch: none, sqrt (Adam, Malladi et al. 2022) or linear (Goyal et al.).
     ref_batch_tokens: int | None = None
     lr_scaling: LrScaling = LrScaling.none
-    # Where the peak LR comes from (src/pretrain/hparams.py): fixed (optim.lr, today's
+    # Where the peak LR comes from (src/pretrain/budget/hparams.py): fixed (optim.lr, today's
     # behaviour), deepseek (0.3118 C^-0.1250, Bi et al. 2024 sec. 3.1) or power (lr_law).
     # C is the run's compute in DeepSeek's convention, M x D (M: non-embedding FLOPs per
     # token). A rule's LR is already the LR for the batch the run uses: lr_scaling is not
@@ -340,7 +340,7 @@ class LoggingConfig:
 @dataclass
 class TrainConfig:
     global_batch_size: int = 32  # sequences per optimizer step
-    # Where global_batch_size comes from (src/pretrain/hparams.py): fixed (the number
+    # Where global_batch_size comes from (src/pretrain/budget/hparams.py): fixed (the number
     # above), deepseek (0.2920 C^0.3271 tokens, Bi et al. 2024 sec. 3.1) or power
     # (batch_law), rounded to a multiple of micro_batch_size x dp (x pp) sequences.
     batch_rule: HparamRule = HparamRule.fixed
@@ -348,7 +348,7 @@ class TrainConfig:
     batch_law: list[float] | None = None
     # Gradient noise scale B_simple (McCandlish et al. 2018, app. A), in tokens, measured on
     # logging steps from the first micro batch's gradient and the whole step's
-    # (src/pretrain/noise_scale.py); logged as noise_scale.
+    # (src/pretrain/train/noise_scale.py); logged as noise_scale.
     noise_scale: bool = True
     # EMA factor over the logging steps' estimates of |G|^2 and tr(Sigma).
     noise_scale_ema: float = 0.9
@@ -501,7 +501,7 @@ def to_config(cfg: Any) -> Config:
     if unknown:
         raise UnknownKeyError(
             f"unknown config key(s): {', '.join(unknown)}. Check the spelling against "
-            "src/pretrain/config.py (python train.py --cfg job prints every key)."
+            "src/pretrain/config/schema.py (python train.py --cfg job prints every key)."
         )
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, Config), type(obj)

@@ -16,12 +16,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.attention import KERNELS, kernel
-from pretrain.config import ModelConfig
-from pretrain.initialization import Init, init_parameters
-from pretrain.moe import MoE, is_moe_layer, moe_layers
-from pretrain.parametrization import attention_scale, scales
-from pretrain.parametrization import init_std as param_init_std
+from pretrain.config.schema import ModelConfig
+from pretrain.model.attention import KERNELS, kernel
+from pretrain.model.initialization import Init, init_parameters
+from pretrain.model.moe import MoE, is_moe_layer, moe_layers
+from pretrain.model.parametrization import attention_scale, scales
+from pretrain.model.parametrization import init_std as param_init_std
 
 
 def padded_vocab_size(cfg: ModelConfig) -> int:
@@ -129,7 +129,7 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Attention then the feed-forward: a dense MLP (``mlp``), or in an MoE layer a mixture
-    of experts (``moe``, pretrain/moe.py). ``residual``: the multiplier of both branches
+    of experts (``moe``, pretrain/model/moe.py). ``residual``: the multiplier of both branches
     before they join the residual stream (CompleteP's base_depth / n_layer; 1 otherwise)."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
@@ -189,7 +189,7 @@ class GPT(nn.Module):
         """How parameter ``name`` (the whole model's name) starts, GPT-2's way: N(0,
         init_std), residual projections (wo, w2) scaled by 1/sqrt(2 * n_layer), zero biases,
         unit norms; under mup/completep hidden matrices by 1/sqrt(width / base_width) too
-        (pretrain.parametrization.init_std). A tied head draws the embedding's numbers, so
+        (pretrain.model.parametrization.init_std). A tied head draws the embedding's numbers, so
         a pipeline stage's copy of it starts equal."""
         module, _, kind = name.rpartition(".")
         if kind == "bias":
@@ -203,7 +203,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Initialise every parameter from ``seed`` (a pure function of seed, name and
-        global shape: see pretrain.initialization), also when this module is a pipeline
+        global shape: see pretrain.model.initialization), also when this module is a pipeline
         stage or holds only shards. Also rebuilds the RoPE tables, which a meta-device
         construction leaves empty."""
         init_parameters(self, seed, self.init_rule)

@@ -6,6 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1]  # <checkout>/src: the package's import root
+SRC = Path(__file__).resolve().parents[2]  # <checkout>/src: the package's import root
 REPO = SRC.parent  # the checkout
 CONF_DIR = REPO / "conf"  # Hydra's config groups: model/, precision/, gpu/, ...

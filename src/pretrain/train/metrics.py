@@ -25,7 +25,7 @@ from pretrain.hardware.device import (
     peak_memory_bytes,
     peak_reserved_bytes,
 )
-from pretrain.precision import choose_auto
+from pretrain.precision.policy import choose_auto
 
 log = logging.getLogger("pretrain")
 # The measured CPU peak per (dtype, threads), for the life of the process.

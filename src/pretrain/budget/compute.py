@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pretrain.config import BudgetConfig, ModelConfig
-from pretrain.model import GPT
-from pretrain.moe import moe_layers
+from pretrain.config.schema import BudgetConfig, ModelConfig
+from pretrain.model.gpt import GPT
+from pretrain.model.moe import moe_layers
 
 # C = 6 N D: about 6 FLOPs per parameter and token for a forward and backward pass (Kaplan et
 # al. 2020, section 2.1; Hoffmann et al. 2022). The one definition of a run's compute: the

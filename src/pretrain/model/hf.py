@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from pretrain.config import ModelConfig
-from pretrain.parametrization import fold_into_weights
+from pretrain.config.schema import ModelConfig
+from pretrain.model.parametrization import fold_into_weights
 
 
 class ExportError(ValueError):
@@ -80,7 +80,7 @@ def hf_config(cfg: ModelConfig):
             initializer_range=cfg.init_std, tie_word_embeddings=True,
             architectures=["GPT2LMHeadModel"],
         )
-    from pretrain.model import expert_dim, ffn_dim
+    from pretrain.model.gpt import expert_dim, ffn_dim
 
     if architecture(cfg) in ("mixtral", "olmoe"):
         from transformers import MixtralConfig, OlmoeConfig
@@ -250,7 +250,7 @@ def model_config_from_hf(hf_cfg) -> dict:
 def check_matches(cfg: ModelConfig, hf_cfg) -> None:
     """Raise naming every model.* key that differs from the transformers checkpoint."""
     want = model_config_from_hf(hf_cfg)
-    from pretrain.model import ffn_dim
+    from pretrain.model.gpt import ffn_dim
 
     have = {k: getattr(cfg, k) for k in want}
     if "d_ff" in want and want["d_ff"] is None:
@@ -327,7 +327,7 @@ def load_hf_weights(model: torch.nn.Module, cfg: ModelConfig, path: str) -> None
     """Initialise ``model`` (plain, unsharded) from a transformers checkpoint directory."""
     from transformers import AutoConfig
 
-    from pretrain.model import padded_vocab_size
+    from pretrain.model.gpt import padded_vocab_size
 
     check_matches(cfg, AutoConfig.from_pretrained(path))
     sd = from_hf_state_dict(cfg, read_hf_weights(Path(path), cfg), padded_vocab_size(cfg))

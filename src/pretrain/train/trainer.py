@@ -22,30 +22,30 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from pretrain.budget.hparams import describe
 from pretrain.checkpoint.manager import CheckpointManager, ModelOptimizer, on_rank0
 from pretrain.checkpoint.resume import branch_record, load_weights, resume_path
-from pretrain.config import Config
+from pretrain.config.schema import Config
 from pretrain.data.epochs import check_epochs
 from pretrain.data.loader import TokenWindows
 from pretrain.data.prefetch import Prefetcher
 from pretrain.data.prepare import DataError, data_dir, load_index, prepare, require_prepared
-from pretrain.evaluation import Evaluator, sample
-from pretrain.garbage import GarbageCollection
+from pretrain.decision.resolve import dry_run, resolve_run
 from pretrain.hardware.device import keep_freed_memory, peak_rss_bytes
-from pretrain.hparams import describe
-from pretrain.metrics import LossWindow, MetricsLogger, PeakFlops, Throughput, memory_metrics
-from pretrain.noise_scale import NoiseScaleProbe, compare_batch
 from pretrain.planning.memory import checkpoint_bytes
-from pretrain.preemption import (
+from pretrain.train.evaluation import Evaluator, sample
+from pretrain.train.garbage import GarbageCollection
+from pretrain.train.metrics import LossWindow, MetricsLogger, PeakFlops, Throughput, memory_metrics
+from pretrain.train.noise_scale import NoiseScaleProbe, compare_batch
+from pretrain.train.preemption import (
     EXIT_REQUEUE,
     STOPPED,
     StopRequest,
     StopSavePolicy,
     requeue_exit,
 )
-from pretrain.resolve import dry_run, resolve_run
-from pretrain.run_lock import RunLock
-from pretrain.train_module import TrainModule, join, leave, max_over_ranks
+from pretrain.train.run_lock import RunLock
+from pretrain.train.train_module import TrainModule, join, leave, max_over_ranks
 
 log = logging.getLogger("pretrain")
 

@@ -6,11 +6,11 @@ reported together, so a user fixes a recipe in one pass.
 
 from __future__ import annotations
 
-from pretrain.config import Config, ConfigError
-from pretrain.optim import lr_rule_problems
+from pretrain.config.schema import Config, ConfigError
+from pretrain.model.parametrization import problems as parametrization_problems
+from pretrain.optim.factory import lr_rule_problems
 from pretrain.parallel.layout import declared_world_size
 from pretrain.parallel.rules import layout_problems
-from pretrain.parametrization import problems as parametrization_problems
 
 POSITIVE = (
     "model.n_layer", "model.n_head", "model.d_model", "model.vocab_size", "model.seq_len",
@@ -31,7 +31,7 @@ def _get(cfg: Config, dotted: str):
 def check(cfg: Config, world_size: int | None = None) -> None:
     """Raise ConfigError listing every problem with ``cfg``; return None when it is sound.
 
-    A key's closed set of values is its type's (the ``Choice`` enums of pretrain.config,
+    A key's closed set of values is its type's (the ``Choice`` enums of pretrain.config.schema,
     enforced at composition); what is checked here relates several keys or bounds a number.
     ``world_size`` is the number of processes launched, checked against the layout the
     recipe declares; None: WORLD_SIZE when a launcher set it, else the layout as declared

@@ -4,7 +4,7 @@ type of the planner's table) in, the resolved config and its plan out.
 The real run (trainer.py), the dry run (``dry_run=true``) and ``tools/plan.py`` all call
 it, so they cannot disagree about what ``auto`` means. The ``auto`` settings are decided in
 one order, because each depends on the one before: precision from the device, then LR and
-batch from their compute rules (src/pretrain/hparams.py), then the layout
+batch from their compute rules (src/pretrain/budget/hparams.py), then the layout
 (``parallel=auto``: planning/autolayout.choose_layout), whose memory depends on both.
 Nothing here touches data, weights or a process group.
 """
@@ -18,17 +18,18 @@ from dataclasses import dataclass
 
 import torch
 
-from pretrain.attention import resolve_backend
-from pretrain.budget import Budget, resolve_budget
+from pretrain.budget.compute import Budget, resolve_budget
+from pretrain.budget.hparams import apply_rules, describe, hparam_compute
 from pretrain.checkpoint.branch import check_branch_config
 from pretrain.checkpoint.manager import describe_policy
-from pretrain.config import Config
-from pretrain.config_checks import check
+from pretrain.config.schema import Config
 from pretrain.data.epochs import check_epochs
+from pretrain.decision.checks import check
 from pretrain.hardware.device import pick_device
 from pretrain.hardware.gpus import GpuSpec
-from pretrain.hparams import apply_rules, describe, hparam_compute
-from pretrain.optim import lr_range_warning, scaled_lr
+from pretrain.model.attention import resolve_backend
+from pretrain.model.parametrization import describe as describe_parametrization
+from pretrain.optim.factory import lr_range_warning, scaled_lr
 from pretrain.parallel.activation_checkpoint import describe as describe_checkpointing
 from pretrain.parallel.layout import (
     Layout,
@@ -37,8 +38,7 @@ from pretrain.parallel.layout import (
     world_size_from_env,
 )
 from pretrain.parallel.mesh import env_rank
-from pretrain.parametrization import describe as describe_parametrization
-from pretrain.precision import Policy, resolve_auto_precision, resolve_policy
+from pretrain.precision.policy import Policy, resolve_auto_precision, resolve_policy
 
 log = logging.getLogger("pretrain")
 # The order the ``auto`` settings are decided in (each depends on the ones before it).
@@ -115,7 +115,7 @@ def describe_run(cfg: Config, world_size: int, budget: Budget) -> dict:
         "checkpoint": describe_policy(cfg.checkpoint),
         "global_batch_size": cfg.train.global_batch_size,
         # C in DeepSeek's convention (non-embedding FLOPs/token x tokens), the x of the
-        # hyperparameter rules (src/pretrain/hparams.py); tools/scaling_law.py --hparams
+        # hyperparameter rules (src/pretrain/budget/hparams.py); tools/scaling_law.py --hparams
         # groups a sweep's runs by it
         "hparam_compute": hparam_compute(cfg)[0],
     }
