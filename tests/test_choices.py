@@ -34,7 +34,7 @@ from pretrain.config.schema import (
     PipelineSchedule,
     ScheduleConfig,
 )
-from pretrain.config.schema import schema as config
+from pretrain.config import schema as config
 from pretrain.model.attention import KERNELS
 from pretrain.optim.factory import lr_multiplier, scaled_lr
 from pretrain.optim.muon import NS_DTYPES

@@ -36,7 +36,7 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 def trainer_checkpoints() -> bool:
     """The checkpoint/preemption integration (CheckpointManager in the trainer, stop on
     SIGUSR1 with exit 75) is being added to the trainer; until then its tests skip."""
-    return "CheckpointManager" in (REPO / "src" / "pretrain" / "trainer.py").read_text()
+    return "CheckpointManager" in (REPO / "src" / "pretrain" / "train" / "trainer.py").read_text()
 
 
 NO_CHECKPOINTS = "the trainer does not checkpoint or stop on SIGUSR1 yet (no CheckpointManager " \
