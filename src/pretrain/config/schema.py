@@ -200,7 +200,7 @@ class DataConfig:
     # (a cooldown branch may set its own). Empty mixture: the single corpus data.name.
     mixture: list[MixtureSource] = field(default_factory=list)
     stages: list[MixtureStage] = field(default_factory=list)
-    cooldown_weights: dict[str, float] | None = None
+    cooldown_weights: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

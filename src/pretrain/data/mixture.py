@@ -64,7 +64,7 @@ def weight_stages(cfg: DataConfig, decay_start: int | None = None
     stages = {0: tuple(float(s.weight) for s in cfg.mixture)}
     for st in cfg.stages:
         stages[int(st.step)] = tuple(float(st.weights.get(n, 0.0)) for n in names)
-    if cfg.cooldown_weights is not None and decay_start is not None:
+    if cfg.cooldown_weights and decay_start is not None:
         stages[int(decay_start)] = tuple(float(cfg.cooldown_weights.get(n, 0.0))
                                          for n in names)
     return sorted(stages.items())
@@ -105,7 +105,7 @@ def mixture_problems(cfg: DataConfig, decay: str) -> list[str]:
                  "stage's weights apply from its step to the next stage's")
     for i, st in enumerate(cfg.stages):
         p += _weights_problems(f"data.stages[{i}].weights", dict(st.weights), names)
-    if cfg.cooldown_weights is not None:
+    if cfg.cooldown_weights:
         p += _weights_problems("data.cooldown_weights", dict(cfg.cooldown_weights), names)
         if decay != "wsd":
             p.append(f"data.cooldown_weights applies from a WSD schedule's decay start: use "

@@ -127,7 +127,7 @@ def mixture_stages(cfg: Config, steps: int) -> list[tuple[int, tuple[float, ...]
     from the WSD decay start (ConfigError when a stage would fall inside the decay)."""
     start = wsd_decay_start(steps, cfg.schedule) if cfg.schedule.decay == "wsd" else None
     late = [st.step for st in cfg.data.stages if start is not None and st.step >= start]
-    if cfg.data.cooldown_weights is not None and late:
+    if cfg.data.cooldown_weights and late:
         raise ConfigError([f"data.stages at steps {late} fall in the decay (from step {start} "
                            "of this WSD run), where data.cooldown_weights applies: move them "
                            "before it, or fold them into data.cooldown_weights"])
