@@ -42,6 +42,9 @@ MUST_MATCH = ("optim", "train.global_batch_size", "schedule.warmup_steps",
 # Data keys that change neither the tokens nor their order.
 DATA_NEUTRAL = ("num_proc", "root", "auto_prepare", "max_epochs", "tokens", "shard_tokens")
 OPTIM_NEUTRAL = ("fused",)
+# A mixture's weights from the decay start on (data/mixture.py): the branch's own cooldown
+# mix. The branch point is at or before both runs' decay starts, so the source never used them.
+BRANCH_MAY_CHANGE = ("data.cooldown_weights",)
 
 
 def run_steps(cfg: Config, budget: BudgetConfig | None = None) -> int:
@@ -128,7 +131,8 @@ def _differences(saved: dict, cfg: Config) -> list[str]:
     then = _flat(saved)
     keys = [k for k in now if k.startswith(MUST_MATCH) or k.startswith("data.")]
     keys = [k for k in keys if k.split(".")[-1] not in
-            (DATA_NEUTRAL if k.startswith("data.") else OPTIM_NEUTRAL)]
+            (DATA_NEUTRAL if k.startswith("data.") else OPTIM_NEUTRAL)
+            and not k.startswith(BRANCH_MAY_CHANGE)]
     return [f"{k}={now[k]!r} (source: {then[k]!r})" for k in keys
             if k in then and then[k] != now[k]]
 

@@ -134,6 +134,23 @@ class ModelConfig:
 
 
 @dataclass
+class MixtureSource:
+    """One corpus of a mixture: prepared under ``${data.root}/${name}``, and its share of
+    the training samples (0: validation only). See docs/mixtures.md."""
+
+    name: str = ""
+    weight: float = 1.0
+
+
+@dataclass
+class MixtureStage:
+    """The mixture's weights from optimizer step ``step`` on (sources not listed: 0)."""
+
+    step: int = 0
+    weights: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class DataConfig:
     name: str = "stdlib"
     # Where the data comes from: "stdlib" (the embedded corpus: this Python's own standard
@@ -177,6 +194,13 @@ class DataConfig:
     # tokenizer=bpe is trained on at most this much text (characters), taken from the start of
     # every piece in proportion to its size, validation documents left out.
     tokenizer_sample_bytes: int = 64_000_000
+    # A weighted mixture of prepared corpora (data=mixture; src/pretrain/data/mixture.py,
+    # docs/mixtures.md): every global batch holds each source's share to within one sample.
+    # stages: new weights from a step on; cooldown_weights: from a WSD run's decay start on
+    # (a cooldown branch may set its own). Empty mixture: the single corpus data.name.
+    mixture: list[MixtureSource] = field(default_factory=list)
+    stages: list[MixtureStage] = field(default_factory=list)
+    cooldown_weights: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

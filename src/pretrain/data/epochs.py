@@ -66,3 +66,41 @@ def check_epochs(cfg: DataConfig, budget_tokens: int, index: dict | None = None)
                     "each document is seen about %.1f times", f"{budget_tokens:,}", n,
                     cfg.name, size.describe(), n)
     return entry
+
+
+def check_mixture_epochs(cfg: DataConfig, shares: list) -> dict:
+    """The plan's data entries of a mixture: per source (``data_sources``) its weights, the
+    tokens the budget takes from it, its prepared size and epochs; ``data.max_epochs`` and
+    the repetition warning apply to each source (a small source repeats long before the
+    mix does). ``shares``: data.mixture.source_shares."""
+    sizes = [s.data_tokens for s in shares]
+    total = None if None in sizes else sum(sizes)
+    budget = sum(s.tokens for s in shares)
+    entry = {"data_tokens": total, "data_tokens_from": "prepared" if total else "unknown",
+             "epochs": None if not total else round(budget / total, 3),
+             "data_sources": [{"name": s.name, "weights": s.weights, "tokens": s.tokens,
+                               "data_tokens": s.data_tokens,
+                               "epochs": None if s.epochs is None else round(s.epochs, 3)}
+                              for s in shares]}
+    over = [s for s in shares if s.epochs is not None and s.epochs > cfg.max_epochs]
+    if over:
+        raise ConfigError([
+            f"the budget takes {s.tokens:,} tokens from data.mixture source {s.name} "
+            f"({s.data_tokens:,} prepared), {s.epochs:.1f} epochs of it, more than "
+            f"data.max_epochs={cfg.max_epochs:g}; repeated data stops paying after about 4 "
+            f"epochs. Lower its weight, prepare more of it, shrink the budget, or raise "
+            f"data.max_epochs={s.epochs:.1f} if you mean it" for s in over])
+    for s in shares:
+        if s.epochs is not None and s.epochs > 1:
+            log.warning("the budget goes %.2f times through data.mixture source %s (%s of "
+                        "its %s tokens): each of its documents is seen about %.1f times",
+                        s.epochs, s.name, f"{s.tokens:,}", f"{s.data_tokens:,}", s.epochs)
+    return entry
+
+
+def describe_sources(entries: list[dict]) -> list[str]:
+    """One line per source of a plan's ``data_sources``."""
+    return [f"  {e['name']}: weight(s) {'/'.join(f'{w:g}' for w in e['weights'])}, "
+            f"{e['tokens']:,} tokens of the budget, "
+            + (f"{e['data_tokens']:,} prepared: {e['epochs']:.3g} epochs"
+               if e["data_tokens"] else "not prepared yet") for e in entries]

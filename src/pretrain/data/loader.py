@@ -33,11 +33,20 @@ def check_shard(path: Path, entry: dict, dtype: np.dtype) -> None:
             f"truncated or damaged; {fix}")
 
 
+def check_vocab(path: Path, index: dict, vocab_size: int) -> None:
+    """DataError when the data's token ids do not fit model.vocab_size."""
+    if index["max_token_id"] >= vocab_size:
+        raise DataError(
+            f"the data in {path} has token ids up to {index['max_token_id']} (tokenizer "
+            f"vocabulary {index['vocab_size']}) but model.vocab_size={vocab_size}; "
+            f"set model.vocab_size={index['vocab_size']} (or a larger padded size)")
+
+
 class TokenWindows:
     """Non-overlapping windows of seq_len + 1 tokens (inputs and shifted targets)."""
 
     def __init__(self, path: str | Path, split: str, seq_len: int, seed: int = 0,
-                 shuffle: bool = True):
+                 shuffle: bool = True, stream: int | None = None):
         self.path = Path(path)
         index = load_index(self.path)
         if split not in index["splits"]:
@@ -46,6 +55,8 @@ class TokenWindows:
         self.seq_len = seq_len
         self.seed = seed
         self.shuffle = shuffle
+        # a mixture's source k draws its own order: seeded by (seed, k, epoch)
+        self.key = [seed] if stream is None else [seed, stream]
         dtype = np.dtype(index["dtype"])
         entries = index["splits"][split]["shards"]
         for entry in entries:
@@ -65,7 +76,7 @@ class TokenWindows:
 
     def _order(self, epoch: int) -> np.ndarray:
         if self._perm_epoch != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
+            rng = np.random.default_rng([*self.key, epoch])
             self._perm = rng.permutation(self.n_windows)
             self._perm_epoch = epoch
         return self._perm

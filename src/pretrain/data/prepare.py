@@ -83,6 +83,8 @@ def fingerprint(cfg: DataConfig) -> str:
     keys["format"] = FORMAT_VERSION
     if cfg.source == "stdlib":
         keys["stdlib"] = sysconfig.get_paths()["stdlib"]
+    if cfg.tokenizer.endswith(".json") and Path(cfg.tokenizer).is_file():  # its content
+        keys["tokenizer_sha"] = hashlib.sha256(Path(cfg.tokenizer).read_bytes()).hexdigest()
     for f in expand_files(cfg.data_files):
         st = Path(f).stat()
         keys.setdefault("file_stats", []).append([f, st.st_size, int(st.st_mtime)])
@@ -122,8 +124,9 @@ def is_prepared(cfg: DataConfig) -> bool:
 def needs_preparation(cfg: DataConfig) -> bool:
     """Whether a launcher must run the preparation before training: ``auto_prepare`` and
     not prepared. With ``auto_prepare=false`` the data at the path is the user's to provide
-    (training reads whatever index is there)."""
-    return cfg.auto_prepare and not is_prepared(cfg)
+    (training reads whatever index is there). A mixture's sources are prepared one by one
+    (docs/mixtures.md), never by the run."""
+    return cfg.auto_prepare and not cfg.mixture and not is_prepared(cfg)
 
 
 def _check_output(cfg: DataConfig, fp: str) -> bool:
@@ -372,6 +375,11 @@ def require_prepared(cfg) -> None:
     """A multi-process run reads prepared data and never tokenises: DataError, naming the
     command that prepares it, when there is none for this data config (``cfg``: the run's
     Config; with ``data.auto_prepare=false`` any prepared index at the path will do)."""
+    if cfg.data.mixture:  # its sources are prepared corpora, each checked by name
+        from pretrain.data.mixture import check_sources
+
+        check_sources(cfg.data)
+        return
     path = data_dir(cfg.data)
     if not needs_preparation(cfg.data) and (path / INDEX).exists():
         return

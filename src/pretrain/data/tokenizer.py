@@ -81,6 +81,8 @@ def make_tokenizer(cfg: DataConfig, pieces: list[dict]) -> tuple[object, int, in
         tok = train_bpe(texts, cfg.tokenizer_vocab_size)
         log.info("data: tokenizer trained in %.1f s", time.time() - t0)
         return tok, tok.get_vocab_size(), tok.token_to_id(EOS)
+    if cfg.tokenizer.endswith(".json"):
+        return tokenizer_file(cfg.tokenizer)
     from transformers import AutoTokenizer
 
     try:
@@ -95,6 +97,21 @@ def make_tokenizer(cfg: DataConfig, pieces: list[dict]) -> tuple[object, int, in
     if hf.eos_token_id is None:
         raise DataError(f"tokenizer {cfg.tokenizer!r} has no EOS token to separate documents")
     return hf.backend_tokenizer, len(hf), hf.eos_token_id
+
+
+def tokenizer_file(name: str) -> tuple[object, int, int]:
+    """data.tokenizer=path/to/tokenizer.json: a tokenizer saved by another preparation (the
+    way a mixture's sources share one vocabulary, docs/mixtures.md)."""
+    from tokenizers import Tokenizer
+
+    if not Path(name).is_file():
+        raise DataError(f"data.tokenizer={name} is no file; name a tokenizer.json (e.g. "
+                        "<data.root>/<a prepared corpus>/tokenizer.json), bpe, or a hub name")
+    tok = Tokenizer.from_file(name)
+    eos = tok.token_to_id(EOS)
+    if eos is None:
+        raise DataError(f"data.tokenizer={name} has no {EOS} token to separate documents")
+    return tok, tok.get_vocab_size(), eos
 
 
 def load_for_encoding(path: Path):

@@ -7,6 +7,7 @@ reported together, so a user fixes a recipe in one pass.
 from __future__ import annotations
 
 from pretrain.config.schema import Config, ConfigError
+from pretrain.data.mixture import mixture_problems
 from pretrain.model.parametrization import problems as parametrization_problems
 from pretrain.optim.factory import lr_rule_problems
 from pretrain.parallel.layout import declared_world_size
@@ -47,7 +48,8 @@ def check(cfg: Config, world_size: int | None = None) -> None:
     _check_layout(cfg, world_size, p)
     _check_precision(cfg, p)
     _check_optim(cfg, p)
-    if cfg.data.tokenizer == "bpe" and cfg.data.tokenizer_vocab_size > cfg.model.vocab_size:
+    p.extend(mixture_problems(cfg.data, cfg.schedule.decay))
+    if not cfg.data.mixture and cfg.data.tokenizer == "bpe" and cfg.data.tokenizer_vocab_size > cfg.model.vocab_size:
         p.append(f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size} exceeds "
                  f"model.vocab_size={cfg.model.vocab_size}: token ids would fall outside the "
                  f"embedding; set model.vocab_size={cfg.data.tokenizer_vocab_size}")

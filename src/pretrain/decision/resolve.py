@@ -22,14 +22,15 @@ from pretrain.budget.compute import Budget, resolve_budget
 from pretrain.budget.hparams import apply_rules, describe, hparam_compute
 from pretrain.checkpoint.branch import check_branch_config
 from pretrain.checkpoint.manager import describe_policy
-from pretrain.config.schema import Config
-from pretrain.data.epochs import check_epochs
+from pretrain.config.schema import Config, ConfigError
+from pretrain.data.epochs import check_epochs, check_mixture_epochs
+from pretrain.data.mixture import source_shares, weight_stages
 from pretrain.decision.checks import check
 from pretrain.hardware.device import pick_device
 from pretrain.hardware.gpus import GpuSpec
 from pretrain.model.attention import resolve_backend
 from pretrain.model.parametrization import describe as describe_parametrization
-from pretrain.optim.factory import lr_range_warning, scaled_lr
+from pretrain.optim.factory import lr_range_warning, scaled_lr, wsd_decay_start
 from pretrain.parallel.activation_checkpoint import describe as describe_checkpointing
 from pretrain.parallel.layout import (
     Layout,
@@ -109,7 +110,7 @@ def describe_run(cfg: Config, world_size: int, budget: Budget) -> dict:
         "parametrization": str(cfg.model.parametrization),
         **describe_parametrization(cfg.model),  # its multipliers, under mup/completep
         "data": cfg.data.name,
-        **check_epochs(cfg.data, budget.tokens),
+        **describe_data(cfg, budget),
         "lr": lr,
         **({"lr_warning": warning} if warning else {}),
         "checkpoint": describe_policy(cfg.checkpoint),
@@ -119,6 +120,30 @@ def describe_run(cfg: Config, world_size: int, budget: Budget) -> dict:
         # groups a sweep's runs by it
         "hparam_compute": hparam_compute(cfg)[0],
     }
+
+
+def mixture_stages(cfg: Config, steps: int) -> list[tuple[int, tuple[float, ...]]]:
+    """A mixture's weights over the run's ``steps``: data.stages, and data.cooldown_weights
+    from the WSD decay start (ConfigError when a stage would fall inside the decay)."""
+    start = wsd_decay_start(steps, cfg.schedule) if cfg.schedule.decay == "wsd" else None
+    late = [st.step for st in cfg.data.stages if start is not None and st.step >= start]
+    if cfg.data.cooldown_weights and late:
+        raise ConfigError([f"data.stages at steps {late} fall in the decay (from step {start} "
+                           "of this WSD run), where data.cooldown_weights applies: move them "
+                           "before it, or fold them into data.cooldown_weights"])
+    return weight_stages(cfg.data, start)
+
+
+def describe_data(cfg: Config, budget: Budget) -> dict:
+    """The plan's data entries: the corpus's size and epochs; for a mixture, per source
+    too (``data_sources``), and the weights' stages (``mixture_stages``: [step, weights])."""
+    if not cfg.data.mixture:
+        return check_epochs(cfg.data, budget.tokens)
+    stages = mixture_stages(cfg, budget.steps)
+    shares = source_shares(cfg.data, stages, cfg.train.global_batch_size, budget.steps,
+                           cfg.model.seq_len)
+    return {**check_mixture_epochs(cfg.data, shares),
+            "mixture_stages": [[step, list(w)] for step, w in stages]}
 
 
 def resolve_plan(cfg: Config, world_size: int | None = None

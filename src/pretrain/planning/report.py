@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from pretrain.budget.compute import Budget, resolve_budget
 from pretrain.config.schema import Config
+from pretrain.data.epochs import describe_sources
 from pretrain.hardware.gpus import GIB, GpuSpec
 from pretrain.model.gpt import padded_vocab_size
 from pretrain.parallel.activation_checkpoint import describe as describe_checkpointing
@@ -217,6 +218,7 @@ def format_plan(p: dict) -> str:
             f"{p['data_tokens']:,} tokens ({p['data_tokens_from']}): the budget is "
             f"{p['epochs']:.3g} epochs" if p["epochs"] is not None
             else "size unknown until prepared (or declare data.tokens)"),
+        *describe_sources(p.get("data_sources", [])),
         f"time at {p['mfu']:.0%} MFU of {p['peak_tflops']:g} TFLOP/s: {p['time_days']:.2f} days,"
         f" {p['gpu_hours']:,.0f} GPU-hours",
         f"cost model (kernels at the GPU type's calibrated efficiency, stated link and "

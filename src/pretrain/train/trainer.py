@@ -27,9 +27,10 @@ from pretrain.checkpoint.manager import CheckpointManager, ModelOptimizer, on_ra
 from pretrain.checkpoint.resume import branch_record, load_weights, resume_path
 from pretrain.config.schema import Config
 from pretrain.data.epochs import check_epochs
-from pretrain.data.loader import TokenWindows
+from pretrain.data.loader import TokenWindows, check_vocab
+from pretrain.data.mixture import open_mixture
 from pretrain.data.prefetch import Prefetcher
-from pretrain.data.prepare import DataError, data_dir, load_index, prepare, require_prepared
+from pretrain.data.prepare import data_dir, load_index, prepare, require_prepared
 from pretrain.decision.resolve import dry_run, resolve_run
 from pretrain.hardware.device import keep_freed_memory, peak_rss_bytes
 from pretrain.planning.memory import checkpoint_bytes
@@ -124,10 +125,13 @@ class Trainer:
     def _load_data(self) -> None:
         """The training and (when prepared) validation windows."""
         cfg = self.cfg
-        path = self._data()
-        self.train_data = TokenWindows(path, "train", cfg.model.seq_len, seed=cfg.data.seed)
-        self.val_data = (TokenWindows(path, "validation", cfg.model.seq_len, shuffle=False)
-                         if "validation" in self.train_data.index["splits"] else None)
+        if cfg.data.mixture:  # data/mixture.py; the plan says what each source gives
+            self.train_data, self.val_data = open_mixture(cfg, self.plan)
+        else:
+            path = self._data()
+            self.train_data = TokenWindows(path, "train", cfg.model.seq_len, seed=cfg.data.seed)
+            self.val_data = (TokenWindows(path, "validation", cfg.model.seq_len, shuffle=False)
+                             if "validation" in self.train_data.index["splits"] else None)
         # the next batches read on a thread while a step runs, pinned for async copies
         self.prefetch = Prefetcher(self.train_data, self.layout.local_batch_size,
                                    cfg.train.global_batch_size, pin=self.device.type == "cuda")
@@ -144,12 +148,7 @@ class Trainer:
         if self.world_size == 1 and cfg.data.auto_prepare:
             path = prepare(cfg.data)
         index = load_index(path)
-        if index["max_token_id"] >= cfg.model.vocab_size:
-            raise DataError(
-                f"the data in {path} has token ids up to {index['max_token_id']} (tokenizer "
-                f"vocabulary {index['vocab_size']}) but model.vocab_size={cfg.model.vocab_size}; "
-                f"set model.vocab_size={index['vocab_size']} (or a larger padded size)"
-            )
+        check_vocab(path, index, cfg.model.vocab_size)
         self.plan.update(check_epochs(cfg.data, self.budget.tokens, index))
         log.info("data %s: %s training tokens, the budget is %.3g epochs of it", path,
                  f"{self.plan['data_tokens']:,}", self.plan["epochs"])
