@@ -28,7 +28,7 @@ def scaled_lr(cfg: OptimConfig, global_batch_tokens: int) -> float:
     return cfg.lr * ratio  # linear, the last of optim.lr_scaling's values
 
 
-def _groups(model: torch.nn.Module, also_embeddings: Iterable[torch.nn.Parameter],
+def decay_groups(model: torch.nn.Module, also_embeddings: Iterable[torch.nn.Parameter],
             skip: set[int] = frozenset()) -> tuple[list, list]:
     """(decay, no_decay): matrices (ndim >= 2) that are not embeddings, and the rest
     (embeddings, norms, biases), in the model's parameter order, less ``skip``."""
@@ -74,13 +74,13 @@ def build_adamw(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: tor
     if s.active:
         return torch.optim.AdamW(_mup_groups(model, cfg, lr, s), lr=lr,
                                  betas=tuple(cfg.betas), eps=cfg.eps, fused=_fused(cfg, device))
-    return _adamw(*_groups(model, also_embeddings), cfg, lr, device)
+    return _adamw(*decay_groups(model, also_embeddings), cfg, lr, device)
 
 
 def build_lamb(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torch.device,
                also_embeddings: list[torch.nn.Parameter]) -> Lamb:
     """LAMB: the trust ratio on the decayed matrices only, plain Adam on the rest."""
-    decay, no_decay = _groups(model, also_embeddings)
+    decay, no_decay = decay_groups(model, also_embeddings)
     return Lamb([{"params": decay}, {"params": no_decay, "weight_decay": 0.0,
                                      "trust_ratio": False}],
                 lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
@@ -89,7 +89,7 @@ def build_lamb(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torc
 def build_lars(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torch.device,
                also_embeddings: list[torch.nn.Parameter]) -> Lars:
     """LARS: the trust ratio on the decayed matrices only, plain momentum SGD on the rest."""
-    decay, no_decay = _groups(model, also_embeddings)
+    decay, no_decay = decay_groups(model, also_embeddings)
     return Lars([{"params": decay}, {"params": no_decay, "weight_decay": 0.0,
                                      "trust_ratio": False}],
                 lr=lr, momentum=_momentum(cfg, 0.9), weight_decay=cfg.weight_decay,
@@ -135,7 +135,7 @@ def build_muon(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torc
         groups = [g for g in _mup_groups(model, cfg, lr, s, skip) if g["params"]]
         return MuonWithAdamW(muon, torch.optim.AdamW(
             groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=_fused(cfg, device)))
-    decay, no_decay = _groups(model, also_embeddings, skip=skip)
+    decay, no_decay = decay_groups(model, also_embeddings, skip=skip)
     return MuonWithAdamW(muon, _adamw(decay, no_decay, cfg, lr, device, drop_empty=True))
 
 
