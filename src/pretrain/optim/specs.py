@@ -38,7 +38,9 @@ class OptimizerSpec:
     ``elementwise``: its step reads each element alone (no whole-tensor norm, gather or
     factored reduction), so FSDP2 may run it on host shards; ``mup``: it has a
     muP/CompleteP rule (model/parametrization.py's groups); ``orthogonalises``: its step
-    gathers and orthogonalises whole matrices (Muon: the planner's step transient)."""
+    gathers and orthogonalises whole matrices (Muon: the planner's step transient);
+    ``on_dtensor``: its step runs on DTensor parameters (FSDP2's and TP's shards), else the
+    layout rules keep it to whole tensors (one process, or DDP's replicas)."""
 
     name: str
     build: Build
@@ -50,6 +52,7 @@ class OptimizerSpec:
     elementwise: bool = False
     mup: bool = False
     orthogonalises: bool = False
+    on_dtensor: bool = True
 
 
 def _adam_state(name: str, shape: tuple[int, ...], local: tuple[int, ...], pb: int) -> int:

@@ -210,6 +210,19 @@ def offload_problems(cfg: Config) -> list[str]:
     return p
 
 
+def optimizer_problems(cfg: Config, world_size: int) -> list[str]:
+    """An optimizer whose step does not run on DTensor parameters (its spec's
+    ``on_dtensor``) on a layout that makes them: TP, or FSDP2 over more than one process."""
+    par, name = cfg.parallel, cfg.optim.name
+    dtensor = par.tp > 1 or (dp_mode(par.dp_mode).shards and world_size > 1)
+    if spec(name).on_dtensor or not dtensor:
+        return []
+    return [f"optim={name}'s step does not run on DTensor parameters, which "
+            f"{'TP' if par.tp > 1 else f'FSDP2 (parallel.dp_mode={par.dp_mode})'} makes: "
+            f"use parallel.tp=1 and parallel.dp_mode=ddp (whole tensors on every rank), one "
+            f"process, or another optimizer"]
+
+
 def async_tp_problems(cfg: Config) -> list[str]:
     """Async TP is a compiler pass over the sequence-parallel collectives
     (``torch._inductor.config._micro_pipeline_tp``): without TP, SP or compile it has
@@ -241,6 +254,7 @@ def layout_problems(cfg: Config, world_size: int) -> list[str]:
     p += dp_mode_problems(par, dp)
     p += ep_problems(cfg, dp)
     p += offload_problems(cfg)
+    p += optimizer_problems(cfg, world_size)
     p += async_tp_problems(cfg)
     if par.ac_every_n_layers < 0:
         p.append(f"parallel.ac_every_n_layers={par.ac_every_n_layers} must be >= 0")
