@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from pretrain.config.schema import OptimConfig
-from pretrain.optim.factory import build_adamw, build_lamb, build_lars, build_muon, model_scales
+from pretrain.optim.factory import (
+    build_adamw,
+    build_lamb,
+    build_lars,
+    build_muon,
+    decay_groups,
+    model_scales,
+)
 from pretrain.optim.muon import muon_matrix
 
 # build(model, cfg, lr, device, also_embeddings) -> the optimizer
@@ -73,12 +80,32 @@ def _muon_state(name: str, shape: tuple[int, ...], local: tuple[int, ...], pb: i
     return _adam_state(name, shape, local, pb)
 
 
+def _factored_state(name: str, shape: tuple[int, ...], local: tuple[int, ...], pb: int) -> int:
+    """torch's Adafactor: a float32 step, and the second moment factored over the last two
+    dimensions, a row and a column factor per leading index ((r + c) per r x c matrix, not
+    r x c), or whole for a vector."""
+    if len(local) < 2:
+        return 4 + pb * math.prod(local)
+    return 4 + pb * math.prod(local[:-2]) * (local[-2] + local[-1])
+
+
+def _adafactor(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torch.device,
+               also_embeddings: list[torch.nn.Parameter]) -> torch.optim.Adafactor:
+    """torch's Adafactor (Shazeer & Stern 2018; T5, PaLM), decay on the matrices only; its
+    own epsilons, beta2 decay and update clipping (torch's defaults)."""
+    decay, no_decay = decay_groups(model, also_embeddings)
+    return torch.optim.Adafactor([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=lr, weight_decay=cfg.weight_decay)
+
+
 # The peak LRs, generous on both sides, one LR is rarely right for two optimizers (AdamW's
 # 3e-3 moves LARS's weights 1000x too little):
 # - adamw: GPT-3's 0.6e-4 (175B) to 6e-4 (125M); tiny models to 1e-2 (README's sweeps).
 # - muon: AdamW's (match_rms_adamw); llama-tiny's best was 8e-3 (README).
 # - lamb: You et al. 2020's 1e-3 to 1.76e-2 (BERT); llama-tiny's best was 3.2e-2 (README).
 # - lars: You et al. 2017's 1 to 29 (ResNet-50, eta 1e-3); llama-tiny's best was 4 (README).
+# - adafactor: its step is min(lr, 1/sqrt(t)) x each tensor's RMS (relative step): torch's
+#   default 1e-2 (T5's); above 1 the 1/sqrt(t) cap is all that acts.
 # LR rules: deepseek's LR law was fitted on AdamW runs. Muon with match_rms_adamw gives its
 # updates AdamW's RMS (Moonlight reuses AdamW's LR and decay unchanged), so the law carries
 # over; LAMB and LARS step a fraction of each weight's norm set by lr (x eta): AdamW's LR is
@@ -99,6 +126,13 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {s.name: s for s in (
                       "does not apply, and its batch scaling is linear, SGD's (You et al. 2017)"),
     OptimizerSpec("muon", build_muon, _muon_state, (1e-5, 5e-2), mup=True,
                   orthogonalises=True),
+    OptimizerSpec("adafactor", _adafactor, _factored_state, (1e-4, 1.0),
+                  lr_rules=frozenset({"fixed", "power"}), lr_scalings=frozenset({"none", "sqrt"}),
+                  why="Adafactor's step is lr x each tensor's RMS (a relative step): deepseek's "
+                      "AdamW LR law does not apply, and its batch scaling is Adam's sqrt",
+                  # torch 2.13's Adafactor on a DTensor: "aten.pow_.Scalar: in-place
+                  # operations that require placement changes are not supported"
+                  on_dtensor=False),
 )}
 
 
