@@ -124,7 +124,7 @@ def _world(spec: dict) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from pretrain.config.schema import Config, ModelConfig, ParallelConfig, PrecisionConfig
-    from pretrain.optim.factory import build_optimizer
+    from pretrain.optim.specs import build_optimizer
     from pretrain.parallel.apply import materialize, parallelize_gpt
     from pretrain.parallel.layout import resolve_layout
     from pretrain.parallel.mesh import build_mesh

@@ -16,6 +16,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from pretrain.budget.compute import rule_tokens
+from pretrain.config import schema as config
 from pretrain.config.schema import (
     AttentionBackend,
     BudgetConfig,
@@ -34,7 +35,6 @@ from pretrain.config.schema import (
     PipelineSchedule,
     ScheduleConfig,
 )
-from pretrain.config import schema as config
 from pretrain.model.attention import KERNELS
 from pretrain.optim.factory import lr_multiplier, scaled_lr
 from pretrain.optim.muon import NS_DTYPES
@@ -60,7 +60,6 @@ BAD_CHOICES = [
     ("parallel.offload", "disk", "none, params, optimizer"),
     ("parallel.pp_schedule", "dualpipe", "gpipe, 1f1b, interleaved_1f1b, zbv"),
     ("parallel.activation_checkpointing", "half", "none, selective, full"),
-    ("optim.name", "adafactor", "adamw, lamb, lars, muon"),
     ("optim.lr_scaling", "cube", "none, sqrt, linear"),
     ("optim.lr_rule", "kaplan", "fixed, deepseek, power"),
     ("optim.muon_ns_dtype", "float16", "bfloat16, float32"),

@@ -32,7 +32,7 @@ from memory_probe import ActivationTracker, state_bytes
 from pretrain.config.schema import Config, ModelConfig, ParallelConfig, PrecisionConfig
 from pretrain.model.gpt import GPT, set_attention_backend
 from pretrain.model.loss import cross_entropy
-from pretrain.optim.factory import build_optimizer
+from pretrain.optim.specs import build_optimizer
 from pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from pretrain.parallel.layout import resolve_layout
 from pretrain.parallel.pipeline import split_model

@@ -10,12 +10,12 @@ import torch
 from pretrain.config.schema import ModelConfig, OptimConfig, ScheduleConfig
 from pretrain.model.gpt import GPT
 from pretrain.optim.factory import (
-    build_optimizer,
     build_scheduler,
     lr_multiplier,
     scaled_lr,
     warmup_steps,
 )
+from pretrain.optim.specs import build_optimizer
 
 CPU = torch.device("cpu")
 NANO = dict(n_layer=2, n_head=2, d_model=64, seq_len=64, vocab_size=300)

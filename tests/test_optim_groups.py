@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from pretrain.config.paths import CONF_DIR
 from pretrain.decision.resolve import describe_run
 from pretrain.model.gpt import GPT
-from pretrain.optim.factory import build_optimizer, scaled_lr
+from pretrain.optim.factory import scaled_lr
+from pretrain.optim.specs import build_optimizer
 
 CPU = torch.device("cpu")
 

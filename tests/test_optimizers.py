@@ -238,7 +238,7 @@ def test_newton_schulz_in_float32_is_torchs_iteration(shape):
 def test_muon_state_round_trips_through_state_dict():
     from pretrain.config.compose import compose_config
     from pretrain.model.gpt import GPT
-    from pretrain.optim.factory import build_optimizer
+    from pretrain.optim.specs import build_optimizer
 
     cfg = compose_config(["model=nano", "optim=muon"])
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ import torch
 from pretrain.config.schema import Config, ConfigError, ModelConfig, OptimConfig
 from pretrain.decision.checks import check
 from pretrain.model.gpt import GPT
-from pretrain.optim.factory import build_optimizer
+from pretrain.optim.specs import build_optimizer
 
 CPU = torch.device("cpu")
 
@@ -65,7 +65,7 @@ def test_output_mult_is_the_bases_logit_multiplier_and_sp_ignores_it():
 def test_a_non_positive_output_mult_is_refused():
     from pretrain.model.parametrization import problems
 
-    found = problems(tiny(parametrization="mup", base_width=64, output_mult=0.0), "adamw")
+    found = problems(tiny(parametrization="mup", base_width=64, output_mult=0.0))
     assert found == ["model.output_mult=0.0 must be positive (1: the base's logits unscaled)"]
 
 

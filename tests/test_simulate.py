@@ -154,7 +154,7 @@ def test_the_simulated_optimizer_is_the_one_a_gpu_run_builds(optim):
 
     from pretrain.config.compose import compose_config
     from pretrain.model.gpt import GPT
-    from pretrain.optim.factory import build_optimizer
+    from pretrain.optim.specs import build_optimizer
     from pretrain.parallel.layout import resolve_layout
     from pretrain.planning.simulate import (
         TARGET,

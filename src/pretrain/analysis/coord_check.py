@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from pretrain.config.schema import ModelConfig, OptimConfig
 from pretrain.model.gpt import GPT, set_attention_backend
-from pretrain.optim.factory import build_optimizer
+from pretrain.optim.specs import build_optimizer
 
 VOCAB = 256
 N_HEAD = 4

@@ -50,8 +50,6 @@ Offload = _choice("Offload", "none params optimizer")
 PipelineSchedule = _choice("PipelineSchedule", "gpipe 1f1b interleaved_1f1b zbv")
 ActivationCheckpointing = _choice("ActivationCheckpointing", "none selective full")
 LrScaling = _choice("LrScaling", "none sqrt linear")
-# optim.name: AdamW, LAMB and LARS (layer-wise trust ratios), Muon (with AdamW for the rest)
-OptimizerName = _choice("OptimizerName", "adamw lamb lars muon")
 NsDtype = _choice("NsDtype", "bfloat16 float32")  # optim.muon_ns_dtype
 HparamRule = _choice("HparamRule", "fixed deepseek power")  # optim.lr_rule, train.batch_rule
 Decay = _choice("Decay", "cosine linear wsd constant")
@@ -269,10 +267,13 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    """The optimizer (src/pretrain/optim/factory.py): AdamW by default; the config group
-    ``optim=adamw|lamb|lars|muon`` sets ``name`` and its hyperparameters."""
+    """The optimizer: AdamW by default; the config group ``optim=<name>`` (conf/optim/)
+    sets ``name`` and its hyperparameters."""
 
-    name: OptimizerName = OptimizerName.adamw
+    # optim.name: a key of src/pretrain/optim/specs.py's OPTIMIZERS, the one list of the
+    # optimizers (one spec each: how it is built, its LR rules, its state bytes, ...); the
+    # config checks refuse any other name, listing them.
+    name: str = "adamw"
     lr: float = 6e-4
     # The global batch (in tokens) that lr was tuned for; lr_scaling adapts lr to the
     # actual global batch: none, sqrt (Adam, Malladi et al. 2022) or linear (Goyal et al.).

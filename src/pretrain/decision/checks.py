@@ -9,7 +9,7 @@ from __future__ import annotations
 from pretrain.config.schema import Config, ConfigError
 from pretrain.data.mixture import mixture_problems
 from pretrain.model.parametrization import problems as parametrization_problems
-from pretrain.optim.factory import lr_rule_problems
+from pretrain.optim.specs import lr_rule_problems, mup_problems, name_problems
 from pretrain.parallel.layout import declared_world_size
 from pretrain.parallel.rules import layout_problems
 
@@ -37,6 +37,8 @@ def check(cfg: Config, world_size: int | None = None) -> None:
     ``world_size`` is the number of processes launched, checked against the layout the
     recipe declares; None: WORLD_SIZE when a launcher set it, else the layout as declared
     (tp * pp * dp), which is what a dry run checks."""
+    if unknown := name_problems(cfg.optim.name):  # everything below reads its spec
+        raise ConfigError(unknown)
     if world_size is None:
         world_size = declared_world_size(cfg)
     p: list[str] = []
@@ -73,7 +75,8 @@ def _check_model(cfg: Config, p: list[str]) -> None:
         p.append(f"model.d_ff={m.d_ff} must be positive (or null for the default width)")
     if not 0 <= m.dropout < 1:
         p.append(f"model.dropout={m.dropout} must be in [0, 1)")
-    p.extend(parametrization_problems(m, cfg.optim.name))
+    p.extend(parametrization_problems(m))
+    p.extend(mup_problems(str(m.parametrization), cfg.optim.name))
     _check_moe(cfg, p)
 
 

@@ -30,7 +30,8 @@ from pretrain.hardware.device import pick_device
 from pretrain.hardware.gpus import GpuSpec
 from pretrain.model.attention import resolve_backend
 from pretrain.model.parametrization import describe as describe_parametrization
-from pretrain.optim.factory import lr_range_warning, scaled_lr, wsd_decay_start
+from pretrain.optim.factory import scaled_lr, wsd_decay_start
+from pretrain.optim.specs import lr_range_warning
 from pretrain.parallel.activation_checkpoint import describe as describe_checkpointing
 from pretrain.parallel.layout import (
     Layout,

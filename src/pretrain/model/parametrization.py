@@ -55,7 +55,6 @@ HIDDEN = ("attn.wq.weight", "attn.wk.weight", "attn.wv.weight", "attn.wo.weight"
           "shared.w2.weight", "shared.w3.weight", "experts.w1", "experts.w2", "experts.w3")
 # The matrices that write into the residual stream (GPT-2's scaled init; CompleteP's branch).
 RESIDUAL_OUT = ("attn.wo", "mlp.w2", "shared.w2", "experts.w2")
-OPTIMIZERS = ("adamw", "muon")  # the optimizers with a muP rule here
 
 
 @dataclass(frozen=True)
@@ -145,10 +144,11 @@ def init_std(cfg: ModelConfig, name: str, module: str) -> float:
     return std
 
 
-def problems(cfg: ModelConfig, optimizer: str) -> list[str]:
+def problems(cfg: ModelConfig) -> list[str]:
     """What is wrong with ``model.parametrization`` and its bases in this config. A base
     that is no size is refused under every parametrization (sp ignores it, but a sweep that
-    shares the recipe with mup would not)."""
+    shares the recipe with mup would not). Whether the optimizer has a muP rule is its
+    spec's (pretrain.optim.specs.mup_problems)."""
     out = []
     for key, size in (("base_width", "d_model"), ("base_depth", "n_layer")):
         value = getattr(cfg, key)
@@ -160,11 +160,6 @@ def problems(cfg: ModelConfig, optimizer: str) -> list[str]:
     if not cfg.output_mult > 0:
         out.append(f"model.output_mult={cfg.output_mult} must be positive (1: the base's "
                    "logits unscaled)")
-    if optimizer not in OPTIMIZERS:
-        out.append(f"model.parametrization={cfg.parametrization} with optim={optimizer}: no "
-                   "muP rule for LAMB/LARS trust ratios is implemented (their step is set "
-                   "relative to each tensor's norm already); use optim=adamw or optim=muon, "
-                   "or model.parametrization=sp")
     return out
 
 

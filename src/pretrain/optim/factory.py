@@ -1,5 +1,5 @@
-"""The optimizer (AdamW, LAMB, LARS or Muon with AdamW; decay on matrices only), LR scaling
-with batch size, which LR rules each optimizer takes, and the LR schedule."""
+"""The optimizers' builders (AdamW, LAMB, LARS, Muon with AdamW; decay on matrices only),
+which ``optim/specs.py`` names, LR scaling with batch size, and the LR schedule."""
 
 from __future__ import annotations
 
@@ -28,69 +28,7 @@ def scaled_lr(cfg: OptimConfig, global_batch_tokens: int) -> float:
     return cfg.lr * ratio  # linear, the last of optim.lr_scaling's values
 
 
-# Which LR rules (optim.lr_rule) and batch scalings (optim.lr_scaling) keep their meaning
-# with each optimizer; config_checks refuses the others, with the reason given here.
-# - deepseek's LR law was fitted on AdamW runs. Muon with match_rms_adamw gives its updates
-#   AdamW's RMS (Moonlight reuses AdamW's LR and decay unchanged), so the law carries over;
-#   LAMB and LARS step a fraction of each weight's norm set by lr (x eta): AdamW's LR is not
-#   theirs. power (your own fit, of runs with the optimizer you train with) suits all.
-# - lr_scaling: sqrt is Adam's rule (Malladi et al. 2022) and LAMB's (You et al. 2020 scale
-#   its LR with the square root of the batch), linear is SGD's (Goyal et al. 2017), which
-#   LARS follows; AdamW and Muon (AdamW's LR) keep both, as before.
-LR_RULES: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
-    "adamw": (frozenset({"fixed", "deepseek", "power"}), frozenset({"none", "sqrt", "linear"}),
-              ""),
-    "muon": (frozenset({"fixed", "deepseek", "power"}), frozenset({"none", "sqrt", "linear"}),
-             ""),
-    "lamb": (frozenset({"fixed", "power"}), frozenset({"none", "sqrt"}),
-             "LAMB's step is lr x each tensor's norm: deepseek's AdamW LR law does not "
-             "apply, and its batch scaling is sqrt (You et al. 2020)"),
-    "lars": (frozenset({"fixed", "power"}), frozenset({"none", "linear"}),
-             "LARS's step is lr x eta x each tensor's norm: deepseek's AdamW LR law does "
-             "not apply, and its batch scaling is linear, SGD's (You et al. 2017)"),
-}
-
-
-# The peak LRs (optim.lr, after its rule or batch scaling) each optimizer usually trains
-# with, generous on both sides; outside, the plan warns (``lr_range_warning``): one LR is
-# rarely right for two optimizers (AdamW's 3e-3 moves LARS's weights 1000x too little).
-# - adamw: GPT-3's 0.6e-4 (175B) to 6e-4 (125M); tiny models to 1e-2 (README's sweeps).
-# - muon: AdamW's (match_rms_adamw); llama-tiny's best was 8e-3 (README).
-# - lamb: You et al. 2020's 1e-3 to 1.76e-2 (BERT); llama-tiny's best was 3.2e-2 (README).
-# - lars: You et al. 2017's 1 to 29 (ResNet-50, eta 1e-3); llama-tiny's best was 4 (README).
-LR_RANGES: dict[str, tuple[float, float]] = {
-    "adamw": (1e-5, 3e-2),
-    "muon": (1e-5, 5e-2),
-    "lamb": (1e-4, 1e-1),
-    "lars": (1e-1, 50.0),
-}
-
-
-def lr_range_warning(name: str, lr: float) -> str | None:
-    """What the plan says when ``lr`` is outside ``optim=name``'s usual range, else None."""
-    lo, hi = LR_RANGES[name]
-    if lo <= lr <= hi:
-        return None
-    side = "below" if lr < lo else "above"
-    return (f"lr {lr:.3g} is far {side} optim={name}'s usual range {lo:g} to {hi:g} "
-            f"(src/pretrain/optim/factory.py LR_RANGES): an LR meant for another optimizer? "
-            f"conf/optim/{name}.yaml's lr is a starting point; set optim.lr")
-
-
-def lr_rule_problems(cfg: OptimConfig) -> list[str]:
-    """The LR rule or batch scaling ``cfg`` asks for, if ``optim.name`` does not take it."""
-    rules, scalings, why = LR_RULES[cfg.name]
-    out = []
-    if cfg.lr_rule not in rules:
-        out.append(f"optim.lr_rule={cfg.lr_rule} does not apply to optim={cfg.name} ({why}): "
-                   f"use optim.lr_rule={'|'.join(sorted(rules))}")
-    if cfg.lr_scaling not in scalings:
-        out.append(f"optim.lr_scaling={cfg.lr_scaling} does not apply to optim={cfg.name} "
-                   f"({why}): use optim.lr_scaling={'|'.join(sorted(scalings))}")
-    return out
-
-
-def _groups(model: torch.nn.Module, also_embeddings: Iterable[torch.nn.Parameter],
+def decay_groups(model: torch.nn.Module, also_embeddings: Iterable[torch.nn.Parameter],
             skip: set[int] = frozenset()) -> tuple[list, list]:
     """(decay, no_decay): matrices (ndim >= 2) that are not embeddings, and the rest
     (embeddings, norms, biases), in the model's parameter order, less ``skip``."""
@@ -129,36 +67,33 @@ def _mup_groups(model: torch.nn.Module, cfg: OptimConfig, lr: float, s: Scales,
              "lr": lr * s.hidden_lr, "eps": cfg.eps * s.hidden_eps}]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float,
-                    device: torch.device,
-                    also_embeddings: Iterable[torch.nn.Parameter] = ()) -> torch.optim.Optimizer:
-    """``optim.name``'s optimizer. Weight decay on matrices (ndim >= 2) but not on
-    embeddings, norms or biases; LAMB's and LARS's trust ratio on the same matrices only;
-    Muon on the hidden matrices (``muon.muon_matrix``), AdamW on everything else.
-    ``also_embeddings``: parameters to treat as embeddings though no nn.Embedding holds them
-    here (an output head tied to an embedding that a pipeline put on another stage).
-    Under model.parametrization=mup|completep the groups are muP's (``_mup_groups``)."""
-    also_embeddings = list(also_embeddings)
+def build_adamw(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torch.device,
+                also_embeddings: list[torch.nn.Parameter]) -> torch.optim.AdamW:
+    """torch's AdamW, decay on the matrices; under mup/completep muP's groups."""
     s = model_scales(model)
-    if s.active and cfg.name not in ("adamw", "muon"):
-        raise ValueError(f"model.parametrization={s.kind} has no rule for optim={cfg.name}: "
-                         "use optim=adamw or optim=muon")
-    if cfg.name == "muon":
-        return _muon(model, cfg, lr, device, also_embeddings)
     if s.active:
         return torch.optim.AdamW(_mup_groups(model, cfg, lr, s), lr=lr,
                                  betas=tuple(cfg.betas), eps=cfg.eps, fused=_fused(cfg, device))
-    decay, no_decay = _groups(model, also_embeddings)
-    if cfg.name == "lamb":
-        return Lamb([{"params": decay}, {"params": no_decay, "weight_decay": 0.0,
-                                         "trust_ratio": False}],
-                    lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if cfg.name == "lars":
-        return Lars([{"params": decay}, {"params": no_decay, "weight_decay": 0.0,
-                                         "trust_ratio": False}],
-                    lr=lr, momentum=_momentum(cfg, 0.9), weight_decay=cfg.weight_decay,
-                    trust_coefficient=cfg.trust_coefficient)
-    return _adamw(decay, no_decay, cfg, lr, device)
+    return _adamw(*decay_groups(model, also_embeddings), cfg, lr, device)
+
+
+def build_lamb(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torch.device,
+               also_embeddings: list[torch.nn.Parameter]) -> Lamb:
+    """LAMB: the trust ratio on the decayed matrices only, plain Adam on the rest."""
+    decay, no_decay = decay_groups(model, also_embeddings)
+    return Lamb([{"params": decay}, {"params": no_decay, "weight_decay": 0.0,
+                                     "trust_ratio": False}],
+                lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def build_lars(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torch.device,
+               also_embeddings: list[torch.nn.Parameter]) -> Lars:
+    """LARS: the trust ratio on the decayed matrices only, plain momentum SGD on the rest."""
+    decay, no_decay = decay_groups(model, also_embeddings)
+    return Lars([{"params": decay}, {"params": no_decay, "weight_decay": 0.0,
+                                     "trust_ratio": False}],
+                lr=lr, momentum=_momentum(cfg, 0.9), weight_decay=cfg.weight_decay,
+                trust_coefficient=cfg.trust_coefficient)
 
 
 def _momentum(cfg: OptimConfig, default: float) -> float:
@@ -182,8 +117,8 @@ def _fused(cfg: OptimConfig, device: torch.device) -> bool:
     return cfg.fused if cfg.fused is not None else device.type == "cuda"
 
 
-def _muon(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torch.device,
-          also_embeddings: list[torch.nn.Parameter]) -> MuonWithAdamW:
+def build_muon(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torch.device,
+               also_embeddings: list[torch.nn.Parameter]) -> MuonWithAdamW:
     """Muon (torch's, orthogonalising whole matrices) on the hidden matrices with AdamW's
     LR and decay (``match_rms_adamw``); AdamW, as ``optim=adamw`` builds it, on the rest.
     Under mup/completep Muon's LR (AdamW's RMS, so AdamW's rule) is divided by the width
@@ -200,7 +135,7 @@ def _muon(model: torch.nn.Module, cfg: OptimConfig, lr: float, device: torch.dev
         groups = [g for g in _mup_groups(model, cfg, lr, s, skip) if g["params"]]
         return MuonWithAdamW(muon, torch.optim.AdamW(
             groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=_fused(cfg, device)))
-    decay, no_decay = _groups(model, also_embeddings, skip=skip)
+    decay, no_decay = decay_groups(model, also_embeddings, skip=skip)
     return MuonWithAdamW(muon, _adamw(decay, no_decay, cfg, lr, device, drop_empty=True))
 
 

@@ -172,7 +172,7 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
             f"{layout.describe()} needs FSDP2 (parallel.offload, or several processes) and so "
             "a device mesh, even for one process: join a process group first "
             "(train_module.join)")
-    sharded = mesh is not None and layout.dp > 1 and layout.dp_mode in ("zero2", "zero3")
+    sharded = mesh is not None and layout.dp > 1 and layout.dp_spec.shards
     if policy.fp8:
         from pretrain.precision.fp8 import convert_to_fp8
 

@@ -77,14 +77,14 @@ def apply_data_parallel(part: nn.Module, blocks: list[nn.Module], mesh: Meshes,
     # FSDP2's own offload; pinned host memory only where there is a GPU to copy to
     offload = (CPUOffloadPolicy(pin_memory=mesh.fsdp.device_type == "cuda")
                if layout.offload == "params" else OffloadPolicy())
-    if layout.dp_mode == "ddp":
+    if not layout.dp_spec.shards:
         replicate = torch_compat.private("replicate")
         for block in blocks:
             replicate(block, mesh=mesh.dp, mp_policy=mp)
         replicate(part, mesh=mesh.dp, mp_policy=mp)
         return
     dp_mesh = mesh.fsdp
-    reshard = layout.dp_mode == "zero3"
+    reshard = layout.dp_spec.reshard_after_forward
 
     def placement(param: nn.Parameter) -> Shard:
         return Shard(shard_dim(tuple(param.shape), layout.dp_shard))

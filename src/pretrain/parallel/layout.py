@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from pretrain.config.schema import Config, ParallelConfig, PipelineSchedule
+from pretrain.parallel.dp_modes import DpModeSpec, dp_mode
 
 # Schedules that hold several stages per rank ("virtual" stages); the others hold one.
 MULTI_STAGE_SCHEDULES = (PipelineSchedule.interleaved_1f1b, PipelineSchedule.zbv)
@@ -94,8 +95,13 @@ class Layout:
         return self.micro_batch_size * self.microbatches
 
     @property
+    def dp_spec(self) -> DpModeSpec:
+        """``dp_mode``'s spec (parallel/dp_modes.py)."""
+        return dp_mode(self.dp_mode)
+
+    @property
     def hsdp(self) -> bool:
-        return self.dp_mode != "ddp" and self.dp_replicate > 1
+        return self.dp_spec.shards and self.dp_replicate > 1
 
     def as_dict(self) -> dict:
         return {**asdict(self), "world_size": self.world_size,
@@ -129,7 +135,7 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
     """The layout of a config that ``config_checks.check`` accepted for ``world_size``."""
     par = cfg.parallel
     dp = derived_dp(cfg, world_size)
-    if par.dp_mode == "ddp":
+    if not dp_mode(par.dp_mode).shards:
         replicate, shard = dp, 1
     else:
         replicate = max(par.dp_replicate, 1)

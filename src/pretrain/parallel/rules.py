@@ -12,6 +12,8 @@ import math
 
 from pretrain.config.schema import Config, ModelConfig, ParallelConfig
 from pretrain.model.gpt import ffn_dim, padded_vocab_size
+from pretrain.optim.specs import OPTIMIZERS, spec
+from pretrain.parallel.dp_modes import dp_mode
 from pretrain.parallel.layout import (
     MULTI_STAGE_SCHEDULES,
     layout_world_size,
@@ -135,7 +137,7 @@ def pipeline_problems(cfg: Config, dp: int) -> list[str]:
 def dp_mode_problems(par: ParallelConfig, dp: int) -> list[str]:
     """HSDP (zero2/zero3): dp = dp_replicate x dp_shard."""
     rep = par.dp_replicate
-    if par.dp_mode == "ddp" or dp <= 0:
+    if not dp_mode(par.dp_mode).shards or dp <= 0:
         return []
     if rep <= 0 or dp % rep:
         return [f"parallel.dp_replicate={rep} must divide dp={dp} (HSDP: dp = "
@@ -165,7 +167,7 @@ def ep_problems(cfg: Config, dp: int) -> list[str]:
         p.append(f"model.moe_experts={experts} is not divisible by parallel.ep={ep}: each EP "
                  f"rank holds the same number of whole experts; use an ep that divides "
                  f"{experts}")
-    if par.dp_mode == "ddp":
+    if not dp_mode(par.dp_mode).shards:
         p.append(f"parallel.ep={ep} runs with FSDP (parallel.dp_mode=zero3 or zero2), which "
                  "shards the experts over the data-parallel ranks outside each EP group; "
                  "set parallel.dp_mode=zero3")
@@ -197,14 +199,28 @@ def offload_problems(cfg: Config) -> list[str]:
                 "cross to the GPU once a step)"]
     if par.offload != "params":
         return p
-    if par.dp_mode == "ddp":
+    if not dp_mode(par.dp_mode).shards:
         p.append("parallel.offload=params moves FSDP2's parameter shards to host memory; DDP "
                  "(parallel.dp_mode=ddp) has none: set parallel.dp_mode=zero3")
-    if cfg.optim.name != "adamw":
+    if not spec(cfg.optim.name).elementwise:
+        ok = " or ".join(f"optim={n}" for n, s in OPTIMIZERS.items() if s.elementwise)
         p.append(f"parallel.offload=params runs the optimizer step on the host, where "
                  f"optim={cfg.optim.name}'s whole-tensor norms or gathers over the mesh cannot "
-                 f"run (NCCL reduces GPU tensors only): use optim=adamw or parallel.offload=none")
+                 f"run (NCCL reduces GPU tensors only): use {ok} or parallel.offload=none")
     return p
+
+
+def optimizer_problems(cfg: Config, world_size: int) -> list[str]:
+    """An optimizer whose step does not run on DTensor parameters (its spec's
+    ``on_dtensor``) on a layout that makes them: TP, or FSDP2 over more than one process."""
+    par, name = cfg.parallel, cfg.optim.name
+    dtensor = par.tp > 1 or (dp_mode(par.dp_mode).shards and world_size > 1)
+    if spec(name).on_dtensor or not dtensor:
+        return []
+    return [f"optim={name}'s step does not run on DTensor parameters, which "
+            f"{'TP' if par.tp > 1 else f'FSDP2 (parallel.dp_mode={par.dp_mode})'} makes: "
+            f"use parallel.tp=1 and parallel.dp_mode=ddp (whole tensors on every rank), one "
+            f"process, or another optimizer"]
 
 
 def async_tp_problems(cfg: Config) -> list[str]:
@@ -238,6 +254,7 @@ def layout_problems(cfg: Config, world_size: int) -> list[str]:
     p += dp_mode_problems(par, dp)
     p += ep_problems(cfg, dp)
     p += offload_problems(cfg)
+    p += optimizer_problems(cfg, world_size)
     p += async_tp_problems(cfg)
     if par.ac_every_n_layers < 0:
         p.append(f"parallel.ac_every_n_layers={par.ac_every_n_layers} must be >= 0")

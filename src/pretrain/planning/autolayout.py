@@ -34,6 +34,7 @@ from pretrain.budget.compute import Budget, resolve_budget
 from pretrain.config.schema import Config, ParallelConfig
 from pretrain.hardware.gpus import GpuSpec, get_gpu
 from pretrain.model.gpt import padded_vocab_size
+from pretrain.parallel.dp_modes import DP_MODES, LEAST_MEMORY, SHARDED
 from pretrain.parallel.layout import Layout, layout_world_size, resolve_layout
 from pretrain.parallel.rules import layout_problems, tp_problems
 from pretrain.planning.cost import StepCost, step_cost
@@ -94,12 +95,11 @@ def _schedules(pp: int) -> list[tuple[str, int]]:
 def _dp_modes(dp: int, tp: int, gpu: GpuSpec) -> list[tuple[str, int, int | None]]:
     """(dp_mode, dp_replicate, dp_shard) options; HSDP shards within a node."""
     if dp == 1:
-        return [("zero3", 1, None)]
-    out: list[tuple[str, int, int | None]] = [("ddp", 1, None), ("zero2", 1, None),
-                                              ("zero3", 1, None)]
+        return [(LEAST_MEMORY, 1, None)]
+    out: list[tuple[str, int, int | None]] = [(mode, 1, None) for mode in DP_MODES]
     in_node = max((s for s in divisors(dp) if s * tp <= gpu.gpus_per_node), default=1)
     if 1 < in_node < dp:
-        out += [("zero2", dp // in_node, in_node), ("zero3", dp // in_node, in_node)]
+        out += [(mode, dp // in_node, in_node) for mode in SHARDED]
     return out
 
 

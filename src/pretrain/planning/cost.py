@@ -279,7 +279,7 @@ def defers_reduction(layout: Layout) -> bool:
     """Whether gradients accumulate over the micro batches unreduced (one reduction a step):
     a pipeline (torch's pipelining), or DDP/ZeRO-2 over more than one DP rank (the trainer's
     no-sync, step_strategy.defer_reduction); otherwise each micro batch's backward reduces."""
-    return layout.pp > 1 or (layout.dp > 1 and layout.dp_mode in ("ddp", "zero2")
+    return layout.pp > 1 or (layout.dp > 1 and layout.dp_spec.defers_reduction
                              and layout.microbatches > 1)
 
 
@@ -292,9 +292,9 @@ def offload_bytes(cfg: Config, layout: Layout) -> tuple[float, float]:
     local = rank_params(cfg.model, layout).local * dtype_bytes(cfg.precision.param_dtype)
     mb = layout.microbatches
     if layout.pp > 1:
-        gathers = 1 if layout.dp_mode == "zero2" else mb
+        gathers = mb if layout.dp_spec.reshard_after_forward else 1
     else:
-        gathers = mb if layout.dp_mode == "zero2" else 2 * mb
+        gathers = 2 * mb if layout.dp_spec.reshard_after_forward else mb
     return gathers * local, offload_reductions(layout) * local
 
 
@@ -392,7 +392,7 @@ def _data_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, compute: float
     units = len(sp.blocks) + layout.virtual_stages  # FSDP units: blocks + one root per stage
     mb, t = layout.microbatches, layout.tp
     per_mb = compute / mb
-    if layout.dp_mode == "ddp":
+    if not layout.dp_spec.shards:
         reduce = 2 * (d - 1) / d * red * n / _ring_link(gpu, t, d) + units * _alpha(gpu, t * d)
         gather = 0.0
     else:
@@ -408,7 +408,7 @@ def _data_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, compute: float
                    + units * _alpha(gpu, t * d))
         ag = _ring(e, n - experts, shard, units, gpu, t) + _ring(
             e, experts, shard // layout.ep, ecalls, gpu, t)
-        if layout.dp_mode == "zero2":
+        if not layout.dp_spec.reshard_after_forward:
             reduce, gather = rs, ag
         elif layout.pp > 1:  # gathered in each backward, kept for the next forward
             reduce, gather = rs, mb * ag
@@ -417,7 +417,7 @@ def _data_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, compute: float
     total = reduce + gather
     if layout.pp > 1:  # reduced after the last backward: exposed; gathers overlap forward
         return total, reduce + max(0.0, gather - compute)
-    if layout.dp_mode == "zero3":
+    if layout.dp_spec.reshard_after_forward:
         return total, max(0.0, total - compute)
     exposed = max(0.0, reduce - 2 / 3 * per_mb) + max(0.0, gather - per_mb / 3)
     return total, exposed

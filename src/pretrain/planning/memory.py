@@ -4,9 +4,10 @@ Parts (bytes per GPU, for the pipeline rank that needs the most):
 
 - parameters, gradients, optimizer state: exact local shard sizes (``params.py``; measured
   equal on CPU, tests/test_estimate.py). Gradients and the optimizer's state take the
-  parameter dtype (``optimizer_state_bytes``): AdamW and LAMB two moments and a 4-byte step
-  counter per tensor, LARS one momentum, Muon one momentum for its matrices and AdamW's
-  two moments and counter for the rest.
+  parameter dtype (``optimizer_state_bytes``: the optimizer spec's ``state_bytes`` of each
+  tensor's shard, optim/specs.py): AdamW and LAMB two moments and a 4-byte step counter per
+  tensor, LARS one momentum, Muon one momentum for its matrices and AdamW's two moments and
+  counter for the rest.
 - optimizer step transient: Muon orthogonalises one whole matrix at a time; under FSDP or
   TP its update is first gathered (``muon.orthogonalisation_bytes``: the largest Muon
   matrix of the rank, gathered in the parameter dtype, and Newton-Schulz's working set
@@ -56,7 +57,8 @@ from pretrain.budget.compute import count_params
 from pretrain.config.schema import Config
 from pretrain.hardware.gpus import GIB, GpuSpec
 from pretrain.model.gpt import padded_vocab_size
-from pretrain.optim.muon import muon_matrix, orthogonalisation_bytes
+from pretrain.optim.muon import orthogonalisation_bytes
+from pretrain.optim.specs import spec
 from pretrain.parallel.data_parallel import autocasts, needs_wrapper
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.stages import stage_indices, stage_layers
@@ -214,7 +216,7 @@ def _weights_and_grad_buffers(cfg: Config, layout: Layout, sp: StageParams
         return e * sp.local, 0.0
     if not needs_wrapper(layout, mixed):
         return 0.0, 0.0  # no DP wrapper: no copies, gradients straight into .grad
-    if layout.dp_mode == "zero3" and layout.pp == 1:
+    if layout.dp_spec.reshard_after_forward and layout.pp == 1:
         weights = e * (sp.root + 2 * biggest_block)
     else:
         weights = e * sp.unsharded
@@ -227,16 +229,10 @@ def _weights_and_grad_buffers(cfg: Config, layout: Layout, sp: StageParams
 
 
 def optimizer_state_bytes(name: str, sp: StageParams, pb: int) -> int:
-    """Bytes of ``optim.name``'s state for the parameters ``sp`` (``pb`` bytes each): what
-    torch's AdamW (and trust_ratio.Lamb, which keeps the same) and Muon's momentum hold."""
-    if name == "lars":
-        return pb * sp.local
-    adam_local, adam_tensors = sp.local, sp.n_tensors
-    muon = 0
-    if name == "muon":
-        muon = pb * sp.muon_local
-        adam_local, adam_tensors = sp.local - sp.muon_local, sp.n_tensors - sp.n_muon
-    return muon + 2 * pb * adam_local + 4 * adam_tensors
+    """Bytes of ``optim.name``'s state for the parameters ``sp`` (``pb`` bytes each): its
+    spec's ``state_bytes`` of each tensor's shard, summed."""
+    state = spec(name).state_bytes
+    return sum(state(n, shape, local, pb) for n, shape, local in sp.held)
 
 
 def _optimizer_transient(cfg: Config, layout: Layout, sp: StageParams, pb: int) -> float:
@@ -246,9 +242,9 @@ def _optimizer_transient(cfg: Config, layout: Layout, sp: StageParams, pb: int) 
     is TP-sharded; on a mesh of one rank ``full_tensor`` returns the shard itself, no copy:
     measured), orthogonalised in bf16. AdamW's share of the step, fused as the GPU builds
     it, holds no temporaries (measured: tools/plan.py --simulate)."""
-    if cfg.optim.name != "muon" or not sp.muon_largest:
+    if not spec(cfg.optim.name).orthogonalises or not sp.muon_largest:
         return 0.0
-    fsdp = layout.dp_mode in ("zero2", "zero3") and layout.dp_shard > 1
+    fsdp = layout.dp_spec.shards and layout.dp_shard > 1
     gathered = pb if fsdp or layout.tp > 1 else 0
     m, n = sp.muon_largest
     shards = layout.tp * (layout.dp_shard if fsdp else 1)
@@ -304,15 +300,10 @@ def estimate_memory(cfg: Config, layout: Layout, gpu: GpuSpec | None = None,
 def checkpoint_bytes(cfg: Config) -> float:
     """Bytes of one checkpoint on disk: every stored parameter (padded vocabulary rows
     included) in the parameter dtype, and the optimizer's moments in the same dtype (the
-    estimate's "parameters" and "optimizer state", summed over the whole model): two per
-    parameter for AdamW and LAMB, one for LARS, one for Muon's matrices and two for the
-    rest under Muon."""
+    estimate's "parameters" and "optimizer state", summed over the whole model: the
+    optimizer spec's ``state_bytes`` of each whole tensor)."""
     counts = count_params(cfg.model)
     n, pb = counts.total + counts.padding, dtype_bytes(cfg.precision.param_dtype)
-    if cfg.optim.name == "lars":
-        return 2.0 * pb * n
-    if cfg.optim.name == "muon":
-        matrices = sum(math.prod(p.shape) for p in inventory(cfg.model)
-                       if muon_matrix(p.name, p.shape))
-        return pb * (3.0 * n - matrices)
-    return 3.0 * pb * n
+    state = spec(cfg.optim.name).state_bytes
+    return float(pb * n + sum(state(p.name, p.shape, p.shape, pb)
+                              for p in inventory(cfg.model)))

@@ -95,11 +95,15 @@ def fsdp_numel(shape: tuple[int, ...], dp_shard: int) -> int:
     """Elements FSDP2 allocates per rank for a tensor of ``shape``: the sharded dimension
     (``parallel.data_parallel.shard_dim``: 0, or 1 for experts the ranks do not divide)
     padded to ceil(d / dp_shard) (the same on every rank)."""
+    return math.prod(fsdp_shape(shape, dp_shard))
+
+
+def fsdp_shape(shape: tuple[int, ...], dp_shard: int) -> tuple[int, ...]:
+    """The shape of the shard ``fsdp_numel`` counts."""
     if not shape:
-        return 1
+        return shape
     dim = shard_dim(shape, dp_shard)
-    rest = math.prod(shape) // shape[dim]
-    return math.ceil(shape[dim] / dp_shard) * rest
+    return (*shape[:dim], math.ceil(shape[dim] / dp_shard), *shape[dim + 1:])
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,9 @@ class StageParams:
     muon_local: int = 0  # of ``local``, the matrices optim=muon gives Muon (muon.muon_matrix)
     n_muon: int = 0  # how many tensors those are
     muon_largest: tuple[int, ...] = ()  # the whole (global) shape of the largest of them
+    # (name, global shape, shape of this rank's shard) of every tensor: what an optimizer's
+    # state is a function of (optim/specs.py OptimizerSpec.state_bytes)
+    held: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,7 @@ class _Sum:
     muon: int = 0
     n_muon: int = 0
     muon_largest: tuple[int, ...] = ()
+    held: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
 
     def add(self, p: Param, tp: int, tp_rank: int, dp_shard: int, sharded: bool, ep: int
             ) -> _Sum:
@@ -138,23 +146,24 @@ class _Sum:
         if ep > 1 and p.expert:  # this rank's experts, FSDP-sharded on dim 1 outside EP
             shape = (shape[0] // ep, *shape[1:])
             full = math.prod(shape)
-            local = math.ceil(shape[1] / (dp_shard // ep)) * full // shape[1]
+            local_shape = (shape[0], math.ceil(shape[1] / (dp_shard // ep)), *shape[2:])
         else:
             full = math.prod(shape)
-            local = fsdp_numel(shape, dp_shard) if sharded else full
+            local_shape = fsdp_shape(shape, dp_shard) if sharded else shape
+        local = math.prod(local_shape)
         linear = p.matmul and p.layer is not None and p.name.endswith("weight")
         muon = muon_matrix(p.name, p.shape)
         largest = max(self.muon_largest, p.shape, key=math.prod) if muon else self.muon_largest
         return _Sum(self.local + local, self.unsharded + full,
                     self.matmul + (full if p.matmul else 0), self.n_tensors + 1,
                     self.n_linear + linear, self.muon + (local if muon else 0),
-                    self.n_muon + muon, largest)
+                    self.n_muon + muon, largest, (*self.held, (p.name, p.shape, local_shape)))
 
 
 def rank_params(model: ModelConfig, layout: Layout, pp_rank: int = 0, tp_rank: int = 0
                 ) -> StageParams:
     """What pipeline rank ``pp_rank`` (TP rank ``tp_rank``) holds under ``layout``."""
-    sharded = layout.dp_mode in ("zero2", "zero3") and layout.dp_shard > 1
+    sharded = layout.dp_spec.shards and layout.dp_shard > 1
     return _rank_params(dataclasses.astuple(model), layout.tp, tp_rank, layout.dp_shard,
                         sharded, layout.ep, tuple(stage_indices(layout, pp_rank)),
                         layout.n_stages)
@@ -224,7 +233,8 @@ def _rank_params(fields: tuple, tp: int, tp_rank: int, dp_shard: int, sharded: b
                                                                       "matmul", "n_tensors",
                                                                       "n_linear", "muon",
                                                                       "n_muon")),
-                 muon_largest=max((part.muon_largest for part in parts), key=math.prod))
+                 muon_largest=max((part.muon_largest for part in parts), key=math.prod),
+                 held=tuple(h for part in parts for h in part.held))
     root = parts[:len(stages)]
     return StageParams(
         local=total.local,
@@ -238,4 +248,5 @@ def _rank_params(fields: tuple, tp: int, tp_rank: int, dp_shard: int, sharded: b
         muon_local=total.muon,
         n_muon=total.n_muon,
         muon_largest=total.muon_largest,
+        held=total.held,
     )

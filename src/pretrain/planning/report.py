@@ -11,6 +11,7 @@ from pretrain.data.epochs import describe_sources
 from pretrain.hardware.gpus import GIB, GpuSpec
 from pretrain.model.gpt import padded_vocab_size
 from pretrain.parallel.activation_checkpoint import describe as describe_checkpointing
+from pretrain.parallel.dp_modes import GATHER_ONCE, LEAST_MEMORY, SHARDED
 from pretrain.parallel.layout import Layout, resolve_layout
 from pretrain.parallel.rules import layout_problems
 from pretrain.planning.autolayout import (
@@ -51,11 +52,11 @@ def suggestions(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> li
         if cfg.model.n_layer % p == 0 and layout.dp % (p // layout.pp) == 0:
             tries.append((f"parallel.pp={p}", replace(par, pp=p, dp=layout.dp // (p // layout.pp),
                                                        virtual_stages=1, pp_schedule="1f1b")))
-    if layout.dp > 1 and layout.dp_mode != "zero3":
-        tries.append(("parallel.dp_mode=zero3", replace(par, dp_mode="zero3", dp_replicate=1,
-                                                        dp_shard=None)))
+    if layout.dp > 1 and layout.dp_mode != LEAST_MEMORY:
+        tries.append((f"parallel.dp_mode={LEAST_MEMORY}",
+                      replace(par, dp_mode=LEAST_MEMORY, dp_replicate=1, dp_shard=None)))
     if layout.offload == "none":  # the weights and optimizer state in host memory; zero2
-        for mode in ("zero2", "zero3"):  # copies them to the GPU once a step, zero3 per pass
+        for mode in SHARDED:  # copies them to the GPU once a step, zero3 per pass
             text = "parallel.offload=params" + (
                 f" parallel.dp_mode={mode}" if mode != layout.dp_mode else "")
             tries.append((text, replace(par, offload="params", dp_mode=mode)))
@@ -81,8 +82,8 @@ def _together(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget, par) ->
     if layout.micro_batch_size > 1:
         steps.append(("parallel.micro_batch_size=1", {"micro_batch_size": 1}))
     if layout.offload == "none":
-        steps.append(("parallel.offload=params parallel.dp_mode=zero2",
-                      {"offload": "params", "dp_mode": "zero2", "dp_replicate": 1,
+        steps.append((f"parallel.offload=params parallel.dp_mode={GATHER_ONCE}",
+                      {"offload": "params", "dp_mode": GATHER_ONCE, "dp_replicate": 1,
                        "dp_shard": None}))
     texts, changes = [], {}
     for text, change in steps:

@@ -32,7 +32,7 @@ from pretrain.hardware.device import peak_rss_bytes
 from pretrain.model.gpt import GPT
 from pretrain.model.initialization import local_region
 from pretrain.model.loss import cross_entropy
-from pretrain.optim.factory import build_optimizer
+from pretrain.optim.specs import build_optimizer
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
 from pretrain.parallel.layout import Layout, resolve_layout
 from pretrain.parallel.mesh import build_mesh

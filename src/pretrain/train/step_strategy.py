@@ -70,7 +70,7 @@ class AccumulationStep:
     def defer_reduction(self) -> bool:
         """DDP and ZeRO-2 reduce gradients when told to (once a step); ZeRO-3 reduce-scatters
         in every backward, one process has nothing to reduce."""
-        return self.layout.dp > 1 and self.layout.dp_mode in ("ddp", "zero2")
+        return self.layout.dp > 1 and self.layout.dp_spec.defers_reduction
 
     @property
     def model(self) -> torch.nn.Module:

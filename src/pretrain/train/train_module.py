@@ -24,8 +24,9 @@ from pretrain import torch_compat
 from pretrain.config.schema import Config
 from pretrain.model.initialization import local_region
 from pretrain.model.moe import routing_stats, update_biases
-from pretrain.optim.factory import build_optimizer, build_scheduler
+from pretrain.optim.factory import build_scheduler
 from pretrain.optim.nonfinite import NonFiniteSteps, device_skip_supported, step_unless
+from pretrain.optim.specs import build_optimizer
 from pretrain.parallel import mesh as dist_env
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
 from pretrain.parallel.layout import Layout
