@@ -135,7 +135,8 @@ def resolve_plan(cfg: Config, world_size: int | None = None
     policy = resolve_policy(cfg.precision, device)
     budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
     plan = {**describe_run(cfg, world_size, budget),
-            "attention": resolve_backend(cfg.model.attention, device, policy.compute_dtype),
+            "attention": resolve_backend(cfg.model.attention, device, policy.compute_dtype,
+                                         cfg.model.attention_mask == "document"),
             "device": str(device), **branch}
     if auto_precision:
         plan["precision_auto"] = auto_precision
