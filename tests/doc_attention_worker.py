@@ -60,7 +60,8 @@ def main() -> None:
                                   loss_fn)
         schedule.step(*([x] if pm.has_first_stage else []),
                       target=y if pm.has_last_stage else None, return_outputs=False)
-        losses = torch.cat(recorded) if recorded else None
+        # the last micro batches' (torch's first step may add a shape-inference call)
+        losses = torch.cat(recorded[-layout.microbatches:]) if recorded else None
     if losses is not None and (pm.has_last_stage if layout.pp > 1 else dist.get_rank() == 0):
         torch.save(losses, out / "losses.pt")
     dist.barrier()
