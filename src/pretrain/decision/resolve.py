@@ -38,6 +38,7 @@ from pretrain.parallel.layout import (
     world_size_from_env,
 )
 from pretrain.parallel.mesh import env_rank
+from pretrain.planning.document import describe as describe_documents
 from pretrain.precision.policy import Policy, resolve_auto_precision, resolve_policy
 
 log = logging.getLogger("pretrain")
@@ -138,6 +139,9 @@ def resolve_plan(cfg: Config, world_size: int | None = None
             "attention": resolve_backend(cfg.model.attention, device, policy.compute_dtype,
                                          cfg.model.attention_mask == "document"),
             "device": str(device), **branch}
+    documents = describe_documents(cfg, cfg.parallel.micro_batch_size, device.type)
+    if documents:  # model.attention_mask=document: what the planner counts for it
+        plan["attention_mask"] = documents
     if auto_precision:
         plan["precision_auto"] = auto_precision
     if policy.fp8:
