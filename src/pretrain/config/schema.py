@@ -37,7 +37,9 @@ def _choice(name: str, values: str) -> type[Choice]:
 PosEmb = _choice("PosEmb", "learned rope")
 Norm = _choice("Norm", "layernorm rmsnorm")
 Mlp = _choice("Mlp", "gelu swiglu")
-AttentionBackend = _choice("AttentionBackend", "auto flash sdpa eager")
+# flex: FlexAttention (CUDA), for attention_mask=document
+AttentionBackend = _choice("AttentionBackend", "auto flash sdpa eager flex")
+AttentionMask = _choice("AttentionMask", "causal document")
 Dtype = _choice("Dtype", "float32 bfloat16 float16")
 # Master weights and optimizer state are always float32: pure low-precision weights are not
 # supported; a lower precision is precision.compute_dtype's.
@@ -95,6 +97,12 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     attention: AttentionBackend = AttentionBackend.auto
+    # document: attention block-causal within the documents packed into a window (ended by
+    # the tokenizer's end-of-document token eod_id, the id data/prepare.py's index.json
+    # calls eos_id: 0 for data.tokenizer=bpe, 50256 for gpt2), positions restarting at
+    # each document; causal: one causal window, documents attending across (GPT-2's way).
+    attention_mask: AttentionMask = AttentionMask.causal
+    eod_id: int = 0
     # RMSNorm of the whole query and key projections before RoPE (OLMoE, OLMo 2).
     qk_norm: bool = False
     # Mixture of experts (pretrain/model/moe.py): 0 experts is the dense model. Each MoE layer

@@ -37,6 +37,7 @@ from pretrain.config.schema import Config, DataConfig
 from pretrain.data.epochs import describe_sources
 from pretrain.data.errors import DataError
 from pretrain.data.loader import TokenWindows, check_vocab
+from pretrain.data.tokenizer import check_document_token
 
 log = logging.getLogger(__name__)
 SCALE = 1 << 32
@@ -290,6 +291,7 @@ def open_mixture(cfg: Config, plan: dict) -> tuple[MixtureWindows, MixtureValida
     sources, seq_len = mixture_sources(cfg.data), cfg.model.seq_len
     for (_, path, _), index in zip(sources, indexes, strict=True):
         check_vocab(path, index, cfg.model.vocab_size)
+        check_document_token(cfg.model, index, path)
     log.info("data: a mixture of %d sources\n%s", len(sources),
              "\n".join(describe_sources(plan["data_sources"])))
     train = [TokenWindows(p, "train", seq_len, seed=cfg.data.seed, stream=k + 1)

@@ -122,3 +122,17 @@ def load_for_encoding(path: Path):
     tok.no_truncation()
     tok.no_padding()
     return tok
+
+
+def check_document_token(model, index: dict, path) -> None:
+    """Under model.attention_mask=document, the model's end-of-document id must be the one
+    the preparation put between documents (index.json's eos_id), or windows would be cut
+    at the wrong token: an error naming the fix, before any work."""
+    if model.attention_mask != "document" or index.get("eos_id") is None:
+        return
+    if model.eod_id != index["eos_id"]:
+        raise DataError(
+            f"model.attention_mask=document ends documents at model.eod_id={model.eod_id}, "
+            f"but the data in {path} separates documents with token {index['eos_id']} "
+            f"({index.get('tokenizer', 'its tokenizer')}'s {EOS}): set "
+            f"model.eod_id={index['eos_id']}")

@@ -40,6 +40,7 @@ from pretrain.parallel.layout import (
     world_size_from_env,
 )
 from pretrain.parallel.mesh import env_rank
+from pretrain.planning.document import describe as describe_documents
 from pretrain.precision.policy import Policy, resolve_auto_precision, resolve_policy
 
 log = logging.getLogger("pretrain")
@@ -161,8 +162,12 @@ def resolve_plan(cfg: Config, world_size: int | None = None
     policy = resolve_policy(cfg.precision, device)
     budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
     plan = {**describe_run(cfg, world_size, budget),
-            "attention": resolve_backend(cfg.model.attention, device, policy.compute_dtype),
+            "attention": resolve_backend(cfg.model.attention, device, policy.compute_dtype,
+                                         cfg.model.attention_mask == "document"),
             "device": str(device), **branch}
+    documents = describe_documents(cfg, cfg.parallel.micro_batch_size, device.type)
+    if documents:  # model.attention_mask=document: what the planner counts for it
+        plan["attention_mask"] = documents
     if auto_precision:
         plan["precision_auto"] = auto_precision
     if policy.fp8:

@@ -17,7 +17,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.config.schema import ModelConfig
-from pretrain.model.attention import KERNELS, kernel
+from pretrain.model.attention import (
+    KERNELS,
+    MASK_BUILDERS,
+    document_ids,
+    document_positions,
+    kernel,
+)
 from pretrain.model.initialization import Init, init_parameters
 from pretrain.model.moe import MoE, is_moe_layer, moe_layers
 from pretrain.model.parametrization import attention_scale, scales
@@ -54,9 +60,14 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> torch
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, seq, heads, head_dim) by the 'rotate half' convention (as HF Llama)."""
+    """Rotate (batch, seq, heads, head_dim) by the 'rotate half' convention (as HF Llama).
+    ``rope``: the tables (2, seq, head_dim), or per token (2, batch, seq, head_dim) when
+    positions restart at each document (GPT.forward under document masking)."""
     t = x.shape[1]
-    cos, sin = rope[0, :t, None, :], rope[1, :t, None, :]
+    if rope.dim() == 4:
+        cos, sin = rope[0, :, :, None, :], rope[1, :, :, None, :]
+    else:
+        cos, sin = rope[0, :t, None, :], rope[1, :t, None, :]
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -81,7 +92,7 @@ class Attention(nn.Module):
         self.scale = attention_scale(cfg)  # None: 1/sqrt(head_dim); muP: sqrt(base head_dim)/head_dim
         self.kernel = KERNELS["sdpa"]  # set by set_attention_backend
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask=None) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 rather than n_head: under tensor parallelism each rank holds a slice of heads.
         q, k = self.wq(x), self.wk(x)
@@ -93,8 +104,9 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         dropout = self.dropout if self.training else 0.0
-        y = self.kernel(q, k, v, dropout) if self.scale is None else \
-            self.kernel(q, k, v, dropout, scale=self.scale)
+        extra = {} if mask is None else {"mask": mask}  # document masking only
+        y = self.kernel(q, k, v, dropout, **extra) if self.scale is None else \
+            self.kernel(q, k, v, dropout, scale=self.scale, **extra)
         return self.wo(y.reshape(b, t, -1))
 
 
@@ -150,11 +162,14 @@ class Block(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.moe(x) if hasattr(self, "moe") else self.mlp(x)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask=None) -> torch.Tensor:
+        """``mask``: the document mask (a keyword, so TP's input preparation of ``attn``
+        leaves it alone), None for plain causal attention."""
+        extra = {} if mask is None else {"mask": mask}
         if self.residual != 1.0:
-            x = x + self.residual * self.dropout(self.attn(self.attn_norm(x), rope))
+            x = x + self.residual * self.dropout(self.attn(self.attn_norm(x), rope, **extra))
             return x + self.residual * self.dropout(self.ffn(self.mlp_norm(x)))
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope, **extra))
         return x + self.dropout(self.ffn(self.mlp_norm(x)))
 
 
@@ -177,6 +192,8 @@ class GPT(nn.Module):
         head_dim = cfg.d_model // cfg.n_head
         rope = rope_tables(head_dim, cfg.seq_len, cfg.rope_theta) if cfg.pos_emb == "rope" else None
         self.register_buffer("rope", rope, persistent=False)
+        self.documents = cfg.attention_mask == "document"
+        self.mask_builder = MASK_BUILDERS["sdpa"]  # set by set_attention_backend
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -226,9 +243,13 @@ class GPT(nn.Module):
                 rope_tables(head_dim, self.cfg.seq_len, self.cfg.rope_theta, self.rope.device)
             )
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, docs: torch.Tensor | None = None):
         """tokens (batch, seq) -> logits (batch, seq, padded vocab). A pipeline stage
-        without the embedding receives hidden states (batch, seq, d_model) instead."""
+        without the embedding receives hidden states (batch, seq, d_model) instead, and
+        under document masking the document ids too, which every stage but the last
+        passes on with its output: (hidden, docs)."""
+        if self.documents:
+            return self._document_forward(tokens, docs)
         h = tokens
         if self.tok_emb is not None:
             h = self.tok_emb(tokens)
@@ -237,6 +258,9 @@ class GPT(nn.Module):
             h = self.drop(h)
         for layer in self.layers.values():
             h = layer(h, self.rope)
+        return self._head(h)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
         if self.norm is not None:
             h = self.norm(h)
         if self.lm_head is not None:
@@ -244,6 +268,28 @@ class GPT(nn.Module):
             if self.output_scale != 1.0:
                 h = h * self.output_scale
         return h
+
+    def _document_forward(self, tokens: torch.Tensor, docs: torch.Tensor | None):
+        """model.attention_mask=document: attention block-causal within the documents of
+        the window (ended by model.eod_id), positions restarting at each document. The
+        first stage derives the document ids from the tokens; positions and the mask are
+        rebuilt from them on every stage (cheap next to a block)."""
+        h = tokens
+        if self.tok_emb is not None:
+            docs = document_ids(tokens, self.cfg.eod_id)
+        positions = document_positions(docs)
+        if self.tok_emb is not None:
+            h = self.tok_emb(tokens)
+            if self.pos_emb is not None:
+                h = h + self.pos_emb(positions)
+            h = self.drop(h)
+        rope = self.rope[:, positions] if self.rope is not None else None
+        mask = self.mask_builder(docs)
+        for layer in self.layers.values():
+            h = layer(h, rope, mask=mask)
+        if self.lm_head is None:  # a pipeline stage before the last: the ids travel on
+            return self._head(h), docs
+        return self._head(h)
 
     @torch.no_grad()
     def generate(
@@ -273,6 +319,8 @@ def set_attention_backend(model: nn.Module, backend: str,
     for module in model.modules():
         if isinstance(module, Attention):
             module.kernel = fn
+        if isinstance(module, GPT):
+            module.mask_builder = MASK_BUILDERS.get(backend, MASK_BUILDERS["sdpa"])
 
 
 def build_model(cfg, device: torch.device, attention: str, seed: int) -> GPT:

@@ -106,9 +106,11 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
     if model.tok_emb is not None:
         root["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if model.pos_emb is not None:
-        # Looked up with positions (seq,), so its output's sequence dim is 0.
+        # Looked up with positions (seq,), so its output's sequence dim is 0; under document
+        # masking with per-token positions (batch, seq), it is 1.
+        seq_dim = 1 if model.cfg.attention_mask == "document" else 0
         root["pos_emb"] = RowwiseParallel(input_layouts=Replicate(),
-                                          output_layouts=Shard(0) if sequence_parallel
+                                          output_layouts=Shard(seq_dim) if sequence_parallel
                                           else Replicate())
     if model.norm is not None:
         root["norm"] = norm_style()

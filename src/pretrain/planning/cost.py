@@ -82,6 +82,7 @@ from pretrain.planning.calibration import (
     SOLO_EAGER_SPEED,
     SOLO_KERNEL_SPEEDUP,
 )
+from pretrain.planning.document import attention_work
 from pretrain.planning.params import expert_share, inventory, rank_params
 from pretrain.precision.policy import dtype_bytes
 
@@ -245,6 +246,8 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
     linear_flops = 6 * layer_matmul * tokens / world  # this rank's block Linears
     linear_peak = gpu.peak_flops("float8") if prec.fp8 and gpu.peak_flops("float8") else peak
     compute = model_flops / peak - linear_flops / peak + linear_flops / linear_peak
+    # document masking under FlexAttention skips wholly masked blocks (planning/document.py)
+    compute -= (1 - attention_work(cfg)) * 3 * attn_fwd * tokens / world / peak
     recompute = extra / peak
     slow = kernel_slowdown(cfg, gpu, world)
     compute, recompute = compute * slow, recompute * slow

@@ -72,6 +72,7 @@ from pretrain.planning.activations import (
     live_recv_buffers,
 )
 from pretrain.planning.cost import defers_reduction
+from pretrain.planning.document import mask_bytes
 from pretrain.planning.params import StageParams, inventory, rank_params
 from pretrain.precision.policy import dtype_bytes
 
@@ -173,6 +174,7 @@ def _activations(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: int
     # Chunks in flight spread evenly over this rank's stages (stages hold equal layers).
     saved = chunks * sum(per_chunk) / len(per_chunk)
     saved += chunks * 8 * m.seq_len * a.micro_batch if 0 in stages else 0.0  # token ids
+    saved += chunks * mask_bytes(cfg, a.micro_batch, a.device)  # document masking's
     head, loss_transient = (head_and_loss(m, a) if layout.n_stages - 1 in stages else (0.0, 0.0))
     work = backward_working_bytes(m, a)
     everything = layer_terms(m, replace(a, sp_saves_gathered=True))  # all a block makes

@@ -20,6 +20,7 @@ from pretrain.planning.autolayout import (
     with_parallel,
 )
 from pretrain.planning.cost import offload_bytes, offload_seconds, step_cost
+from pretrain.planning.document import describe as describe_documents
 from pretrain.planning.memory import PARTS, checkpoint_bytes, estimate_memory
 
 
@@ -152,7 +153,8 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, run_plan: dict,
         "time_days": seconds / 86400, "gpu_hours": n_gpus * seconds / 3600,
         "step_model": cost.as_dict(),
         "time_days_at_model_bound": budget.steps * cost.total / 86400,
-        "notes": list(mem.notes) + _vocab_note(cfg) + _selective_note(cfg, layout),
+        "notes": list(mem.notes) + _vocab_note(cfg) + _selective_note(cfg, layout)
+        + [n for n in [describe_documents(cfg, layout.micro_batch_size)] if n],
         "suggestions": [] if mem.fits else suggestions(cfg, layout, gpu, budget),
     }
 

@@ -290,12 +290,12 @@ def compare(result: dict) -> dict[str, float | None]:
 
 
 def cpu_stand_in(cfg: Config) -> Config:
-    """``cfg`` as this CPU can run it with the same tensors: flash-attn (a GPU kernel) as
+    """``cfg`` as this CPU can run it with the same tensors: flash-attn and flex (GPU kernels) as
     SDPA, whose memory is also O(sequence); fp8 emulated (the same Float8Linear modules and
     shards); blocks eager (torch's memory tracker is a dispatch mode, which compile cannot
     run under; the checkpoint policy, not compile, decides what is kept), so no async TP
     (a compiler pass over the same collectives and matmuls)."""
-    if cfg.model.attention == "flash":
+    if cfg.model.attention in ("flash", "flex"):  # flex: a GPU kernel too
         cfg = replace(cfg, model=replace(cfg.model, attention="sdpa"))
     if cfg.precision.fp8:
         cfg = replace(cfg, precision=replace(cfg.precision, fp8_allow_emulation=True))
@@ -318,7 +318,8 @@ def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict
     attention_asked, compiled = cfg.model.attention, cfg.train.compile
     cfg = cpu_stand_in(cfg)
     policy = resolve_policy(cfg.precision, device)
-    attention = resolve_backend(cfg.model.attention, device, policy.compute_dtype)
+    attention = resolve_backend(cfg.model.attention, device, policy.compute_dtype,
+                                cfg.model.attention_mask == "document")
     layout = resolve_layout(cfg, world_size)
     dist.init_process_group("fake", store=torch_compat.private("FakeStore")(), rank=rank,
                             world_size=world_size)

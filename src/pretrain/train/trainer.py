@@ -31,6 +31,7 @@ from pretrain.data.loader import TokenWindows, check_vocab
 from pretrain.data.mixture import open_mixture
 from pretrain.data.prefetch import Prefetcher
 from pretrain.data.prepare import data_dir, load_index, prepare, require_prepared
+from pretrain.data.tokenizer import check_document_token
 from pretrain.decision.resolve import dry_run, resolve_run
 from pretrain.hardware.device import keep_freed_memory, peak_rss_bytes
 from pretrain.planning.memory import checkpoint_bytes
@@ -117,7 +118,7 @@ class Trainer:
             budget.steps, f"{budget.global_batch_tokens:,}",
             " ".join(filter(None, [plan["precision"], plan.get("fp8"),
                                    "(auto)" if "precision_auto" in plan else None])),
-            plan["attention"],
+            " ".join(filter(None, [plan["attention"], plan.get("attention_mask")])),
             f" | compile ({self.layout.compile_scope()})" if cfg.train.compile else "",
             self.layout.describe(), self.device,
         )
@@ -149,6 +150,7 @@ class Trainer:
             path = prepare(cfg.data)
         index = load_index(path)
         check_vocab(path, index, cfg.model.vocab_size)
+        check_document_token(cfg.model, index, path)
         self.plan.update(check_epochs(cfg.data, self.budget.tokens, index))
         log.info("data %s: %s training tokens, the budget is %.3g epochs of it", path,
                  f"{self.plan['data_tokens']:,}", self.plan["epochs"])
