@@ -135,7 +135,8 @@ def fake_trainer(model: GPT, data: Path, step: int, steps: int, task_interval: i
         parallel=SimpleNamespace(micro_batch_size=8))
     module = SimpleNamespace(token_logprobs=plain_logprobs(model), sum_over_dp=lambda t: t)
     return SimpleNamespace(cfg=cfg, train_data=SimpleNamespace(path=data), step=step,
-                           budget=SimpleNamespace(steps=steps), module=module,
+                           budget=SimpleNamespace(steps=steps, global_batch_tokens=512),
+                           module=module,
                            layout=SimpleNamespace(dp=1, tp=1),
                            place=SimpleNamespace(dp_rank=0), device=torch.device("cpu"))
 

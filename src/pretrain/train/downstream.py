@@ -63,6 +63,11 @@ class TaskSet:
         return ", ".join(f"{t} ({len(ex)} documents, {len(self.requests[t])} choices)"
                          for t, ex in self.examples.items())
 
+    def tokens(self, batch_size: int, pad_multiple: int = 1) -> int:
+        """Token positions one scoring of every task computes (padding included)."""
+        return sum(task_scoring.padded_tokens(r, batch_size, pad_multiple)
+                   for r in self.requests.values())
+
 
 def score(tasks: TaskSet, logprobs, batch_size: int, *, rank: int = 0, world: int = 1,
           pad_multiple: int = 1, device: torch.device | str = "cpu",
@@ -96,10 +101,19 @@ class TaskEvaluation(Hook):
         tokenizer = trainer.train_data.path / "tokenizer.json"
         t0 = time.perf_counter()
         self.tasks = TaskSet(self.cfg, tokenizer, trainer.cfg.model.seq_len)
-        log.info("downstream tasks from %s: %s; scored every %s steps (%.1f s to load)",
-                 describe_source(self.cfg.tasks_dir), self.tasks.describe(),
-                 self.cfg.task_interval or trainer.cfg.train.eval_interval,
+        interval = self.cfg.task_interval or trainer.cfg.train.eval_interval
+        tokens = self.tasks.tokens(self._batch_size(trainer), trainer.layout.tp)
+        # forward only: 2 N FLOPs a token, against a training step's 6 N a token
+        cost = tokens / (3 * trainer.budget.global_batch_tokens)
+        log.info("downstream tasks from %s: %s; scored every %d steps and at the last: "
+                 "%s tokens forward each time, the FLOPs of %.2f training steps (%.1f%% of "
+                 "the %d steps between scorings; %.1f s to load)",
+                 describe_source(self.cfg.tasks_dir), self.tasks.describe(), interval,
+                 f"{tokens:,}", cost, 100 * cost / interval, interval,
                  time.perf_counter() - t0)
+
+    def _batch_size(self, trainer: Any) -> int:
+        return self.cfg.batch_size or trainer.cfg.parallel.micro_batch_size
 
     def due(self, trainer: Any) -> bool:
         interval = self.cfg.task_interval
@@ -117,8 +131,7 @@ class TaskEvaluation(Hook):
     def score(self, trainer: Any) -> dict[str, float]:
         """This step's metrics; every rank calls it (the batches are split over DP)."""
         module, layout = trainer.module, trainer.layout
-        return score(self.tasks, module.token_logprobs,
-                     self.cfg.batch_size or trainer.cfg.parallel.micro_batch_size,
+        return score(self.tasks, module.token_logprobs, self._batch_size(trainer),
                      rank=trainer.place.dp_rank, world=layout.dp, pad_multiple=layout.tp,
                      device=trainer.device, reduce=module.sum_over_dp)
 
