@@ -3,7 +3,8 @@ process for one), as the loop's hook does at its last evaluation.
 
     torchrun --standalone --nproc_per_node=N tests/downstream_worker.py OUT SPEC
 
-SPEC: helpers.write_spec's file, {"configs": {name: Config}}. Each rank writes
+SPEC: helpers.write_spec's file, {"configs": {name: Config}} (one layout a launch: a
+second Trainer after the first one closed hung in these ranks). Each rank writes
 OUT/<name>.rank<R>.json: the hook's metrics.
 """
 

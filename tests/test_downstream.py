@@ -234,10 +234,11 @@ def test_two_process_layouts_score_as_one_process(prepared, tmp_path):
         destroy()
     configs = compose_all({"dp2": [*common, "parallel=zero3"],
                            "tp2": [*common, "parallel=tp2"]})
-    spec = write_spec(tmp_path / "spec.pkl", configs=configs)
-    proc = run_script(HERE / "downstream_worker.py", str(tmp_path), str(spec), nproc=2,
-                      cwd=tmp_path)
-    assert proc.returncode == 0, failed(proc)
+    for name, cfg in configs.items():  # one launch each: a second Trainer in the same
+        spec = write_spec(tmp_path / f"{name}.pkl", configs={name: cfg})  # ranks hung
+        proc = run_script(HERE / "downstream_worker.py", str(tmp_path), str(spec), nproc=2,
+                          cwd=tmp_path, timeout=300)
+        assert proc.returncode == 0, failed(proc)
     keys = [k for k in one if k.startswith("task/")]
     assert len(keys) == 6
     for name, tol in (("dp2", 0.0), ("tp2", 1e-5)):
