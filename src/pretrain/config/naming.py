@@ -15,7 +15,7 @@ from pretrain.config.schema import Config
 # through the ${pretrain_neutral_keys:} resolver). A group (logging, cluster) stands for
 # every key under it.
 NEUTRAL_KEYS = ("recipe", "run_name", "runs_dir", "dry_run", "hydra", "logging", "cluster",
-                "checkpoint.resume", "checkpoint.resume_from", "data.num_proc", "data.root",
+                "eval", "checkpoint.resume", "checkpoint.resume_from", "data.num_proc", "data.root",
                 "train.device", "train.sample_tokens", "train.sample_prompt",
                 "train.sample_temperature", "train.sample_top_k", "train.time_limit_minutes",
                 "train.exit_interval", "train.stop_check_interval", "train.gc_interval")

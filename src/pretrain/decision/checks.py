@@ -51,6 +51,7 @@ def check(cfg: Config, world_size: int | None = None) -> None:
     _check_precision(cfg, p)
     _check_optim(cfg, p)
     p.extend(mixture_problems(cfg.data, cfg.schedule.decay))
+    _check_tasks(cfg, p)
     if not cfg.data.mixture and cfg.data.tokenizer == "bpe" and cfg.data.tokenizer_vocab_size > cfg.model.vocab_size:
         p.append(f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size} exceeds "
                  f"model.vocab_size={cfg.model.vocab_size}: token ids would fall outside the "
@@ -152,3 +153,22 @@ def _check_layout(cfg: Config, world_size: int, p: list[str]) -> None:
     """The parallel layout against the world size, the model shape and the batch: the
     rules of ``parallel.rules``, which the ``parallel=auto`` search filters with too."""
     p.extend(layout_problems(cfg, world_size))
+
+
+def _check_tasks(cfg: Config, p: list[str]) -> None:
+    """Downstream tasks: scored at evaluation points, on layouts that hold whole logits."""
+    e = cfg.eval
+    if not e.tasks:
+        return
+    if e.max_examples <= 0:
+        p.append(f"eval.max_examples={e.max_examples} must be a positive integer")
+    if e.batch_size < 0:
+        p.append(f"eval.batch_size={e.batch_size} must be >= 0 (0: parallel.micro_batch_size)")
+    if e.task_interval < 0 or e.task_interval % cfg.train.eval_interval:
+        p.append(f"eval.task_interval={e.task_interval} must be a multiple of "
+                 f"train.eval_interval={cfg.train.eval_interval} (tasks are scored at "
+                 "evaluation points), or 0 for every one")
+    if cfg.parallel.pp > 1:
+        p.append(f"eval.tasks={list(e.tasks)} with parallel.pp={cfg.parallel.pp}: task "
+                 "scoring under pipeline parallelism is not implemented yet; score the "
+                 "checkpoint afterwards with tools/evaluate.py, or set eval.tasks=[]")

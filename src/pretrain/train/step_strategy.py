@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from pretrain.model.moe import aux_loss_scale, moe_layers
@@ -124,6 +125,15 @@ class AccumulationStep:
         with loss_context(self.layout.tp), torch.no_grad(), self.parallel.autocast():
             return [local(self.parallel.micro_batch_loss(x, y))]
 
+    def token_logprobs(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Each position's log-probability of its target, fp32, through the model as the
+        validation loss runs it (the compute dtype's autocast); TP's vocabulary-sharded
+        logits are gathered first (an evaluation batch's, not a training one's)."""
+        with torch.no_grad(), self.parallel.autocast():
+            logits = local(self.model(x)).float()
+        return -F.cross_entropy(logits.flatten(0, -2), y.flatten(),
+                                reduction="none").view_as(y)
+
 
 class PipelineStep:
     """This rank's pipeline stages, driven by the schedule: one ``schedule.step`` runs
@@ -181,6 +191,10 @@ class PipelineStep:
             if not self.parallel.has_last_stage:
                 return None
             return [local(loss.detach()) for loss in losses]
+
+    def token_logprobs(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("per-token log-probabilities under pipeline parallelism "
+                                  "(downstream task scoring) are not implemented yet")
 
     def _eval_step(self, x: torch.Tensor, y: torch.Tensor, losses: list) -> None:
         """One pipeline step of forwards; the per micro batch losses land in ``losses`` on

