@@ -91,7 +91,8 @@ def test_one_job_prepares_every_source_with_one_tokenizer(trees):
     assert not needs_mixture_preparation(cfg)
 
     stamps = {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
-    assert [s["seconds"] for s in prepare_mixture(cfg)] == [0, 0, 0]  # a no-op
+    assert [s["prepared_now"] for s in summary] == [True, True, True]
+    assert [s["prepared_now"] for s in prepare_mixture(cfg)] == [False, False, False]
     assert {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()} == stamps
 
 
@@ -104,8 +105,8 @@ def test_the_cli_prepares_the_mixture_as_one_job(trees, capsys, monkeypatch):
             f"data.tokenizer_vocab_size={TOKENIZER_VOCAB}", "data.num_proc=1"]
     assert prepare_data.main(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert [(s["name"], s["seconds"] > 0) for s in out["mixture"]] == [("code", True),
-                                                                        ("notes", True)]
+    assert [(s["name"], s["prepared_now"]) for s in out["mixture"]] == [("code", True),
+                                                                         ("notes", True)]
     assert prepare_data.main([*args, "--stage", "plan"]) == 2
     assert "prepared as one job" in capsys.readouterr().err
 
@@ -151,3 +152,28 @@ def test_preparation_keys_without_a_source_are_a_config_error():
     with pytest.raises(ConfigError, match=r"data.mixture\[0\] \(a\) sets \['data_files'\] "
                                           "but no source"):
         check(cfg)
+
+
+def test_a_one_process_run_prepares_its_mixture_first(trees):
+    """The trainer's path: open_mixture(cfg, plan, prepare=True) prepares the missing
+    sources and restates the plan's per-source sizes; with auto_prepare=false it does not."""
+    from pretrain.data.mixture import open_mixture
+    from pretrain.decision.resolve import resolve_plan
+
+    entries = (f"[{{name: code, weight: 0.5, source: site-packages, roots: ['{trees}/code']}},"
+               f" {{name: docs, weight: 0.5, source: local-docs, roots: ['{trees}/docs']}}]")
+    args = ["model=nano", f"model.vocab_size={TOKENIZER_VOCAB}", "data=mixture",
+            f"data.mixture={entries}", f"data.root={trees / 'data'}", "data.num_proc=1",
+            f"data.tokenizer_vocab_size={TOKENIZER_VOCAB}", "budget=steps", "budget.steps=3",
+            "model.seq_len=16", "train.global_batch_size=4", "parallel.micro_batch_size=4"]
+    off = compose_config([*args, "data.auto_prepare=false"])
+    with pytest.raises(DataError, match="no prepared data"):
+        open_mixture(off, resolve_plan(off)[0], True)
+    cfg = compose_config(args)
+    plan = resolve_plan(cfg)[0]
+    assert [s["data_tokens"] for s in plan["data_sources"]] == [None, None]
+    train, _ = open_mixture(cfg, plan, True)
+    sizes = [json.loads((trees / "data" / n / "index.json").read_text())["splits"]["train"]
+             ["tokens"] for n in ("code", "docs")]
+    assert [s["data_tokens"] for s in plan["data_sources"]] == sizes
+    assert train.batch(0, 4)[0].shape == (4, 16)

@@ -303,9 +303,16 @@ def check_sources(cfg: DataConfig) -> list[dict]:
     return indexes
 
 
-def open_mixture(cfg: Config, plan: dict) -> tuple[MixtureWindows, MixtureValidation | None]:
+def open_mixture(cfg: Config, plan: dict, prepare: bool = False
+                 ) -> tuple[MixtureWindows, MixtureValidation | None]:
     """The mixture's training windows and (when every source has one) its validation;
-    ``plan``: the run's, with ``mixture_stages`` and ``data_sources`` (decision/resolve.py)."""
+    ``plan``: the run's, with ``mixture_stages`` and ``data_sources`` (decision/resolve.py).
+    ``prepare`` (a one-process run): first prepare the sources that say how they are built
+    and are not prepared yet, when data.auto_prepare (mixture_prepare.py)."""
+    if prepare:
+        from pretrain.data.mixture_prepare import prepare_for_run  # it imports this module
+
+        prepare_for_run(cfg, plan)
     indexes = check_sources(cfg.data)
     sources, seq_len = mixture_sources(cfg.data), cfg.model.seq_len
     for (_, path, _), index in zip(sources, indexes, strict=True):

@@ -21,9 +21,10 @@ import logging
 import time
 from pathlib import Path
 
-from pretrain.config.schema import DataConfig
+from pretrain.config.schema import Config, DataConfig
+from pretrain.data.epochs import check_mixture_epochs
 from pretrain.data.errors import DataError
-from pretrain.data.mixture import check_sources, tokenizer_problem
+from pretrain.data.mixture import check_sources, source_shares, tokenizer_problem
 from pretrain.data.prepare import INDEX, _config_dict, data_dir, fingerprint, load_index, prepare
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,8 @@ def _warn_if_other_settings(cfg: DataConfig, i: int, tokenizer: str | None) -> N
 
 
 def prepare_mixture(cfg: DataConfig, workers: int | None = None) -> list[dict]:
-    """Prepare the sources not prepared yet; per source: name, dir, tokens per split,
-    bytes on disk of its inputs, seconds (0 for one already prepared)."""
+    """Prepare the sources not prepared yet; per source: name, dir, tokens per split, the
+    bytes of its inputs, seconds, and whether this call prepared it (``prepared_now``)."""
     prepared = _prepared(cfg)
     problems = _problems(cfg, prepared)
     if problems:
@@ -103,7 +104,8 @@ def prepare_mixture(cfg: DataConfig, workers: int | None = None) -> list[dict]:
                      entry.name, i + 1, len(cfg.mixture), tokenizer or "bpe (trained here)")
             out = prepare(source_config(cfg, i, tokenizer or "bpe"), workers)
             tokenizer = tokenizer or str(out / "tokenizer.json")
-        summary.append(_summary(entry.name, out, time.time() - t0 if not prepared[i] else 0))
+        summary.append({**_summary(entry.name, out, time.time() - t0),
+                        "prepared_now": not prepared[i]})
     check_sources(cfg)
     return summary
 
@@ -121,3 +123,15 @@ def needs_mixture_preparation(cfg: DataConfig) -> bool:
     return bool(cfg.mixture) and cfg.auto_prepare and any(
         s.source is not None and not ok for s, ok in zip(cfg.mixture, _prepared(cfg),
                                                          strict=True))
+
+
+def prepare_for_run(cfg: Config, plan: dict) -> None:
+    """A one-process run with data.auto_prepare: prepare the sources not prepared yet, then
+    restate the plan's per-source sizes and epochs (``plan``: the run's, updated)."""
+    if not needs_mixture_preparation(cfg.data):
+        return
+    prepare_mixture(cfg.data)
+    stages = [(int(step), tuple(w)) for step, w in plan["mixture_stages"]]
+    shares = source_shares(cfg.data, stages, cfg.train.global_batch_size, plan["steps"],
+                           cfg.model.seq_len)
+    plan.update(check_mixture_epochs(cfg.data, shares))

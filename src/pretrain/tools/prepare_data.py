@@ -7,7 +7,7 @@
 
 With a mixture (data.mixture, e.g. +recipe=mixture-local) the whole job prepares every
 source that says how it is built and is not prepared yet, with one tokenizer; the last
-line is {"mixture": [per source: name, dir, bytes, seconds, tokens]}.
+line is {"mixture": [per source: name, dir, bytes, seconds, tokens, prepared_now]}.
 
 Overrides are train.py's (data=stdlib, data=local-text 'data.data_files=[corpus/*.jsonl]',
 +recipe=gpt2-124m, ...); the output is <data.root>/<data.name>/, exactly what training would

@@ -29,10 +29,9 @@ from pretrain.config.schema import Config
 from pretrain.data.epochs import check_epochs
 from pretrain.data.loader import TokenWindows, check_vocab
 from pretrain.data.mixture import open_mixture
-from pretrain.data.mixture_prepare import needs_mixture_preparation, prepare_mixture
 from pretrain.data.prefetch import Prefetcher
 from pretrain.data.prepare import data_dir, load_index, prepare, require_prepared
-from pretrain.decision.resolve import describe_data, dry_run, resolve_run
+from pretrain.decision.resolve import dry_run, resolve_run
 from pretrain.hardware.device import keep_freed_memory, peak_rss_bytes
 from pretrain.planning.memory import checkpoint_bytes
 from pretrain.train.evaluation import Evaluator, sample
@@ -127,10 +126,7 @@ class Trainer:
         """The training and (when prepared) validation windows."""
         cfg = self.cfg
         if cfg.data.mixture:  # data/mixture.py; the plan says what each source gives
-            if self.world_size == 1 and needs_mixture_preparation(cfg.data):
-                prepare_mixture(cfg.data)  # its sources with a `source:`, one tokenizer
-                self.plan.update(describe_data(cfg, self.budget))
-            self.train_data, self.val_data = open_mixture(cfg, self.plan)
+            self.train_data, self.val_data = open_mixture(cfg, self.plan, self.world_size == 1)
         else:
             path = self._data()
             self.train_data = TokenWindows(path, "train", cfg.model.seq_len, seed=cfg.data.seed)
