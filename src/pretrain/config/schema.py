@@ -146,6 +146,18 @@ class MixtureSource:
 
     name: str = ""
     weight: float = 1.0
+    # How to prepare it (optional): with ``source`` set, ``tools/prepare_data.py`` given the
+    # mixture (and a one-process run with data.auto_prepare) prepares the source when
+    # ${data.root}/${name} holds no prepared data, with the mixture's one tokenizer; the
+    # keys left unset take data's. Keys as data's own (docs/mixtures.md, "One job").
+    source: str | None = None
+    subset: str | None = None
+    revision: str | None = None
+    data_files: list[str] = field(default_factory=list)
+    roots: list[str] = field(default_factory=list)
+    text_field: str | None = None
+    max_documents: int | None = None
+    validation_fraction: float | None = None
 
 
 @dataclass
@@ -169,6 +181,9 @@ class DataConfig:
     revision: str | None = None
     split: str = "train"
     data_files: list[str] = field(default_factory=list)
+    # The directories the local-corpus builders (source=site-packages|local-docs,
+    # data/local_corpora.py) search; empty: this machine's own (docs/mixtures.md).
+    roots: list[str] = field(default_factory=list)
     text_field: str = "text"
     # Cap on documents read from the source (None = all); handy for huge hub corpora.
     max_documents: int | None = None

@@ -44,7 +44,10 @@ SCALE = 1 << 32
 MIX_KEY = 0x6D6978  # "mix": the batch permutations' own seed stream
 # The single-source keys a mixture leaves at data=mixture's values (conf/data/mixture.yaml).
 SINGLE_SOURCE = {"name": "mixture", "source": "mixture", "subset": None, "revision": None,
-                 "data_files": [], "max_documents": None, "tokens": None}
+                 "data_files": [], "roots": [], "max_documents": None, "tokens": None}
+# An entry's preparation keys (mixture_prepare.py) that mean nothing without its source.
+ENTRY_KEYS = ("subset", "revision", "data_files", "roots", "text_field", "max_documents",
+              "validation_fraction")
 
 
 def mixture_sources(cfg: DataConfig) -> list[tuple[str, Path, float]]:
@@ -100,6 +103,12 @@ def mixture_problems(cfg: DataConfig, decay: str) -> list[str]:
     if "" in names or len(set(names)) != len(names):
         p.append(f"data.mixture's names {names} must be distinct corpus names under data.root")
     p += _weights_problems("data.mixture", {s.name: s.weight for s in cfg.mixture}, names)
+    p += [f"data.mixture[{i}] ({s.name}) sets {keys} but no source: add `source:` (how "
+          "the one-job preparation builds it: stdlib, site-packages, local-docs, text, json, "
+          "parquet or a hub name) or remove them (docs/mixtures.md)"
+          for i, s in enumerate(cfg.mixture)
+          if s.source is None and (keys := [k for k in ENTRY_KEYS
+                                            if getattr(s, k, None) not in (None, [])])]
     steps = [int(st.step) for st in cfg.stages]
     if any(b <= a for a, b in zip(steps, steps[1:], strict=False)) or any(s < 0 for s in steps):
         p.append(f"data.stages steps {steps} must be >= 0 and strictly increasing: each "
@@ -249,8 +258,10 @@ def _tokenizer_key(path: Path, index: dict) -> tuple:
 
 
 def _source_problem(i: int, name: str, path: Path) -> str | None:
-    fix = (f"prepare it first: `python tools/prepare_data.py data=... data.name={name} "
-           f"data.root={path.parent}` (docs/mixtures.md), or correct data.mixture[{i}].name")
+    fix = (f"prepare it first: `python tools/prepare_data.py <the run's overrides>` when "
+           f"data.mixture[{i}] has a `source:`, else `python tools/prepare_data.py data=... "
+           f"data.name={name} data.root={path.parent}` (docs/mixtures.md), or correct "
+           f"data.mixture[{i}].name")
     if not (path / "index.json").exists():
         return f"data.mixture[{i}].name={name}: no prepared data at {path}; {fix}"
     index = json.loads((path / "index.json").read_text())
@@ -258,6 +269,21 @@ def _source_problem(i: int, name: str, path: Path) -> str | None:
     if not train.get("shards") or not train.get("tokens"):
         return f"data.mixture[{i}].name={name}: {path} holds no training files; {fix}"
     return None
+
+
+def tokenizer_problem(found: list[tuple[str, Path, dict]]) -> str | None:
+    """The problem when prepared sources (name, dir, index) differ from the first's
+    tokenizer, else None."""
+    if not found:
+        return None
+    first = _tokenizer_key(found[0][1], found[0][2])
+    other = [n for n, p, ix in found[1:] if _tokenizer_key(p, ix) != first]
+    if not other:
+        return None
+    return (f"data.mixture sources {other} have another tokenizer or vocabulary than "
+            f"{found[0][0]}: a mixture needs one; prepare them with data.tokenizer="
+            f"{found[0][1] / 'tokenizer.json'} (docs/mixtures.md), or move them aside and "
+            "prepare the mixture as one job (tools/prepare_data.py with the mixture)")
 
 
 def check_sources(cfg: DataConfig) -> list[dict]:
@@ -270,23 +296,24 @@ def check_sources(cfg: DataConfig) -> list[dict]:
         indexes.append(None if problem else json.loads((path / "index.json").read_text()))
     found = [(n, p, ix) for (n, p, _), ix in zip(mixture_sources(cfg), indexes, strict=True)
              if ix is not None]
-    if found:
-        first = _tokenizer_key(found[0][1], found[0][2])
-        other = [n for n, p, ix in found[1:] if _tokenizer_key(p, ix) != first]
-        if other:
-            problems.append(
-                f"data.mixture sources {other} have another tokenizer or vocabulary than "
-                f"{found[0][0]}: a mixture needs one; prepare them with data.tokenizer="
-                f"{found[0][1] / 'tokenizer.json'} (docs/mixtures.md)")
+    problem = tokenizer_problem(found)
+    problems += [problem] if problem else []
     if problems:
         raise DataError("the mixture's sources are not ready:\n" +
                         "\n".join(f"  - {p}" for p in problems))
     return indexes
 
 
-def open_mixture(cfg: Config, plan: dict) -> tuple[MixtureWindows, MixtureValidation | None]:
+def open_mixture(cfg: Config, plan: dict, prepare: bool = False
+                 ) -> tuple[MixtureWindows, MixtureValidation | None]:
     """The mixture's training windows and (when every source has one) its validation;
-    ``plan``: the run's, with ``mixture_stages`` and ``data_sources`` (decision/resolve.py)."""
+    ``plan``: the run's, with ``mixture_stages`` and ``data_sources`` (decision/resolve.py).
+    ``prepare`` (a one-process run): first prepare the sources that say how they are built
+    and are not prepared yet, when data.auto_prepare (mixture_prepare.py)."""
+    if prepare:
+        from pretrain.data.mixture_prepare import prepare_for_run  # it imports this module
+
+        prepare_for_run(cfg, plan)
     indexes = check_sources(cfg.data)
     sources, seq_len = mixture_sources(cfg.data), cfg.model.seq_len
     for (_, path, _), index in zip(sources, indexes, strict=True):

@@ -39,6 +39,7 @@ import numpy as np
 
 from pretrain.config.paths import SRC
 from pretrain.config.schema import DataConfig
+from pretrain.data import local_corpora
 from pretrain.data.encode import (
     DONE,
     PLAN,
@@ -83,6 +84,8 @@ def fingerprint(cfg: DataConfig) -> str:
     keys["format"] = FORMAT_VERSION
     if cfg.source == "stdlib":
         keys["stdlib"] = sysconfig.get_paths()["stdlib"]
+    if cfg.source in local_corpora.BUILDERS:  # its directories (data.roots, or the machine's)
+        keys["roots"] = local_corpora.roots(cfg)
     if cfg.tokenizer.endswith(".json") and Path(cfg.tokenizer).is_file():  # its content
         keys["tokenizer_sha"] = hashlib.sha256(Path(cfg.tokenizer).read_bytes()).hexdigest()
     for f in expand_files(cfg.data_files):

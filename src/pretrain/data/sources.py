@@ -8,7 +8,8 @@ corpus and the config, never on how many workers encode it:
                                                  compressed or array JSON)
     {"kind": "parquet", "file", "row_groups"}    consecutive row groups of one file
     {"kind": "texts",   "files"}                 consecutive files, one document each
-                                                 (data.source=text, and the stdlib corpus)
+                                                 (data.source=text, the stdlib corpus
+                                                 and local_corpora.py's)
     {"kind": "hub",     "shard", "num_shards"}   one data file of a hub dataset, streamed
 
 Every piece also has "bytes" (its size on disk; None for the hub) and, when
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from pretrain.config.schema import DataConfig
 from pretrain.data.errors import DataError
+from pretrain.data.local_corpora import BUILDERS
 
 log = logging.getLogger("pretrain")
 
@@ -87,6 +89,8 @@ def plan_pieces(cfg: DataConfig) -> list[dict]:
         raise DataError("data.piece_bytes must be positive")
     if cfg.source == "stdlib":
         return group_files([str(f) for f in stdlib_files()], cfg.piece_bytes)
+    if cfg.source in BUILDERS:  # site-packages, local-docs (local_corpora.py)
+        return group_files(BUILDERS[cfg.source](cfg), cfg.piece_bytes)
     if cfg.source not in LOCAL_FORMATS:
         return hub_pieces(cfg)
     files = local_files(cfg)

@@ -5,6 +5,10 @@
     python tools/prepare_data.py [overrides...] --stage encode --task K --of N
     python tools/prepare_data.py [overrides...] --stage merge     index.json, publish
 
+With a mixture (data.mixture, e.g. +recipe=mixture-local) the whole job prepares every
+source that says how it is built and is not prepared yet, with one tokenizer; the last
+line is {"mixture": [per source: name, dir, bytes, seconds, tokens, prepared_now]}.
+
 Overrides are train.py's (data=stdlib, data=local-text 'data.data_files=[corpus/*.jsonl]',
 +recipe=gpt2-124m, ...); the output is <data.root>/<data.name>/, exactly what training would
 prepare on first use. --workers defaults to data.num_proc. In the encode stage, --task and
@@ -29,6 +33,7 @@ from pathlib import Path
 
 from pretrain.config.compose import compose_config
 from pretrain.config.schema import DataConfig
+from pretrain.data.mixture_prepare import prepare_mixture
 from pretrain.data.prepare import (
     DataError,
     data_dir,
@@ -87,6 +92,10 @@ def print_prepared(cfg: DataConfig, out: Path | None) -> int:
 
 
 def run_all(cfg: DataConfig, args: argparse.Namespace) -> int:
+    if cfg.mixture:  # every source not prepared yet, one tokenizer (data/mixture_prepare.py)
+        sources = prepare_mixture(cfg, workers=args.workers)
+        print(json.dumps({"mixture": sources}))
+        return 0
     return print_prepared(cfg, prepare(cfg, workers=args.workers))
 
 
@@ -118,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         check_options(args, overrides)
-        return STAGES[args.stage](compose_config(overrides).data, args)
+        cfg = compose_config(overrides).data
+        if cfg.mixture and args.stage != "all":
+            raise DataError("a mixture is prepared as one job (no --stage); to prepare one "
+                            "source by stages, give its own data settings (data=... "
+                            "data.name=<source> data.tokenizer=<the shared tokenizer.json>)")
+        return STAGES[args.stage](cfg, args)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

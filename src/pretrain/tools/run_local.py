@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from pretrain.config.compose import compose_config
+from pretrain.data.mixture_prepare import needs_mixture_preparation
 from pretrain.data.prepare import needs_preparation
 from pretrain.launch import LaunchError
 from pretrain.launch.local import (
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print:
         print(shlex.join(cmd))
         return 0
-    if needs_preparation(cfg.data):
+    if needs_preparation(cfg.data) or needs_mixture_preparation(cfg.data):
         # A multi-process run never tokenises (train.py refuses): prepare first, as its own
         # job, with the same overrides and data.num_proc worker processes.
         print(f"run_local: preparing data.name={cfg.data.name} first: "

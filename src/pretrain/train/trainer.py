@@ -127,7 +127,7 @@ class Trainer:
         """The training and (when prepared) validation windows."""
         cfg = self.cfg
         if cfg.data.mixture:  # data/mixture.py; the plan says what each source gives
-            self.train_data, self.val_data = open_mixture(cfg, self.plan)
+            self.train_data, self.val_data = open_mixture(cfg, self.plan, self.world_size == 1)
         else:
             path = self._data()
             self.train_data = TokenWindows(path, "train", cfg.model.seq_len, seed=cfg.data.seed)
