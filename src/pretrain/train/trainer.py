@@ -34,7 +34,6 @@ from pretrain.decision.resolve import dry_run, resolve_run
 from pretrain.hardware.device import keep_freed_memory, peak_rss_bytes
 from pretrain.planning.memory import checkpoint_bytes
 from pretrain.train.evaluation import Evaluator, sample
-from pretrain.train.garbage import GarbageCollection
 from pretrain.train.metrics import LossWindow, MetricsLogger, PeakFlops, Throughput, memory_metrics
 from pretrain.train.noise_scale import NoiseScaleProbe, compare_batch
 from pretrain.train.preemption import (
@@ -45,6 +44,7 @@ from pretrain.train.preemption import (
     requeue_exit,
 )
 from pretrain.train.run_lock import RunLock
+from pretrain.train.services import build_hooks
 from pretrain.train.train_module import TrainModule, join, leave, max_over_ranks
 
 log = logging.getLogger("pretrain")
@@ -70,6 +70,7 @@ class Trainer:
         self.expert_loads: list[float] = []  # MoE: busiest expert over the mean, per log
         self.noise = NoiseScaleProbe(self.cfg, self.layout, self.budget.global_batch_tokens)
         self.prefetch = self.lock = None
+        self.hooks: list = []  # services.build_hooks, once the train module exists
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -90,6 +91,7 @@ class Trainer:
         self._describe_plan()
         self._load_data()
         self._build_training()
+        self.hooks = build_hooks(self)
         self._start_run()
 
     def _describe_plan(self) -> None:
@@ -233,6 +235,9 @@ class Trainer:
         if path is not None:
             meta = CheckpointManager.load(path, self._checkpoint_state())
             self.noise.restore(meta.get("noise_scale"))  # the estimate's EMAs, if saved
+            for hook in self.hooks:  # a hook newer than the checkpoint starts fresh
+                if hook.name in meta:
+                    hook.load_state_dict(meta[hook.name])
             log.info("resumed from %s: step %d, %s tokens seen (saved with layout %s)",
                      path, self.step, f"{self.step * self.budget.global_batch_tokens:,}",
                      meta.get("layout"))
@@ -255,7 +260,8 @@ class Trainer:
                 "samples_seen": self.samples_seen, "layout": self.plan["layout"],
                 "world_size": self.world_size, "branch": self.branch,
                 "noise_scale": self.noise.estimator.state_dict(),
-                "config": OmegaConf.to_container(OmegaConf.structured(self.cfg))}
+                "config": OmegaConf.to_container(OmegaConf.structured(self.cfg)),
+                **{h.name: state for h in self.hooks if (state := h.state_dict())}}
         self.ckpt.save(self.step, self._checkpoint_state(), meta, block=block)
 
     # -- steps ---------------------------------------------------------------------------
@@ -317,32 +323,46 @@ class Trainer:
             return self._exit_stopped(stopped)
         if self.evaluator is not None and self.rank0:
             self.evaluator.describe()
-        self._evaluate_at_start()
-        window, clock = LossWindow(self.device), Throughput()
-        stopped = None
-        collector = GarbageCollection(self.cfg.train.gc_interval)
         try:
+            self._call_hooks("start")
+            self._evaluate_at_start()
+            window, clock = LossWindow(self.device), Throughput()
+            stopped = None
             while self.step < self.budget.steps and stopped is None:
-                stopped = self._train_one(window, clock, collector)
+                stopped = self._train_one(window, clock)
+            if stopped is not None:
+                return self._exit_stopped(stopped)
+            return self._finish(window.final)
         finally:
-            collector.close()
-        if stopped is not None:
-            return self._exit_stopped(stopped)
-        return self._finish(window.final)
+            self._close_hooks()
 
-    def _train_one(self, window: LossWindow, clock: Throughput,
-                   collector: GarbageCollection) -> str | None:
-        """One step of fit's loop: train, log, evaluate, collect garbage, stop or save."""
+    def _call_hooks(self, point: str, *args) -> None:
+        """Every service's ``point`` (hooks.Hook), in services.build_hooks's order."""
+        for hook in self.hooks:
+            getattr(hook, point)(self, *args)
+
+    def _close_hooks(self) -> None:
+        """Once, at the end of fit or in close (whichever comes first)."""
+        hooks, self.hooks = self.hooks, []
+        for hook in hooks:
+            hook.close()
+
+    def _train_one(self, window: LossWindow, clock: Throughput) -> str | None:
+        """One step of fit's loop: train, log (on logging steps), the hooks' step_end,
+        evaluate (when due), stop or save."""
         loss, grad_norm = self.train_step_local()
         window.add(loss, counted=torch.isfinite(grad_norm))
         clock.steps += 1
         self.metrics.advance()
-        if self.logging_step(self.step):
-            self._log_step(window, grad_norm, clock)
+        metrics = (self._log_metrics(window, grad_norm, clock)
+                   if self.logging_step(self.step) else None)
+        self._call_hooks("step_end", metrics)
+        if metrics is not None:
+            self.metrics.log(metrics)
+            clock.restart()
         if self.step % self.cfg.train.eval_interval == 0 or self.step == self.budget.steps:
             with clock.paused():  # eval time is not training throughput
                 self._evaluate_and_log()
-        collector.step(self.step)
         return self._stop_or_save()
 
     def _evaluate_at_start(self) -> None:
@@ -353,16 +373,16 @@ class Trainer:
             self.first_val_loss = self.last_val_loss
         self.last_val_loss = self.first_val_loss
 
-    def _log_step(self, window: LossWindow, grad_norm: torch.Tensor, clock: Throughput) -> None:
-        """The log line of a logging step: the mean loss since the last one, throughput,
-        and the noise scale (when measured and defined)."""
+    def _log_metrics(self, window: LossWindow, grad_norm: torch.Tensor,
+                     clock: Throughput) -> dict:
+        """The log line of a logging step (the hooks add to it): the mean loss since the
+        last one, throughput, and the noise scale (when measured and defined)."""
         tps = clock.rate(self.budget.global_batch_tokens)
         self._check_nonfinite()
         mean_loss, window.final = self._reduce_window(window)
         noise = self.noise.update(self.step)  # None: not measured, or not yet defined
-        self.metrics.log({**self._step_metrics(mean_loss, grad_norm.item(), tps),
-                          **({"noise_scale": noise} if noise is not None else {})})
-        clock.restart()
+        return {**self._step_metrics(mean_loss, grad_norm.item(), tps),
+                **({"noise_scale": noise} if noise is not None else {})}
 
     def _step_metrics(self, loss: float, grad_norm: float, tokens_per_s: float) -> dict:
         memory = memory_metrics(self.device, max_over_ranks)  # the fullest rank's
@@ -392,10 +412,14 @@ class Trainer:
         return mean, last
 
     def _evaluate_and_log(self) -> None:
+        """The validation loss and what the hooks measure at an evaluation point, logged."""
         self.last_val_loss = self.evaluate()
-        if self.last_val_loss is not None:
-            self.metrics.log({"step": self.step, "val_loss": self.last_val_loss,
-                              "tokens": self.step * self.budget.global_batch_tokens})
+        metrics = {"step": self.step, "val_loss": self.last_val_loss,
+                   "tokens": self.step * self.budget.global_batch_tokens}
+        self._call_hooks("evaluate", metrics)
+        metrics = {k: v for k, v in metrics.items() if v is not None}
+        if len(metrics) > 2:  # more than the step and the tokens
+            self.metrics.log(metrics)
 
     def _stop_or_save(self) -> str | None:
         """After a step other than the last: why every rank stops now, having saved a
@@ -460,6 +484,7 @@ class Trainer:
         if text is not None:
             log.info("sample from the trained model:\n%s\n%s\n%s", "-" * 60, text, "-" * 60)
             result["sample"] = text
+        self._call_hooks("finish", result)
         if self.rank0:
             (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
         self.metrics.close()
@@ -469,6 +494,7 @@ class Trainer:
         """Give back what setup took, whatever happened: signal handlers, the read-ahead
         thread, the checkpoint worker, the run lock, the process group."""
         self.stop_request.restore()
+        self._close_hooks()
         if self.prefetch is not None:
             self.prefetch.close()
         if getattr(self, "ckpt", None) is not None:

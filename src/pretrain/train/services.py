@@ -1,0 +1,34 @@
+"""The services the loop calls through its seam (``hooks.Hook``), one line each, in the
+order the loop calls them at each point. A new service is a ``Hook`` subclass in a module of
+its own (in the services layer of the training wing's contract, pyproject.toml) and one line
+here; the loop does not change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pretrain.train.garbage import GarbageCollectionHook
+from pretrain.train.hooks import Hook
+
+# meta.json's own keys (Trainer.save_checkpoint): a hook's state may not take one of them
+RESERVED = frozenset({"step", "tokens", "samples_seen", "layout", "world_size", "branch",
+                      "config"})
+
+
+def build_hooks(trainer: Any) -> list[Hook]:
+    """The run's services, built after the train module and before resume (a hook may read
+    ``trainer.cfg``, ``trainer.module``, ``trainer.budget``, ``trainer.layout``)."""
+    hooks: list[Hook] = [
+        GarbageCollectionHook(trainer.cfg.train.gc_interval),
+    ]
+    return check_names(hooks)
+
+
+def check_names(hooks: list[Hook]) -> list[Hook]:
+    """Each hook's state has a key of its own in meta.json."""
+    names = [h.name for h in hooks]
+    clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & RESERVED))
+    if clash:
+        raise ValueError(f"hook names {clash} are taken (by another hook or by meta.json's "
+                         f"own keys {sorted(RESERVED)}): give each Hook a name of its own")
+    return hooks
