@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from pretrain.train.evaluation import SampleHook
+from pretrain.train.expert_load import ExpertLoad
 from pretrain.train.garbage import GarbageCollectionHook
 from pretrain.train.hooks import Hook
+from pretrain.train.noise_scale import NoiseScaleHook
 
 # meta.json's own keys (Trainer.save_checkpoint): a hook's state may not take one of them
 RESERVED = frozenset({"step", "tokens", "samples_seen", "layout", "world_size", "branch",
@@ -19,7 +22,10 @@ def build_hooks(trainer: Any) -> list[Hook]:
     """The run's services, built after the train module and before resume (a hook may read
     ``trainer.cfg``, ``trainer.module``, ``trainer.budget``, ``trainer.layout``)."""
     hooks: list[Hook] = [
-        GarbageCollectionHook(trainer.cfg.train.gc_interval),
+        ExpertLoad(),  # MoE: routing stats on the log line, the busiest expert's load
+        NoiseScaleHook(trainer.noise),  # the gradient noise scale, the batch compared to it
+        GarbageCollectionHook(trainer.cfg.train.gc_interval),  # at fixed steps, every rank
+        SampleHook(),  # text from the trained model at the end
     ]
     return check_names(hooks)
 
