@@ -22,7 +22,7 @@ from helpers import read_spec
 from parallel_worker import full_params, run_layout
 from torch.distributed.tensor import DTensor
 
-from pretrain.checkpoint.manager import ModelOptimizer
+from pretrain.checkpoint.model_state import ModelOptimizer
 from pretrain.config.schema import Config
 from pretrain.train.trainer import Trainer
 

@@ -103,7 +103,15 @@ def test_the_loop_asks_nothing_about_the_layout(name):
 
 
 def test_the_loop_is_short():
-    assert len((SRC / "train" / "trainer.py").read_text().splitlines()) <= 500
+    """Services attach on the hook seam (train/hooks.py, train/services.py), not inside
+    the loop (issue 41)."""
+    assert len((SRC / "train" / "trainer.py").read_text().splitlines()) <= 400
+
+
+def test_no_source_file_is_over_500_lines():
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}, "split these by what they hold"
 
 
 def test_training_never_imports_the_analysis_package():

@@ -16,7 +16,7 @@ import pytest
 from helpers import by_step, read_result
 
 from pretrain.budget.compute import count_params
-from pretrain.checkpoint.manager import CheckpointError
+from pretrain.checkpoint.folder import CheckpointError
 from pretrain.config.schema import ConfigError, ScheduleConfig
 from pretrain.decision.resolve import resolve_plan
 from pretrain.optim.factory import lr_multiplier, wsd_decay_start

@@ -14,14 +14,9 @@ import torch.distributed.checkpoint as dcp
 from two_ranks import blind_to_checkpoints, run_on_two_ranks
 
 from pretrain.checkpoint import manager as manager_module
-from pretrain.checkpoint.manager import (
-    CheckpointError,
-    CheckpointManager,
-    ModelOptimizer,
-    complete_checkpoints,
-    resolve_checkpoint,
-    stager_reusable,
-)
+from pretrain.checkpoint.folder import CheckpointError, complete_checkpoints, resolve_checkpoint
+from pretrain.checkpoint.manager import CheckpointManager, stager_reusable
+from pretrain.checkpoint.model_state import ModelOptimizer
 from pretrain.config.schema import CheckpointConfig, ModelConfig
 from pretrain.model.gpt import GPT
 
@@ -410,7 +405,7 @@ def test_a_corrupt_checkpoint_is_skipped_for_the_next_intact_one(tmp_path, caplo
     explicit resume_from it is refused."""
     import os
 
-    from pretrain.checkpoint.manager import checkpoint_status
+    from pretrain.checkpoint.folder import checkpoint_status
     from pretrain.checkpoint.resume import resume_path
 
     model, opt = trained_pair(0)

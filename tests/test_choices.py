@@ -1,4 +1,4 @@
-"""A key's allowed values live in one place, its Choice enum in pretrain.config.schema: a value
+"""A key's allowed values live in one place, its Choice enum in pretrain.config.choices: a value
 outside it is refused at composition naming the key and the values, every user of the key
 handles exactly those values, and every output writes them as plain strings."""
 
@@ -16,7 +16,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from pretrain.budget.compute import rule_tokens
-from pretrain.config import schema as config
+from pretrain.config import choices
 from pretrain.config.schema import (
     AttentionBackend,
     BudgetConfig,
@@ -110,7 +110,7 @@ def test_train_py_refuses_a_bad_choice_naming_key_and_values():
 def test_member_names_are_their_values():
     """OmegaConf converts a string to a member by name: a name that differed from its value
     would make the value unreachable from YAML."""
-    enums = [e for e in vars(config).values()
+    enums = [e for e in vars(choices).values()
              if isinstance(e, type) and issubclass(e, Choice) and e is not Choice]
     assert set(choice_keys().values()) == set(enums)  # no enum without a key
     for enum in enums:

@@ -124,7 +124,8 @@ def test_an_async_checkpoint_from_gpu_memory_loads_back_bit_exactly(tmp_path):
     """Saved while the weights and optimizer state live on the GPU (staged into pinned host
     memory with non-blocking copies), twice with a step between (the stager reused where
     torch allows it); each loads back into GPU tensors bit for bit."""
-    from pretrain.checkpoint.manager import CheckpointManager, ModelOptimizer
+    from pretrain.checkpoint.manager import CheckpointManager
+    from pretrain.checkpoint.model_state import ModelOptimizer
     from pretrain.config.schema import CheckpointConfig, ModelConfig
     from pretrain.model.gpt import GPT
 

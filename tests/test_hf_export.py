@@ -12,7 +12,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pretrain.checkpoint.manager import CheckpointManager, ModelOptimizer
+from pretrain.checkpoint.manager import CheckpointManager
+from pretrain.checkpoint.model_state import ModelOptimizer
 from pretrain.config.schema import CheckpointConfig, Config, ModelConfig
 from pretrain.model.gpt import GPT
 from pretrain.model.hf import ExportError, check_matches, hf_config, load_hf_weights

@@ -322,7 +322,7 @@ def test_a_checkpoint_of_another_optimizer_is_refused(compose, tmp_path, saved, 
     """Before DCP would fail on a missing state key, naming both fixes."""
     import json
 
-    from pretrain.checkpoint.manager import CheckpointError
+    from pretrain.checkpoint.folder import CheckpointError
     from pretrain.checkpoint.resume import check_compatible
 
     cfg = compose(["+recipe=tiny", f"optim={now}"])

@@ -131,7 +131,7 @@ def test_train_py_refuses_a_recipe_path_before_hydra_runs(tmp_path):
 
 def test_resume_across_loss_scaling_is_refused_naming_both_precisions(compose, prepared,
                                                                         tmp_path):
-    from pretrain.checkpoint.manager import CheckpointError
+    from pretrain.checkpoint.folder import CheckpointError
 
     base = [*NANO, f"data.root={prepared.parent}", "budget.steps=2", "checkpoint.enabled=true",
             "run_name=prec"]
@@ -188,7 +188,7 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_any_step(compose, pre
     """The checkpoint folder is checked at setup, not found out at the first save: here a
     file stands where the folder should be (a read-only mount fails the same check; the
     tests run as root, which writes through permissions)."""
-    from pretrain.checkpoint.manager import CheckpointError
+    from pretrain.checkpoint.folder import CheckpointError
 
     cfg = compose([*NANO, f"data.root={prepared.parent}", "budget.steps=3",
                    "checkpoint.enabled=true"])
@@ -204,7 +204,7 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_any_step(compose, pre
 def test_too_little_free_space_for_one_checkpoint_is_refused_at_setup(compose, prepared,
                                                                       tmp_path, monkeypatch):
     from pretrain.checkpoint import manager
-    from pretrain.checkpoint.manager import CheckpointError
+    from pretrain.checkpoint.folder import CheckpointError
 
     usage = manager.shutil.disk_usage(tmp_path)
     monkeypatch.setattr(manager.shutil, "disk_usage",

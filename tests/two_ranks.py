@@ -70,7 +70,7 @@ def _rank_main(rank: int, store: Path, env: dict, fn: Callable[..., Any], args: 
 def blind_to_checkpoints() -> None:
     """From now on this process sees no ``step_XXXXXXX`` directory nor anything in one:
     they are missing from listings, do not exist, cannot be opened."""
-    from pretrain.checkpoint.manager import STEP_DIR
+    from pretrain.checkpoint.folder import STEP_DIR
 
     def hidden(path: Path) -> bool:
         return any(STEP_DIR.match(part) for part in Path(path).parts)

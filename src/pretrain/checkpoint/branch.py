@@ -24,7 +24,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from pretrain.budget.compute import resolve_budget
-from pretrain.checkpoint.manager import (
+from pretrain.checkpoint.folder import (
     CheckpointError,
     complete_checkpoints,
     read_meta,

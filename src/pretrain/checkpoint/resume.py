@@ -2,7 +2,7 @@
 initialising its weights), and whether that checkpoint fits this run.
 
 Rank 0 alone looks at the disk and reads meta.json; every rank gets its answer or raises its
-error (``manager.on_rank0``), so a checkpoint of another model, another loss-scaling
+error (``folder.on_rank0``), so a checkpoint of another model, another loss-scaling
 state or another optimizer is refused with the fix named, before DCP would report a shape mismatch or a
 missing ``param_groups`` key.
 """
@@ -22,16 +22,16 @@ from pretrain.checkpoint.branch import (
     recorded_branch,
     source_checkpoint,
 )
-from pretrain.checkpoint.manager import (
+from pretrain.checkpoint.folder import (
     CheckpointError,
-    CheckpointManager,
-    ModelOptimizer,
     newest_checkpoint,
     on_rank0,
     read_meta,
     resolve_checkpoint,
     verify_checksums,
 )
+from pretrain.checkpoint.manager import CheckpointManager
+from pretrain.checkpoint.model_state import ModelOptimizer
 from pretrain.config.schema import Config
 
 log = logging.getLogger("pretrain")

@@ -207,6 +207,39 @@ def resolve_run(cfg: Config, world_size: int | None = None) -> Resolved:
                     world_size)
 
 
+def announce(run: Resolved, device: torch.device, notes: tuple[str, ...] = ()) -> None:
+    """A run's first log lines: the plan, the decisions taken for ``auto`` settings,
+    ``notes`` (what the services will measure), and the run in one line (``device``: this
+    process's, once it has joined)."""
+    cfg, budget, plan, layout = run.cfg, run.budget, run.plan, run.layout
+    log.info("plan: %s", json.dumps(plan))
+    if "precision_auto" in plan:
+        log.info("precision=auto -> %s", plan["precision_auto"])
+    if "lr_warning" in plan:
+        log.warning(plan["lr_warning"])
+    if "hparam_rules" in plan:
+        log.info(describe(plan["hparam_rules"]))
+    for note in notes:
+        log.info(note)
+    log.info(
+        "model %s: %s params (%s non-embedding%s%s), %s FLOPs/token | budget %s -> %s "
+        "tokens in %d steps of %s tokens | precision %s | attention %s%s | layout %s | "
+        "device %s",
+        cfg.model.name, f"{budget.n_params:,}", f"{budget.n_params_non_embedding:,}",
+        f"; {budget.n_params_active:,} active per token"
+        if budget.n_params_active != budget.n_params else "",
+        f"; + {budget.n_params_padding:,} in the vocabulary padded to "
+        f"{cfg.model.pad_vocab_to}" if budget.n_params_padding else "",
+        f"{budget.flops_per_token:,}", budget.rule, f"{budget.tokens:,}",
+        budget.steps, f"{budget.global_batch_tokens:,}",
+        " ".join(filter(None, [plan["precision"], plan.get("fp8"),
+                               "(auto)" if "precision_auto" in plan else None])),
+        " ".join(filter(None, [plan["attention"], plan.get("attention_mask")])),
+        f" | compile ({layout.compile_scope()})" if cfg.train.compile else "",
+        layout.describe(), device,
+    )
+
+
 def dry_run(cfg: Config) -> dict:
     """``dry_run=true``: the plan of the layout as declared, printed as one JSON line on
     stdout (rank 0), nothing run."""

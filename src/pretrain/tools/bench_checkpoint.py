@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from pretrain.checkpoint.manager import ModelOptimizer, own_checksums, verify_checksums
+from pretrain.checkpoint.folder import own_checksums, verify_checksums
+from pretrain.checkpoint.model_state import ModelOptimizer
 from pretrain.config.compose import compose_config
 from pretrain.model.gpt import build_model
 

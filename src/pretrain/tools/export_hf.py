@@ -18,12 +18,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from pretrain.checkpoint.manager import (
-    CheckpointError,
-    load_model_weights,
-    read_meta,
-    resolve_checkpoint,
-)
+from pretrain.checkpoint.folder import CheckpointError, read_meta, resolve_checkpoint
+from pretrain.checkpoint.manager import load_model_weights
 from pretrain.config.schema import ModelConfig
 from pretrain.model.gpt import GPT
 from pretrain.model.hf import ExportError, hf_config, to_hf_state_dict

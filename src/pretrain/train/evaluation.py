@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from pretrain.train.hooks import Hook
+
 log = logging.getLogger("pretrain")
 
 
@@ -129,3 +131,17 @@ def sample(module, train_cfg, tokenizer: Path, device: torch.device) -> str | No
             temperature=train_cfg.sample_temperature, top_k=train_cfg.sample_top_k,
             generator=gen)
     return tok.decode(out[0].tolist())
+
+
+class SampleHook(Hook):
+    """``sample`` at the end of a run: logged, and in result.json as ``sample``. Every
+    rank generates (data-parallel replicas in lockstep)."""
+
+    name = "sample"
+
+    def finish(self, trainer, result: dict) -> None:
+        text = sample(trainer.module, trainer.cfg.train,
+                      trainer.train_data.path / "tokenizer.json", trainer.device)
+        if text is not None:
+            log.info("sample from the trained model:\n%s\n%s\n%s", "-" * 60, text, "-" * 60)
+            result["sample"] = text

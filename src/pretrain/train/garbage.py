@@ -14,6 +14,8 @@ import gc
 import logging
 import time
 
+from pretrain.train.hooks import Hook
+
 log = logging.getLogger("pretrain")
 
 
@@ -34,3 +36,25 @@ class GarbageCollection:
     def close(self) -> None:
         if self.interval > 0 and self.was_enabled:
             gc.enable()
+
+
+class GarbageCollectionHook(Hook):
+    """``GarbageCollection`` on the loop's seam: off from the start of training, collected
+    after every ``interval``-th step, given back at the end."""
+
+    name = "garbage_collection"
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.collector: GarbageCollection | None = None
+
+    def start(self, trainer) -> None:
+        self.collector = GarbageCollection(self.interval)
+
+    def step_end(self, trainer, metrics: dict | None) -> None:
+        self.collector.step(trainer.step)
+
+    def close(self) -> None:
+        if self.collector is not None:
+            self.collector.close()
+            self.collector = None

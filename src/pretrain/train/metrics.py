@@ -24,6 +24,7 @@ from pretrain.hardware.device import (
     measure_matmul_flops,
     peak_memory_bytes,
     peak_reserved_bytes,
+    peak_rss_bytes,
 )
 from pretrain.precision.policy import choose_auto
 
@@ -53,6 +54,17 @@ class LossWindow:
         self.last = loss.float()
         self.total = self.total + torch.where(counted, self.last, 0.0)
         self.counted = self.counted + counted.float()
+
+    def reduce(self, global_loss) -> float:
+        """The mean loss over the window's counted steps, global (``global_loss``: the
+        train module's all-reduce over the ranks); ``final`` becomes the last step's. One
+        all-reduce and one host sync, on logging steps (every rank logs at the same steps).
+        Starts a new window."""
+        # every rank counted the same steps (the skip decision is global): not reduced
+        total, self.final, counted = torch.cat([
+            global_loss(torch.stack([self.total, self.last])), self.counted[None]]).tolist()
+        self.reset()
+        return total / counted if counted else math.nan
 
 
 class Throughput:
@@ -154,6 +166,15 @@ def memory_metrics(device: torch.device, max_over_ranks) -> dict[str, float | No
 
 # The run directory's wandb run id, kept beside metrics.jsonl.
 WANDB_ID = "wandb_id"
+
+
+def log_startup_memory(device: torch.device, max_over_ranks) -> None:
+    """Peak host memory so far (model and optimizer state built, no step run): each rank
+    holds O(its shard), never the whole model; the fullest rank is reported."""
+    mine = float(peak_rss_bytes())
+    most = max_over_ranks(torch.tensor(mine, device=device)).item()
+    log.info("start-up peak host memory: %.2f GB on rank 0, %.2f GB on the fullest rank",
+             mine / 1e9, most / 1e9)
 
 
 def wandb_run_id(run_dir: Path, fresh: bool) -> str:

@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from pretrain.train.hooks import Hook
+
 log = logging.getLogger("pretrain")
 
 
@@ -197,3 +199,34 @@ class NoiseScaleProbe:
             log.info("noise scale: step %d's squared gradient norm %.4g is over %gx its "
                      "average, a spike: left out of the averages", step, big_sq, SPIKE)
         return self.estimator.value
+
+
+class NoiseScaleHook(Hook):
+    """The probe on the loop's seam: its estimate on every logging step's line, what it says
+    of the batch at the end (and result.json's ``noise_scale``), its averages in each
+    checkpoint's meta.json under "noise_scale" (the key they had before the seam, so older
+    checkpoints resume the same way). The trainer keeps the probe itself: the step measures
+    B_small (``NoiseScaleProbe.record``)."""
+
+    name = "noise_scale"
+
+    def __init__(self, probe: NoiseScaleProbe):
+        self.probe = probe
+
+    def step_end(self, trainer, metrics: dict | None) -> None:
+        if metrics is None:  # measured on logging steps only
+            return
+        value = self.probe.update(trainer.step)  # None: not measured, or not yet defined
+        if value is not None:
+            metrics["noise_scale"] = value
+
+    def finish(self, trainer, result: dict) -> None:
+        result["noise_scale"] = self.probe.value
+        if self.probe.value is not None:
+            log.info(compare_batch(trainer.budget.global_batch_tokens, self.probe.value))
+
+    def state_dict(self) -> dict:
+        return self.probe.estimator.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.probe.restore(state)

@@ -60,6 +60,15 @@ class StopRequest:
             return None
         return local or ("signal" if code == 1 else "time_limit")
 
+    def at_start(self, device: torch.device, step: int) -> str | None:
+        """A stop requested during start-up (a collective, like ``check``), said."""
+        stopped = self.check(device)
+        if stopped is not None:
+            log.warning("stop requested during start-up (%s): nothing trained since step %d, "
+                        "exiting with status %d so the launcher requeues the run", stopped,
+                        step, EXIT_REQUEUE)
+        return stopped
+
     def restore(self) -> None:
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
@@ -99,6 +108,19 @@ class StopSavePolicy:
             stopped = f"train.exit_interval={train.exit_interval}"
         return stopped, save_due
 
+    def stop_or_save(self, step: int, settle, save) -> str | None:
+        """After step ``step`` (not the last): why every rank stops now, having saved a
+        checkpoint (``save(block=True)``), or None, having saved a periodic one if due."""
+        stopped, save_due = self.after_step(step, settle)
+        if stopped is not None:
+            log.warning("stopping at step %d (%s): saving a checkpoint, then exiting with "
+                        "status %d so the launcher requeues the run", step, stopped,
+                        EXIT_REQUEUE)
+            save(block=True)
+        elif save_due:
+            save()
+        return stopped
+
     def _save_due(self, step: int, sync_step: bool) -> bool:
         """Whether a periodic checkpoint is due after this step. A step interval is decided
         locally; a minute interval needs rank 0's clock (``CheckpointManager.due``
@@ -122,3 +144,14 @@ def requeue_exit(run_dir: Path, step: int, reason: str, rank0: bool) -> int:
         (Path(run_dir) / STOPPED).write_text(json.dumps(
             {"step": step, "reason": reason, "exit_code": EXIT_REQUEUE}))
     return 0 if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_REQUEUE
+
+
+def already_finished(run_dir: Path, step: int, steps: int) -> dict:
+    """A finished run started again (resumed from its final checkpoint): nothing to train,
+    and result.json (the sweep fits read it) stays exactly as the run wrote it."""
+    path = Path(run_dir) / "result.json"
+    log.info("this run finished already (step %d of %d, resumed from its final checkpoint): "
+             "nothing to train; %s is left as it was", step, steps, path)
+    if path.exists():
+        return {**json.loads(path.read_text()), "already_finished": True}
+    return {"steps": step, "already_finished": True}

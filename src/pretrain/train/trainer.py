@@ -1,14 +1,14 @@
 """The one training loop every recipe runs, on one process or many.
 
-A linear story: resolve the run (resolve.py: ``auto`` decided, plan printed), join the
-process group, check the data is prepared, build the train module (train_module.py: model,
+A linear story: resolve the run (decision/resolve.py: ``auto`` decided, plan printed), join
+the process group, read the prepared data, build the train module (train_module.py: model,
 optimizer, schedule, loss scaler and step strategy for this layout), resume or start, then
-loop: batch -> step -> log -> evaluate -> stop or save. The services sit beside the loop,
-each in its own file: evaluation.py (validation loss, sample), noise_scale.py (the probe),
-metrics.py (loss window, throughput, MFU, sinks), checkpoint/ (saving, resume decisions),
-preemption.py (stop, save and requeue policy). The loop asks nothing about the layout; it
-imports nothing from ``parallel/`` (tests/test_architecture.py). Rank 0 alone logs and
-writes files.
+loop: batch -> step -> log -> evaluate -> stop or save. Beside the loop: evaluation.py
+(validation loss), metrics.py (loss window, throughput, MFU, sinks), checkpoint/ (saving,
+resume decisions), preemption.py (stop, save and requeue policy), and the services on the
+hook seam (hooks.py; services.build_hooks lists them: noise scale, MoE expert load, garbage
+collection, the sample). The loop asks nothing about the layout; it imports nothing from
+``parallel/`` (tests/test_architecture.py). Rank 0 alone logs and writes files.
 """
 
 from __future__ import annotations
@@ -16,37 +16,39 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from pretrain.budget.hparams import describe
-from pretrain.checkpoint.manager import CheckpointManager, ModelOptimizer, on_rank0
-from pretrain.checkpoint.resume import branch_record, load_weights, resume_path
+from pretrain.checkpoint.folder import on_rank0
 from pretrain.config.schema import Config
-from pretrain.data.epochs import check_epochs
-from pretrain.data.loader import TokenWindows, check_vocab
+from pretrain.data.loader import training_data
 from pretrain.data.mixture import open_mixture
 from pretrain.data.prefetch import Prefetcher
-from pretrain.data.prepare import data_dir, load_index, prepare, require_prepared
-from pretrain.data.tokenizer import check_document_token
-from pretrain.decision.resolve import dry_run, resolve_run
-from pretrain.hardware.device import keep_freed_memory, peak_rss_bytes
-from pretrain.planning.memory import checkpoint_bytes
-from pretrain.train.evaluation import Evaluator, sample
-from pretrain.train.garbage import GarbageCollection
-from pretrain.train.metrics import LossWindow, MetricsLogger, PeakFlops, Throughput, memory_metrics
-from pretrain.train.noise_scale import NoiseScaleProbe, compare_batch
+from pretrain.data.prepare import require_prepared
+from pretrain.decision.resolve import announce, dry_run, resolve_run
+from pretrain.hardware.device import keep_freed_memory
+from pretrain.train.checkpointing import Checkpointing
+from pretrain.train.evaluation import Evaluator
+from pretrain.train.metrics import (
+    LossWindow,
+    MetricsLogger,
+    PeakFlops,
+    Throughput,
+    log_startup_memory,
+    memory_metrics,
+)
+from pretrain.train.noise_scale import NoiseScaleProbe
 from pretrain.train.preemption import (
-    EXIT_REQUEUE,
     STOPPED,
     StopRequest,
     StopSavePolicy,
+    already_finished,
     requeue_exit,
 )
 from pretrain.train.run_lock import RunLock
+from pretrain.train.services import build_hooks
 from pretrain.train.train_module import TrainModule, join, leave, max_over_ranks
 
 log = logging.getLogger("pretrain")
@@ -61,7 +63,7 @@ class Trainer:
         # like any other, not a kill that saves nothing.
         self.stop_request = StopRequest(cfg.train.time_limit_minutes)
         self.run_dir = Path(run_dir)
-        run = resolve_run(cfg)
+        self.run = run = resolve_run(cfg)
         self.cfg, self.plan, self.budget = run.cfg, run.plan, run.budget
         self.device, self.policy, self.layout = run.device, run.policy, run.layout
         self.world_size = run.world_size
@@ -69,16 +71,17 @@ class Trainer:
         self.first_val_loss: float | None = None
         self.last_val_loss: float | None = None
         self.exit_code = 0
-        self.expert_loads: list[float] = []  # MoE: busiest expert over the mean, per log
+        # the step measures the noise scale's small batch; its hook reports it
         self.noise = NoiseScaleProbe(self.cfg, self.layout, self.budget.global_batch_tokens)
         self.prefetch = self.lock = None
+        self.hooks: list = []  # services.build_hooks, once the train module exists
 
     # -- setup ---------------------------------------------------------------------------
 
     def setup(self) -> None:
         """Everything before the first step, in order: join the process group, say what
-        will run, read the data, build the train module, then continue from a checkpoint
-        (or start afresh) and open the metrics."""
+        will run, read the data, build the train module and the services, then continue
+        from a checkpoint (or start afresh) and open the metrics."""
         if self.world_size > 1:
             require_prepared(self.cfg)  # before the process group: every rank fails at once
         place = join(self.layout, self.device, self.policy, self.world_size)
@@ -89,93 +92,44 @@ class Trainer:
             # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 accumulate),
             # as torchtitan and Megatron-LM do; train.tf32=false keeps full fp32.
             torch.set_float32_matmul_precision("high" if self.cfg.train.tf32 else "highest")
-        self._describe_plan()
+        announce(self.run, self.device, notes=(self.noise.describe(),))
         self._load_data()
         self._build_training()
+        self.hooks = build_hooks(self)
         self._start_run()
 
-    def _describe_plan(self) -> None:
-        """The plan, the decisions taken for ``auto`` settings and the run in one line."""
-        cfg, budget, plan = self.cfg, self.budget, self.plan
-        log.info("plan: %s", json.dumps(plan))
-        if "precision_auto" in plan:
-            log.info("precision=auto -> %s", plan["precision_auto"])
-        if "lr_warning" in plan:
-            log.warning(plan["lr_warning"])
-        if "hparam_rules" in plan:
-            log.info(describe(plan["hparam_rules"]))
-        log.info(self.noise.describe())
-        log.info(
-            "model %s: %s params (%s non-embedding%s%s), %s FLOPs/token | budget %s -> %s "
-            "tokens in %d steps of %s tokens | precision %s | attention %s%s | layout %s | "
-            "device %s",
-            cfg.model.name, f"{budget.n_params:,}", f"{budget.n_params_non_embedding:,}",
-            f"; {budget.n_params_active:,} active per token"
-            if budget.n_params_active != budget.n_params else "",
-            f"; + {budget.n_params_padding:,} in the vocabulary padded to "
-            f"{cfg.model.pad_vocab_to}" if budget.n_params_padding else "",
-            f"{budget.flops_per_token:,}", budget.rule, f"{budget.tokens:,}",
-            budget.steps, f"{budget.global_batch_tokens:,}",
-            " ".join(filter(None, [plan["precision"], plan.get("fp8"),
-                                   "(auto)" if "precision_auto" in plan else None])),
-            " ".join(filter(None, [plan["attention"], plan.get("attention_mask")])),
-            f" | compile ({self.layout.compile_scope()})" if cfg.train.compile else "",
-            self.layout.describe(), self.device,
-        )
-
     def _load_data(self) -> None:
-        """The training and (when prepared) validation windows."""
+        """The training and (when prepared) validation windows, read ahead on a thread."""
         cfg = self.cfg
         if cfg.data.mixture:  # data/mixture.py; the plan says what each source gives
             self.train_data, self.val_data = open_mixture(cfg, self.plan, self.world_size == 1)
         else:
-            path = self._data()
-            self.train_data = TokenWindows(path, "train", cfg.model.seq_len, seed=cfg.data.seed)
-            self.val_data = (TokenWindows(path, "validation", cfg.model.seq_len, shuffle=False)
-                             if "validation" in self.train_data.index["splits"] else None)
+            self.train_data, self.val_data, epochs = training_data(cfg, self.world_size,
+                                                                   self.budget.tokens)
+            self.plan.update(epochs)
         # the next batches read on a thread while a step runs, pinned for async copies
         self.prefetch = Prefetcher(self.train_data, self.layout.local_batch_size,
                                    cfg.train.global_batch_size, pin=self.device.type == "cuda")
         if self.device.type == "cpu":
             keep_freed_memory()
 
-    def _data(self) -> Path:
-        """The prepared shards: one process prepares them on first use (auto_prepare); a
-        multi-process run has checked before it started that they exist (preparing a real
-        corpus is a job of its own, tools/prepare_data.py, not work for rank 0 while the
-        other ranks wait on a collective's timeout)."""
-        cfg = self.cfg
-        path = data_dir(cfg.data)
-        if self.world_size == 1 and cfg.data.auto_prepare:
-            path = prepare(cfg.data)
-        index = load_index(path)
-        check_vocab(path, index, cfg.model.vocab_size)
-        check_document_token(cfg.model, index, path)
-        self.plan.update(check_epochs(cfg.data, self.budget.tokens, index))
-        log.info("data %s: %s training tokens, the budget is %.3g epochs of it", path,
-                 f"{self.plan['data_tokens']:,}", self.plan["epochs"])
-        return path
-
     def _build_training(self) -> None:
         """The train module, the evaluator and the MFU denominator."""
         cfg, layout = self.cfg, self.layout
-        # Checkpoints are found before the model exists: a resumed run skips initialising.
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint, self.device,
-                                      keep_steps=self.plan.get("branch_points", ()))
-        self.ckpt.check_room(checkpoint_bytes(cfg))  # writable, room for one: before any work
-        self.resume_from = resume_path(cfg, self.run_dir)
-        self.branch = branch_record(cfg, self.run_dir, self.resume_from)  # a cooldown's source
+        self.checkpoints = Checkpointing(cfg, self.run_dir, self.device,
+                                         keep_steps=self.plan.get("branch_points", ()))
+        self.ckpt, self.branch = self.checkpoints.manager, self.checkpoints.branch
         self.module = TrainModule(
             cfg, layout, self.place, self.policy, attention=self.plan["attention"],
             lr=self.plan["lr"], steps=self.budget.steps,
             batch_tokens=self.budget.global_batch_tokens,
-            initialise=self.resume_from is None, small_seqs=self.noise.small_seqs,
+            initialise=self.checkpoints.resume_from is None, small_seqs=self.noise.small_seqs,
             last_good=lambda: self.ckpt.latest() if cfg.checkpoint.enabled else None)
         self.evaluator = None if self.val_data is None else Evaluator(
             self.val_data, self.module, eval_batches=cfg.train.eval_batches,
             micro_batch_size=layout.micro_batch_size, dp=layout.dp,
             dp_rank=self.place.dp_rank, device=self.device)
-        self._log_startup_memory()
+        log_startup_memory(self.device, max_over_ranks)
         self.peak = PeakFlops(self.device, self.policy, self.world_size, measure=self.rank0)
         # Every rank continues from the same RNG state (rank 0 alone drew random numbers to
         # time the peak), so dropout masks agree wherever activations are replicated (TP).
@@ -189,7 +143,7 @@ class Trainer:
         on_rank0(self.lock.acquire)  # before anything in the directory is touched
         if self.rank0:
             (self.run_dir / STOPPED).unlink(missing_ok=True)  # this attempt is not stopped
-        self._resume()
+        self.checkpoints.resume(self)
         self.stop = StopSavePolicy(cfg.train, cfg.checkpoint.interval_steps, self.ckpt,
                                    self.device, self.stop_request)
         if self.rank0:
@@ -201,14 +155,6 @@ class Trainer:
             self.step, cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.wandb_entity,
             cfg.logging.progress_bar, enabled=self.rank0,
         )
-
-    def _log_startup_memory(self) -> None:
-        """Peak host memory so far (model and optimizer state built, no step run): each
-        rank holds O(its shard), never the whole model; the fullest rank is reported."""
-        mine = float(peak_rss_bytes())
-        most = max_over_ranks(torch.tensor(mine, device=self.device)).item()
-        log.info("start-up peak host memory: %.2f GB on rank 0, %.2f GB on the fullest rank",
-                 mine / 1e9, most / 1e9)
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -222,42 +168,6 @@ class Trainer:
         self.first_val_loss = state.get("first_val_loss")
         self.module.load_state_dict(state)
         torch.set_rng_state(state["rng"])
-
-    def _checkpoint_state(self) -> dict:
-        return {"model_optim": ModelOptimizer(self.module.parts, self.module.optimizer),
-                "train": self}
-
-    def _resume(self) -> None:
-        """Continue from ``resume_path``'s answer; else start a new run, from
-        load_weights_only's weights when given."""
-        path = self.resume_from
-        if path is not None:
-            meta = CheckpointManager.load(path, self._checkpoint_state())
-            self.noise.restore(meta.get("noise_scale"))  # the estimate's EMAs, if saved
-            log.info("resumed from %s: step %d, %s tokens seen (saved with layout %s)",
-                     path, self.step, f"{self.step * self.budget.global_batch_tokens:,}",
-                     meta.get("layout"))
-            return
-        if self.cfg.checkpoint.load_weights_only:
-            load_weights(self.cfg.checkpoint.load_weights_only, self.cfg, self.module.parts,
-                         self.plan["attention"])
-
-    def save_checkpoint(self, block: bool = False) -> None:
-        """A checkpoint of this step, unless the last step was skipped for a non-finite loss
-        or gradient: no save then, so retention keeps the good ones (periodic, stop and
-        final saves alike)."""
-        if self.module.nonfinite_in_a_row:
-            log.warning("step %d: no checkpoint while steps are being skipped for a "
-                        "non-finite loss or gradient (%d in a row): the newest one, %s, "
-                        "stays the last good one", self.step, self.module.nonfinite_in_a_row,
-                        self.ckpt.latest())
-            return
-        meta = {"step": self.step, "tokens": self.step * self.budget.global_batch_tokens,
-                "samples_seen": self.samples_seen, "layout": self.plan["layout"],
-                "world_size": self.world_size, "branch": self.branch,
-                "noise_scale": self.noise.estimator.state_dict(),
-                "config": OmegaConf.to_container(OmegaConf.structured(self.cfg))}
-        self.ckpt.save(self.step, self._checkpoint_state(), meta, block=block)
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -305,46 +215,59 @@ class Trainer:
     # -- loop ----------------------------------------------------------------------------
 
     def fit(self) -> dict:
-        """The run: evaluate the starting model, then step after step: train, log (on
-        logging steps), evaluate (when due), stop on a request or save (when due), until
-        the budget is spent; then the final checkpoint, a sample and the result."""
+        """The run: the hooks' start, evaluate the starting model, then step after step:
+        train, log (on logging steps), evaluate (when due), stop on a request or save (when
+        due), until the budget is spent; then the final checkpoint and the result."""
         if self.step >= self.budget.steps:  # resumed from the final checkpoint
-            return self._already_finished()
-        stopped = self.stop_request.check(self.device)  # a signal during start-up
+            return self._exit(already_finished(self.run_dir, self.step, self.budget.steps))
+        stopped = self.stop_request.at_start(self.device, self.step)  # during start-up
         if stopped is not None:
-            log.warning("stop requested during start-up (%s): nothing trained since step %d, "
-                        "exiting with status %d so the launcher requeues the run", stopped,
-                        self.step, EXIT_REQUEUE)
             return self._exit_stopped(stopped)
         if self.evaluator is not None and self.rank0:
             self.evaluator.describe()
-        self._evaluate_at_start()
-        window, clock = LossWindow(self.device), Throughput()
-        stopped = None
-        collector = GarbageCollection(self.cfg.train.gc_interval)
         try:
+            self._call_hooks("start")
+            self._evaluate_at_start()
+            window, clock = LossWindow(self.device), Throughput()
+            stopped = None
             while self.step < self.budget.steps and stopped is None:
-                stopped = self._train_one(window, clock, collector)
+                stopped = self._train_one(window, clock)
+            if stopped is not None:
+                return self._exit_stopped(stopped)
+            return self._finish(window.final)
         finally:
-            collector.close()
-        if stopped is not None:
-            return self._exit_stopped(stopped)
-        return self._finish(window.final)
+            self._close_hooks()
 
-    def _train_one(self, window: LossWindow, clock: Throughput,
-                   collector: GarbageCollection) -> str | None:
-        """One step of fit's loop: train, log, evaluate, collect garbage, stop or save."""
+    def _call_hooks(self, point: str, *args) -> None:
+        """Every service's ``point`` (hooks.Hook), in services.build_hooks's order."""
+        for hook in self.hooks:
+            getattr(hook, point)(self, *args)
+
+    def _close_hooks(self) -> None:
+        """Once, at the end of fit or in close (whichever comes first)."""
+        hooks, self.hooks = self.hooks, []
+        for hook in hooks:
+            hook.close()
+
+    def _train_one(self, window: LossWindow, clock: Throughput) -> str | None:
+        """One step of fit's loop: train, log (on logging steps; the hooks' step_end in
+        between), evaluate (when due), stop or save."""
         loss, grad_norm = self.train_step_local()
         window.add(loss, counted=torch.isfinite(grad_norm))
         clock.steps += 1
         self.metrics.advance()
-        if self.logging_step(self.step):
-            self._log_step(window, grad_norm, clock)
+        metrics = (self._step_metrics(window, grad_norm, clock)
+                   if self.logging_step(self.step) else None)
+        self._call_hooks("step_end", metrics)
+        if metrics is not None:
+            self.metrics.log(metrics)
+            clock.restart()
         if self.step % self.cfg.train.eval_interval == 0 or self.step == self.budget.steps:
             with clock.paused():  # eval time is not training throughput
                 self._evaluate_and_log()
-        collector.step(self.step)
-        return self._stop_or_save()
+        if self.step == self.budget.steps:  # the end of fit saves
+            return None
+        return self.stop.stop_or_save(self.step, self._check_nonfinite, self.save_checkpoint)
 
     def _evaluate_at_start(self) -> None:
         """The untrained model's validation loss, logged at step 0; a resumed run measured
@@ -354,122 +277,69 @@ class Trainer:
             self.first_val_loss = self.last_val_loss
         self.last_val_loss = self.first_val_loss
 
-    def _log_step(self, window: LossWindow, grad_norm: torch.Tensor, clock: Throughput) -> None:
-        """The log line of a logging step: the mean loss since the last one, throughput,
-        and the noise scale (when measured and defined)."""
+    def _step_metrics(self, window: LossWindow, grad_norm: torch.Tensor,
+                      clock: Throughput) -> dict:
+        """A logging step's line (the hooks add to it): the mean loss since the last one,
+        throughput, MFU, memory (the fullest rank's)."""
         tps = clock.rate(self.budget.global_batch_tokens)
         self._check_nonfinite()
-        mean_loss, window.final = self._reduce_window(window)
-        noise = self.noise.update(self.step)  # None: not measured, or not yet defined
-        self.metrics.log({**self._step_metrics(mean_loss, grad_norm.item(), tps),
-                          **({"noise_scale": noise} if noise is not None else {})})
-        clock.restart()
-
-    def _step_metrics(self, loss: float, grad_norm: float, tokens_per_s: float) -> dict:
-        memory = memory_metrics(self.device, max_over_ranks)  # the fullest rank's
-        mfu = self.peak.mfu(tokens_per_s * self.budget.flops_per_token)
-        routing = self.module.routing_stats()  # MoE: expert load and auxiliary losses
-        loads = [v for k, v in routing.items() if k.startswith("moe/max_load")]
-        if loads:
-            self.expert_loads.append(sum(loads) / len(loads))
+        loss = window.reduce(self.module.global_loss)
         return {
-            "step": self.step, "loss": loss, "lr": self.module.lr, "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_s, "mfu": mfu, **memory,
+            "step": self.step, "loss": loss, "lr": self.module.lr,
+            "grad_norm": grad_norm.item(), "tokens_per_s": tps,
+            "mfu": self.peak.mfu(tps * self.budget.flops_per_token),
+            **memory_metrics(self.device, max_over_ranks),
             "tokens": self.step * self.budget.global_batch_tokens,
             "loss_scale": self.module.loss_scale, "skipped_steps": self.module.skipped_steps,
-            **routing,
         }
 
-    def _reduce_window(self, window: LossWindow) -> tuple[float, float]:
-        """(mean loss over the window's counted steps, the last step's loss), both global:
-        one all-reduce and one host sync, on logging steps (every rank logs at the same
-        steps). Starts a new window."""
-        # every rank counted the same steps (the skip decision is global): not reduced
-        total, last, counted = torch.cat([
-            self.module.global_loss(torch.stack([window.total, window.last])),
-            window.counted[None]]).tolist()
-        mean = total / counted if counted else math.nan
-        window.reset()
-        return mean, last
-
     def _evaluate_and_log(self) -> None:
+        """The validation loss and what the hooks measure at an evaluation point, logged."""
         self.last_val_loss = self.evaluate()
-        if self.last_val_loss is not None:
-            self.metrics.log({"step": self.step, "val_loss": self.last_val_loss,
-                              "tokens": self.step * self.budget.global_batch_tokens})
+        metrics = {"step": self.step, "val_loss": self.last_val_loss,
+                   "tokens": self.step * self.budget.global_batch_tokens}
+        self._call_hooks("evaluate", metrics)
+        metrics = {k: v for k, v in metrics.items() if v is not None}
+        if len(metrics) > 2:  # more than the step and the tokens
+            self.metrics.log(metrics)
 
-    def _stop_or_save(self) -> str | None:
-        """After a step other than the last: why every rank stops now, having saved a
-        checkpoint (blocking), or None, having saved a periodic one if it is due."""
-        if self.step == self.budget.steps:  # the end of fit saves
-            return None
-        stopped, save_due = self.stop.after_step(self.step, self._check_nonfinite)
-        if stopped is not None:
-            log.warning("stopping at step %d (%s): saving a checkpoint, then exiting with "
-                        "status %d so the launcher requeues the run", self.step, stopped,
-                        EXIT_REQUEUE)
-            self.save_checkpoint(block=True)
-        elif save_due:
-            self.save_checkpoint()
-        return stopped
+    def save_checkpoint(self, block: bool = False) -> None:
+        self.checkpoints.save(self, block=block)
 
     def _exit_stopped(self, stopped: str) -> dict:
         """A run stopped early, to be requeued (preemption.requeue_exit)."""
         self.exit_code = requeue_exit(self.run_dir, self.step, stopped, self.rank0)
-        self.ckpt.close()
-        self.metrics.close()
-        return {"steps": self.step, "stopped": stopped}
+        return self._exit({"steps": self.step, "stopped": stopped})
 
-    def _already_finished(self) -> dict:
-        """A finished run started again: nothing to train, and result.json (the sweep
-        fits read it) stays exactly as the run wrote it."""
-        path = self.run_dir / "result.json"
-        log.info("this run finished already (step %d of %d, resumed from its final "
-                 "checkpoint): nothing to train; %s is left as it was", self.step,
-                 self.budget.steps, path)
+    def _exit(self, result: dict) -> dict:
         self.ckpt.close()
         self.metrics.close()
-        if path.exists():
-            return {**json.loads(path.read_text()), "already_finished": True}
-        return {"steps": self.step, "already_finished": True}
+        return result
 
     def _finish(self, final_loss: float) -> dict:
-        """The budget is spent: the final checkpoint, what the noise scale says of the
-        batch, a sample, and result.json."""
+        """The budget is spent: the final checkpoint, the result (the hooks add to it), and
+        result.json."""
         self._check_nonfinite()
         if self.cfg.checkpoint.enabled:
             self.save_checkpoint(block=True)
         self.ckpt.close()
-        tokens_per_step = self.budget.global_batch_tokens
         result = {"steps": self.step, "final_loss": final_loss,
                   "first_val_loss": self.first_val_loss, "final_val_loss": self.last_val_loss,
-                  "tokens": self.step * tokens_per_step,
+                  "tokens": self.step * self.budget.global_batch_tokens,
                   "skipped_steps": self.module.skipped_steps,
                   "val_batches": self.evaluator.batch_count() if self.evaluator else None,
-                  "noise_scale": self.noise.value, "final_lr": self.module.lr,
-                  **({"branch": self.branch} if self.branch else {})}
-        if self.expert_loads:
-            result["expert_max_load"] = sum(self.expert_loads) / len(self.expert_loads)
-            log.info("expert load: the busiest expert of an MoE layer took %.2fx the mean "
-                     "tokens (averaged over layers and the %d logged windows; 1 = balanced, "
-                     "%s balancing)", result["expert_max_load"], len(self.expert_loads),
-                     self.cfg.model.moe_balance)
-        if self.noise.value is not None:
-            log.info(compare_batch(tokens_per_step, self.noise.value))
-        text = sample(self.module, self.cfg.train, self.train_data.path / "tokenizer.json",
-                      self.device)
-        if text is not None:
-            log.info("sample from the trained model:\n%s\n%s\n%s", "-" * 60, text, "-" * 60)
-            result["sample"] = text
+                  "final_lr": self.module.lr, **({"branch": self.branch} if self.branch else {})}
+        self._call_hooks("finish", result)
         if self.rank0:
             (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
         self.metrics.close()
         return result
 
     def close(self) -> None:
-        """Give back what setup took, whatever happened: signal handlers, the read-ahead
-        thread, the checkpoint worker, the run lock, the process group."""
+        """Give back what setup took, whatever happened: signal handlers, the hooks, the
+        read-ahead thread, the checkpoint worker, the run lock, the process group."""
         self.stop_request.restore()
+        self._close_hooks()
         if self.prefetch is not None:
             self.prefetch.close()
         if getattr(self, "ckpt", None) is not None:

@@ -1,0 +1,40 @@
+"""The services the loop calls through its seam (``hooks.Hook``), one line each, in the
+order the loop calls them at each point. A new service is a ``Hook`` subclass in a module of
+its own (in the services layer of the training wing's contract, pyproject.toml) and one line
+here; the loop does not change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pretrain.train.evaluation import SampleHook
+from pretrain.train.expert_load import ExpertLoad
+from pretrain.train.garbage import GarbageCollectionHook
+from pretrain.train.hooks import Hook
+from pretrain.train.noise_scale import NoiseScaleHook
+
+# meta.json's own keys (Trainer.save_checkpoint): a hook's state may not take one of them
+RESERVED = frozenset({"step", "tokens", "samples_seen", "layout", "world_size", "branch",
+                      "config"})
+
+
+def build_hooks(trainer: Any) -> list[Hook]:
+    """The run's services, built after the train module and before resume (a hook may read
+    ``trainer.cfg``, ``trainer.module``, ``trainer.budget``, ``trainer.layout``)."""
+    hooks: list[Hook] = [
+        ExpertLoad(),  # MoE: routing stats on the log line, the busiest expert's load
+        NoiseScaleHook(trainer.noise),  # the gradient noise scale, the batch compared to it
+        GarbageCollectionHook(trainer.cfg.train.gc_interval),  # at fixed steps, every rank
+        SampleHook(),  # text from the trained model at the end
+    ]
+    return check_names(hooks)
+
+
+def check_names(hooks: list[Hook]) -> list[Hook]:
+    """Each hook's state has a key of its own in meta.json."""
+    names = [h.name for h in hooks]
+    clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & RESERVED))
+    if clash:
+        raise ValueError(f"hook names {clash} are taken (by another hook or by meta.json's "
+                         f"own keys {sorted(RESERVED)}): give each Hook a name of its own")
+    return hooks
