@@ -50,7 +50,7 @@ BAD_CHOICES = [
     ("model.mlp", "relu", "gelu, swiglu"),
     ("model.moe_balance", "expert_choice", "aux_loss, aux_free, none"),
     ("model.parametrization", "ntk", "sp, mup, completep"),
-    ("model.attention", "xformers", "auto, flash, sdpa, eager"),
+    ("model.attention", "xformers", "auto, flash, sdpa, eager, flex"),
     ("precision.param_dtype", "bfloat16", "float32"),
     ("precision.compute_dtype", "float8", "float32, bfloat16, float16"),
     ("precision.reduce_dtype", "fp32", "float32, bfloat16, float16"),
