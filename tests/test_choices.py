@@ -51,6 +51,7 @@ BAD_CHOICES = [
     ("model.moe_balance", "expert_choice", "aux_loss, aux_free, none"),
     ("model.parametrization", "ntk", "sp, mup, completep"),
     ("model.attention", "xformers", "auto, flash, sdpa, eager, flex"),
+    ("model.attention_mask", "sliding", "causal, document"),
     ("precision.param_dtype", "bfloat16", "float32"),
     ("precision.compute_dtype", "float8", "float32, bfloat16, float16"),
     ("precision.reduce_dtype", "fp32", "float32, bfloat16, float16"),
