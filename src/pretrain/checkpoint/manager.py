@@ -18,7 +18,6 @@ consumed, so a checkpoint saved with one TP x PP x DP layout loads into another.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -47,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from pretrain import torch_compat
+from pretrain.checkpoint.failures import SAVE_ERRORS, save_failure_message
 from pretrain.config.schema import CheckpointConfig
 from pretrain.parallel.mesh import broadcast_from_rank0
 
@@ -325,21 +325,11 @@ def _check_room(folder: Path, need: float) -> None:
             "runs_dir to a larger disk, or checkpoint.enabled=false")
 
 
-def save_failure(final: Path, error: Exception) -> CheckpointError:
-    """What a failed save says: the cause in words (no space, read-only or not permitted,
-    else the error itself), that the older checkpoints are kept, and that the run stops."""
-    folder = final.parent
-    code = getattr(error, "errno", None)
-    if code == errno.ENOSPC or (folder.exists() and shutil.disk_usage(folder).free < 2**20):
-        cause = "no space left on the device"
-    elif code in (errno.EROFS, errno.EACCES, errno.EPERM) or (
-            folder.exists() and not os.access(folder, os.W_OK)):
-        cause = "the directory is read-only or not writable"
-    else:
-        cause = f"{type(error).__name__}: {error}"
-    return CheckpointError(
-        f"saving checkpoint {final.name} in {folder} failed: {cause}. The older checkpoints "
-        "there are kept; the run stops here (resume from the newest once the cause is fixed).")
+def save_failure(final: Path, error: BaseException) -> CheckpointError:
+    """What a failed save says (checkpoint/failures.py): the cause in words (no space,
+    quota, read-only, a missing folder, else the innermost error), that the older
+    checkpoints are kept, and that the run stops."""
+    return CheckpointError(save_failure_message(final, error))
 
 
 def as_save_failure(final: Path, action: Callable[[], T]) -> T:
@@ -349,7 +339,7 @@ def as_save_failure(final: Path, action: Callable[[], T]) -> T:
         return action()
     except CheckpointError:
         raise
-    except Exception as e:
+    except SAVE_ERRORS as e:
         raise save_failure(final, e) from e
 
 
@@ -430,6 +420,8 @@ class CheckpointManager:
         saves = cfg.enabled or bool(self.keep_steps)
         self.group = (dist.new_group(backend="gloo")
                       if dist.is_initialized() and saves and cfg.async_save else None)
+        # poll's agreement on whether a save is done: a CPU tensor on a gloo group of its own
+        self._poll_group = dist.new_group(backend="gloo") if self.group is not None else None
         self.stager = make_stager(device) if cfg.async_save and stager_reusable() else None
         # Rank 0's retention worker (made on first use) and the last pass given to it.
         self._deleter: ThreadPoolExecutor | None = None
@@ -491,7 +483,7 @@ class CheckpointManager:
             else:
                 dcp.save(state, checkpoint_id=str(tmp))
                 sums = own_checksums(tmp, self._save_rank())
-        except Exception as e:
+        except SAVE_ERRORS as e:  # DCP's CheckpointException is a BaseException
             raise save_failure(final, e) from e
         if background:
             log.info("checkpoint step %d: async save started, training blocked %.2f s",
@@ -555,17 +547,20 @@ class CheckpointManager:
         self.pending = None
         try:
             sums = fut.result()
-        except Exception as e:
+        except SAVE_ERRORS as e:  # DCP's CheckpointException is a BaseException
             raise save_failure(tmp.with_name(tmp.name.removesuffix(".tmp")), e) from e
         _barrier(self.group)
         self._finalise(tmp, meta, sums)
 
     def poll(self) -> None:
-        """Finish a pending async save if its writes are done; cheap to call every step."""
+        """Finish a pending async save if its writes are done (or failed: its error is
+        raised here, ``save_failure``); cheap to call every step. The ranks agree on a CPU
+        tensor over a gloo group of its own (no device sync, never interleaved with the
+        save thread's collectives on ``self.group``)."""
         if self.pending is not None:
-            done = torch.tensor(int(self.pending[0].done()), device=self.device)
+            done = torch.tensor(int(self.pending[0].done()))
             if dist.is_initialized():
-                dist.all_reduce(done, op=dist.ReduceOp.MIN)
+                dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
             if done.item():
                 self.wait()
 
