@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pretrain.config.schema import Config, ConfigError
 from pretrain.model.parametrization import problems as parametrization_problems
-from pretrain.optim.factory import lr_rule_problems
+from pretrain.optim.factory import lr_out_of_range_problem, lr_rule_problems
 from pretrain.parallel.layout import declared_world_size
 from pretrain.parallel.rules import layout_problems
 
@@ -134,6 +134,8 @@ def _check_optim(cfg: Config, p: list[str]) -> None:
     if not 0 <= cfg.train.noise_scale_ema < 1:
         p.append(f"train.noise_scale_ema={cfg.train.noise_scale_ema} must be in [0, 1)")
     p.extend(lr_rule_problems(cfg.optim))
+    if cfg.optim.lr_rule == "fixed" and (why := lr_out_of_range_problem(cfg.optim)):
+        p.append(why)
     if cfg.optim.momentum is not None and not 0 <= cfg.optim.momentum < 1:
         p.append(f"optim.momentum={cfg.optim.momentum} must be in [0, 1)")
     if cfg.optim.ns_steps < 1:

@@ -147,19 +147,19 @@ def init_std(cfg: ModelConfig, name: str, module: str) -> float:
 
 def problems(cfg: ModelConfig, optimizer: str) -> list[str]:
     """What is wrong with ``model.parametrization`` and its bases in this config. A base
-    that is no size is refused under every parametrization (sp ignores it, but a sweep that
-    shares the recipe with mup would not)."""
+    that is no size, and an output_mult that is not positive, are refused under every
+    parametrization (sp ignores them, but a sweep that shares the recipe with mup would not)."""
     out = []
     for key, size in (("base_width", "d_model"), ("base_depth", "n_layer")):
         value = getattr(cfg, key)
         if value is not None and value <= 0:
             out.append(f"model.{key}={value} must be positive: the {size} the "
                        f"hyperparameters were tuned at (or null: this model's own {size})")
-    if str(cfg.parametrization) == "sp":
-        return out
-    if not cfg.output_mult > 0:
+    if not cfg.output_mult > 0:  # refused under sp too, as the bases are
         out.append(f"model.output_mult={cfg.output_mult} must be positive (1: the base's "
                    "logits unscaled)")
+    if str(cfg.parametrization) == "sp":
+        return out
     if optimizer not in OPTIMIZERS:
         out.append(f"model.parametrization={cfg.parametrization} with optim={optimizer}: no "
                    "muP rule for LAMB/LARS trust ratios is implemented (their step is set "
