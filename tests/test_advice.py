@@ -11,6 +11,7 @@ import pytest
 from helpers import problems
 from test_reliability import NANO
 
+from pretrain.checkpoint.manager import CheckpointError
 from pretrain.decision.checks import check
 from pretrain.train.trainer import run
 
@@ -18,7 +19,7 @@ from pretrain.train.trainer import run
 def suggested(message: str, key: str) -> str:
     """The value the advice gives ``key`` (its last mention: the first may be the value
     refused)."""
-    return re.findall(rf"\b{re.escape(key)}=(\S+?)[),.;]*(?:\s|$)", message)[-1]
+    return re.findall(rf"\b{re.escape(key)}=(\S+?)[),.;:]*(?:\s|$)", message)[-1]
 
 
 @pytest.mark.parametrize("parametrization", ["sp", "mup", "completep"])
@@ -56,3 +57,43 @@ def test_a_non_finite_stop_advises_an_lr_that_trains(compose, prepared, tmp_path
     lr = suggested(message, "optim.lr")
     result = run(compose([*common, f"optim.lr={lr}"]), tmp_path / "run")
     assert result["steps"] == 8 and math.isfinite(result["final_loss"])
+
+
+def branch_base(prepared, runs) -> list[str]:
+    from test_branches import base
+
+    return [*base(prepared, runs), "budget=steps", "train.eval_interval=1000"]
+
+
+def test_a_branch_from_a_run_without_checkpoints_says_how_to_make_them(compose, prepared,
+                                                                       tmp_path):
+    common = branch_base(prepared, tmp_path)
+    source, branch = tmp_path / "source", tmp_path / "branch"
+    run(compose([*common, "budget.steps=8", "checkpoint.enabled=false"]), source)
+    branch_cfg = compose([*common, "budget.steps=6", f"checkpoint.branch_from={source}"])
+    with pytest.raises(CheckpointError) as e:
+        run(branch_cfg, branch)
+    message = str(e.value)
+    assert "holds no complete checkpoint" in message and "larger budget" not in message
+    assert "checkpoint.interval_steps=" in message and "checkpoint.keep_every=" in message
+    # followed: the source saves (and keeps) periodic checkpoints; the branch then runs
+    run(compose([*common, "budget.steps=8", "checkpoint.enabled=true",
+                 "checkpoint.interval_steps=2", "checkpoint.keep_every=2"]), source)
+    assert run(branch_cfg, branch)["steps"] == 6
+
+
+def test_a_branch_before_the_first_checkpoint_gets_a_budget_that_works(compose, prepared,
+                                                                       tmp_path):
+    common = branch_base(prepared, tmp_path)
+    source = tmp_path / "source"
+    run(compose([*common, "budget.steps=20", "checkpoint.enabled=true",
+                 "checkpoint.interval_steps=6", "checkpoint.keep_every=6"]), source)
+    with pytest.raises(CheckpointError) as e:
+        run(compose([*common, "budget.steps=5", f"checkpoint.branch_from={source}"]),
+            tmp_path / "short")
+    assert "budget.steps=" in str(e.value), str(e.value)
+    steps = suggested(str(e.value), "budget.steps")
+    assert steps == "8", str(e.value)
+    result = run(compose([*common, f"budget.steps={steps}", f"checkpoint.branch_from={source}"]),
+                 tmp_path / "branch")
+    assert result["steps"] == 8 and result["branch"]
