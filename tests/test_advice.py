@@ -97,3 +97,9 @@ def test_a_branch_before_the_first_checkpoint_gets_a_budget_that_works(compose, 
     result = run(compose([*common, f"budget.steps={steps}", f"checkpoint.branch_from={source}"]),
                  tmp_path / "branch")
     assert result["steps"] == 8 and result["branch"]
+
+
+def test_local_text_without_files_reports_every_problem_at_once(compose):
+    said = problems(compose(["model=nano", "data=local-text"]), 1)
+    assert any(p.startswith("data.tokenizer_vocab_size=") for p in said), said
+    assert any("data.data_files is empty" in p for p in said), said

@@ -7,6 +7,7 @@ reported together, so a user fixes a recipe in one pass.
 from __future__ import annotations
 
 from pretrain.config.schema import Config, ConfigError
+from pretrain.data.sources import LOCAL_FORMATS
 from pretrain.model.parametrization import problems as parametrization_problems
 from pretrain.optim.factory import lr_out_of_range_problem, lr_rule_problems
 from pretrain.parallel.layout import declared_world_size
@@ -51,6 +52,9 @@ def check(cfg: Config, world_size: int | None = None) -> None:
         p.append(f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size} exceeds "
                  f"model.vocab_size={cfg.model.vocab_size}: token ids would fall outside the "
                  f"embedding; set model.vocab_size={cfg.data.tokenizer_vocab_size}")
+    if cfg.data.source in LOCAL_FORMATS and not cfg.data.data_files:
+        p.append(f"data.source={cfg.data.source} reads local files but data.data_files is "
+                 "empty; set data.data_files='[path/to/file, ...]' (globs allowed)")
     if p:
         raise ConfigError(p)
 
