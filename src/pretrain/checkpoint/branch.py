@@ -19,6 +19,7 @@ continuation would not be the source's), and a branch run directory that is the 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -156,12 +157,32 @@ def source_checkpoint(cfg: Config) -> Path:
     found = complete_checkpoints(folder)
     usable = [p for s, p in found if s <= start]
     if not usable:
-        raise CheckpointError(
-            f"checkpoint.branch_from={src}: no complete checkpoint at or before step {start}, "
-            f"where this branch starts its decay (found steps {[s for s, _ in found]}). "
-            "Branch to a larger budget, or save branch points in the source run "
-            "(checkpoint.branch_tokens_per_param).")
+        raise CheckpointError(_no_source_message(cfg, src, start, [s for s, _ in found]))
     return usable[-1]
+
+
+def _no_source_message(cfg: Config, src: Path, start: int, steps: list[int]) -> str:
+    """Why no checkpoint of ``src`` can start this branch (decay from step ``start``), with
+    only the advice that helps: with no checkpoint at all, how to make them in the source;
+    else the smallest budget whose decay starts at or after the source's first one."""
+    head = f"checkpoint.branch_from={src}: "
+    make = ("make them in the source run: checkpoint.enabled=true with "
+            "checkpoint.interval_steps=<steps> checkpoint.keep_every=<steps> (periodic saves, "
+            "kept), or "
+            "checkpoint.branch_tokens_per_param=[<tokens per param of each branch>] (a kept "
+            f"checkpoint where each branch starts its decay; this one starts at step {start})"
+            ", then run (or resume) the source and branch again")
+    if not steps:
+        return (head + "the source holds no complete checkpoint to branch from (it saved "
+                "none: checkpoint.enabled=false, or it stopped before its first save); " + make)
+    total = math.ceil(steps[0] / (1 - cfg.schedule.decay_fraction)) if \
+        cfg.schedule.decay_fraction < 1 else steps[0] + 1
+    while wsd_decay_start(total, cfg.schedule) < steps[0]:
+        total += 1
+    return (head + f"no complete checkpoint at or before step {start}, where this branch "
+            f"starts its decay (found steps {steps}). Branch to a budget of at least {total} "
+            f"steps (budget=steps budget.steps={total}: its decay starts at step "
+            f"{wsd_decay_start(total, cfg.schedule)}), or " + make)
 
 
 def _source_run(path: Path) -> Path:

@@ -16,7 +16,6 @@ Also here: the room check before a run and the words of a failed save.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -29,6 +28,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from pretrain.checkpoint.failures import SAVE_ERRORS, save_failure_message
 from pretrain.parallel.mesh import broadcast_from_rank0
 
 log = logging.getLogger("pretrain.checkpoint")
@@ -237,21 +237,11 @@ def check_room(folder: Path, need: float) -> None:
             "runs_dir to a larger disk, or checkpoint.enabled=false")
 
 
-def save_failure(final: Path, error: Exception) -> CheckpointError:
-    """What a failed save says: the cause in words (no space, read-only or not permitted,
-    else the error itself), that the older checkpoints are kept, and that the run stops."""
-    folder = final.parent
-    code = getattr(error, "errno", None)
-    if code == errno.ENOSPC or (folder.exists() and shutil.disk_usage(folder).free < 2**20):
-        cause = "no space left on the device"
-    elif code in (errno.EROFS, errno.EACCES, errno.EPERM) or (
-            folder.exists() and not os.access(folder, os.W_OK)):
-        cause = "the directory is read-only or not writable"
-    else:
-        cause = f"{type(error).__name__}: {error}"
-    return CheckpointError(
-        f"saving checkpoint {final.name} in {folder} failed: {cause}. The older checkpoints "
-        "there are kept; the run stops here (resume from the newest once the cause is fixed).")
+def save_failure(final: Path, error: BaseException) -> CheckpointError:
+    """What a failed save says (checkpoint/failures.py): the cause in words (no space,
+    quota, read-only, a missing folder, else the innermost error), that the older
+    checkpoints are kept, and that the run stops."""
+    return CheckpointError(save_failure_message(final, error))
 
 
 def as_save_failure(final: Path, action: Callable[[], T]) -> T:
@@ -261,6 +251,6 @@ def as_save_failure(final: Path, action: Callable[[], T]) -> T:
         return action()
     except CheckpointError:
         raise
-    except Exception as e:
+    except SAVE_ERRORS as e:
         raise save_failure(final, e) from e
 

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from pretrain import torch_compat
+from pretrain.checkpoint.failures import SAVE_ERRORS
 from pretrain.checkpoint.folder import (
     CHECKSUMS,
     DELETING,
@@ -131,6 +132,8 @@ class CheckpointManager:
         saves = cfg.enabled or bool(self.keep_steps)
         self.group = (dist.new_group(backend="gloo")
                       if dist.is_initialized() and saves and cfg.async_save else None)
+        # poll's agreement on whether a save is done: a CPU tensor on a gloo group of its own
+        self._poll_group = dist.new_group(backend="gloo") if self.group is not None else None
         self.stager = make_stager(device) if cfg.async_save and stager_reusable() else None
         # Rank 0's retention worker (made on first use) and the last pass given to it.
         self._deleter: ThreadPoolExecutor | None = None
@@ -192,7 +195,7 @@ class CheckpointManager:
             else:
                 dcp.save(state, checkpoint_id=str(tmp))
                 sums = own_checksums(tmp, self._save_rank())
-        except Exception as e:
+        except SAVE_ERRORS as e:  # DCP's CheckpointException is a BaseException
             raise save_failure(final, e) from e
         if background:
             log.info("checkpoint step %d: async save started, training blocked %.2f s",
@@ -256,17 +259,20 @@ class CheckpointManager:
         self.pending = None
         try:
             sums = fut.result()
-        except Exception as e:
+        except SAVE_ERRORS as e:  # DCP's CheckpointException is a BaseException
             raise save_failure(tmp.with_name(tmp.name.removesuffix(".tmp")), e) from e
         barrier(self.group)
         self._finalise(tmp, meta, sums)
 
     def poll(self) -> None:
-        """Finish a pending async save if its writes are done; cheap to call every step."""
+        """Finish a pending async save if its writes are done (or failed: its error is
+        raised here, ``save_failure``); cheap to call every step. The ranks agree on a CPU
+        tensor over a gloo group of its own (no device sync, never interleaved with the
+        save thread's collectives on ``self.group``)."""
         if self.pending is not None:
-            done = torch.tensor(int(self.pending[0].done()), device=self.device)
+            done = torch.tensor(int(self.pending[0].done()))
             if dist.is_initialized():
-                dist.all_reduce(done, op=dist.ReduceOp.MIN)
+                dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
             if done.item():
                 self.wait()
 

@@ -213,6 +213,9 @@ class OptimConfig:
     # and Moonlight's) or float32 (as exact as the fp32 momentum it orthogonalises; twice the
     # working set, and slower on GPUs' bf16 tensor cores).
     muon_ns_dtype: NsDtype = NsDtype.bfloat16
+    # An LR more than 100x outside the optimizer's usual range (optim/factory.py LR_RANGES)
+    # is refused: an LR meant for another optimizer, or a typo. true: run it anyway.
+    allow_lr_out_of_range: bool = False
 
 
 @dataclass

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from pretrain.config.schema import Config, ConfigError
 from pretrain.data.mixture import mixture_problems
+from pretrain.data.sources import LOCAL_FORMATS
 from pretrain.model.parametrization import problems as parametrization_problems
-from pretrain.optim.specs import lr_rule_problems, mup_problems, name_problems
+from pretrain.optim.specs import (
+    lr_out_of_range_problem,
+    lr_rule_problems,
+    mup_problems,
+    name_problems,
+)
 from pretrain.parallel.layout import declared_world_size
 from pretrain.parallel.rules import layout_problems
 
@@ -56,6 +62,9 @@ def check(cfg: Config, world_size: int | None = None) -> None:
         p.append(f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size} exceeds "
                  f"model.vocab_size={cfg.model.vocab_size}: token ids would fall outside the "
                  f"embedding; set model.vocab_size={cfg.data.tokenizer_vocab_size}")
+    if cfg.data.source in LOCAL_FORMATS and not cfg.data.data_files:
+        p.append(f"data.source={cfg.data.source} reads local files but data.data_files is "
+                 "empty; set data.data_files='[path/to/file, ...]' (globs allowed)")
     if p:
         raise ConfigError(p)
 
@@ -140,6 +149,8 @@ def _check_optim(cfg: Config, p: list[str]) -> None:
     if not 0 <= cfg.train.noise_scale_ema < 1:
         p.append(f"train.noise_scale_ema={cfg.train.noise_scale_ema} must be in [0, 1)")
     p.extend(lr_rule_problems(cfg.optim))
+    if cfg.optim.lr_rule == "fixed" and (why := lr_out_of_range_problem(cfg.optim)):
+        p.append(why)
     if cfg.optim.momentum is not None and not 0 <= cfg.optim.momentum < 1:
         p.append(f"optim.momentum={cfg.optim.momentum} must be in [0, 1)")
     if cfg.optim.ns_steps < 1:

@@ -146,18 +146,16 @@ def init_std(cfg: ModelConfig, name: str, module: str) -> float:
 
 def problems(cfg: ModelConfig) -> list[str]:
     """What is wrong with ``model.parametrization`` and its bases in this config. A base
-    that is no size is refused under every parametrization (sp ignores it, but a sweep that
-    shares the recipe with mup would not). Whether the optimizer has a muP rule is its
-    spec's (pretrain.optim.specs.mup_problems)."""
+    that is no size, and an output_mult that is not positive, are refused under every
+    parametrization (sp ignores them, but a sweep that shares the recipe with mup would not).
+    Whether the optimizer has a muP rule is its spec's (pretrain.optim.specs.mup_problems)."""
     out = []
     for key, size in (("base_width", "d_model"), ("base_depth", "n_layer")):
         value = getattr(cfg, key)
         if value is not None and value <= 0:
             out.append(f"model.{key}={value} must be positive: the {size} the "
                        f"hyperparameters were tuned at (or null: this model's own {size})")
-    if str(cfg.parametrization) == "sp":
-        return out
-    if not cfg.output_mult > 0:
+    if not cfg.output_mult > 0:  # refused under sp too, as the bases are
         out.append(f"model.output_mult={cfg.output_mult} must be positive (1: the base's "
                    "logits unscaled)")
     return out

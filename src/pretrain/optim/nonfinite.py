@@ -17,6 +17,8 @@ import logging
 
 import torch
 
+from pretrain.optim.specs import spec, usual_lr
+
 log = logging.getLogger("pretrain")
 
 
@@ -62,3 +64,23 @@ class NonFiniteSteps:
         self.skipped, self.in_a_row = total, run
         self.longest = torch.zeros_like(self.longest)  # a run going on is counted again
         return longest
+
+
+def nonfinite_advice(optim_cfg, peak_lr: float, fp8: bool) -> str:
+    """What to change after a stop for non-finite steps, for this run's precision and LR
+    source: a lower peak LR (a tenth of it; the middle of the optimizer's usual range when
+    it is above that range), as the keys that set it; for fp8, the bf16 policy. (fp16 never
+    stops here: its loss scaler skips and rescales; bf16 and fp32 get no precision advice.)"""
+    name = str(optim_cfg.name)
+    target = usual_lr(name) if peak_lr > spec(name).lr_range[1] else peak_lr / 10
+    rule = str(getattr(optim_cfg.lr_rule, "value", optim_cfg.lr_rule))
+    if rule == "fixed":  # optim.lr scales with the peak (batch scaling is a factor)
+        lower = f"optim.lr={optim_cfg.lr * target / peak_lr:.3g}"
+    else:  # the LR comes from a rule: fix it at the target
+        scaling = str(getattr(optim_cfg.lr_scaling, "value", optim_cfg.lr_scaling))
+        lower = (f"optim.lr_rule=fixed optim.lr={target:.3g}"
+                 + (" optim.lr_scaling=none" if scaling != "none" else ""))
+    advice = f"lower the LR (the peak LR is {peak_lr:.3g}: {lower})"
+    if fp8:
+        advice += ", or train without fp8 matmuls (precision=bf16)"
+    return advice + ", then resume"

@@ -182,15 +182,45 @@ def mup_problems(parametrization: str, name: str) -> list[str]:
             "model.parametrization=sp"]
 
 
+# Beyond this factor outside an optimizer's lr_range an LR is refused
+# (optim.allow_lr_out_of_range=true runs it anyway): above, the run diverges; below, it does
+# not train.
+LR_REFUSE_FACTOR = 100.0
+
+
+def usual_lr(name: str) -> float:
+    """The middle (geometric) of ``optim=name``'s usual range: about its preset's LR
+    (AdamW 5.5e-4, Muon 7.1e-4, LAMB 3.2e-3, LARS 2.2)."""
+    lo, hi = spec(name).lr_range
+    return math.sqrt(lo * hi)
+
+
 def lr_range_warning(name: str, lr: float) -> str | None:
     """What the plan says when ``lr`` is outside ``optim=name``'s usual range, else None."""
     lo, hi = spec(name).lr_range
     if lo <= lr <= hi:
         return None
     side = "below" if lr < lo else "above"
+    fate = ("the run will likely diverge (non-finite losses, skipped steps, then a stop)"
+            if lr > hi else "the run will barely train")
     return (f"lr {lr:.3g} is far {side} optim={name}'s usual range {lo:g} to {hi:g} "
-            f"(src/pretrain/optim/specs.py lr_range): an LR meant for another optimizer? "
-            f"conf/optim/{name}.yaml's lr is a starting point; set optim.lr")
+            f"(src/pretrain/optim/specs.py lr_range): {fate}. An LR meant for another "
+            f"optimizer? Set optim.lr within the range (e.g. optim.lr={usual_lr(name):.2g})")
+
+
+def lr_out_of_range_problem(cfg: OptimConfig) -> str | None:
+    """A refusal when ``optim.lr`` is more than LR_REFUSE_FACTOR outside the usual range
+    (unless ``optim.allow_lr_out_of_range``), else None."""
+    if str(cfg.name) not in OPTIMIZERS:
+        return None  # name_problems says so
+    lo, hi = spec(cfg.name).lr_range
+    if cfg.allow_lr_out_of_range or not cfg.lr > 0 or \
+            lo / LR_REFUSE_FACTOR <= cfg.lr <= hi * LR_REFUSE_FACTOR:
+        return None
+    side = "above" if cfg.lr > hi else "below"
+    return (f"optim.lr={cfg.lr:g} is more than {LR_REFUSE_FACTOR:g}x {side} optim={cfg.name}'s "
+            f"usual range {lo:g} to {hi:g}: set optim.lr within it (e.g. optim.lr="
+            f"{usual_lr(str(cfg.name)):.2g}), or optim.allow_lr_out_of_range=true if you mean it")
 
 
 def lr_rule_problems(cfg: OptimConfig) -> list[str]:

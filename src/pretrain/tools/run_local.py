@@ -26,8 +26,10 @@ import sys
 from pathlib import Path
 
 from pretrain.config.compose import compose_config
+from pretrain.config.schema import ConfigError
 from pretrain.data.mixture_prepare import needs_mixture_preparation
 from pretrain.data.prepare import needs_preparation
+from pretrain.decision.checks import check
 from pretrain.launch import LaunchError
 from pretrain.launch.local import (
     command,
@@ -47,9 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     cfg = compose_config(overrides)
     try:
-        cmd = command(overrides, world_size(cfg.parallel, args.nproc))
-    except LaunchError as e:
-        raise SystemExit(f"run_local: {e}") from None
+        nproc = world_size(cfg.parallel, args.nproc)
+        # The whole config, with the world size about to be launched, before any process
+        # starts: every problem in one message, not each rank's traceback after torchrun.
+        if cfg.parallel.name != "auto":  # auto picks a layout that fits, in each rank
+            check(cfg, nproc)
+        cmd = command(overrides, nproc)
+    except (LaunchError, ConfigError) as e:
+        print(f"run_local: {e}", file=sys.stderr)
+        return 2
     if args.print:
         print(shlex.join(cmd))
         return 0

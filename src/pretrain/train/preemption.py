@@ -79,8 +79,9 @@ class StopSavePolicy:
     """Between steps: whether every rank stops now (a stop request, or an
     ``train.exit_interval`` step), and whether a periodic checkpoint is due.
 
-    The agreement collectives (the stop request's all-reduce, the async save's poll) run on
-    stop-check steps only: every ``train.stop_check_interval`` steps, on
+    A pending async save is polled after every step (a CPU all-reduce on its own gloo
+    group), so a failed save stops the run at the next step. The stop request's
+    all-reduce runs on stop-check steps only: every ``train.stop_check_interval`` steps, on
     ``train.exit_interval`` steps, and on steps with a checkpoint due (a stop then saves
     once, blocking). The steps are a function of the step number, so every rank calls them
     at the same steps and stops at the same step."""
@@ -99,9 +100,11 @@ class StopSavePolicy:
         exit_now = bool(train.exit_interval) and step % train.exit_interval == 0
         sync_step = exit_now or step % train.stop_check_interval == 0
         save_due = self._save_due(step, sync_step)
+        # A pending async save is polled every step: a failed one stops the run at the
+        # first step after it failed (every rank polls at the same steps: none, or all).
+        self.ckpt.poll()
         if not (sync_step or save_due):
             return None, False
-        self.ckpt.poll()
         settle()
         stopped = self.request.check(self.device)
         if stopped is None and exit_now:

@@ -25,7 +25,12 @@ from pretrain.config.schema import Config
 from pretrain.model.initialization import local_region
 from pretrain.model.moe import routing_stats, update_biases
 from pretrain.optim.factory import build_scheduler
-from pretrain.optim.nonfinite import NonFiniteSteps, device_skip_supported, step_unless
+from pretrain.optim.nonfinite import (
+    NonFiniteSteps,
+    device_skip_supported,
+    nonfinite_advice,
+    step_unless,
+)
 from pretrain.optim.specs import build_optimizer
 from pretrain.parallel import mesh as dist_env
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
@@ -88,6 +93,7 @@ class TrainModule:
                  small_seqs: int | None, last_good: Callable[[], object] = lambda: None):
         self.cfg, self.layout, self.policy = cfg, layout, policy
         self.last_good = last_good
+        self.peak_lr = lr  # for the advice of a non-finite stop
         self.device = place.device
         self.parallel = self._build_model(place.mesh, attention, initialise)
         self.optimizer = build_optimizer(
@@ -273,8 +279,8 @@ class TrainModule:
             raise FloatingPointError(
                 f"{longest} steps in a row had a non-finite loss or gradient "
                 f"(train.max_nonfinite_steps={limit}); stopping. The last good checkpoint "
-                f"{last or '(none saved)'} is intact: lower optim.lr, raise warmup, or use "
-                "bf16 instead of fp16, then resume.")
+                f"{last or '(none saved)'} is intact: "
+                f"{nonfinite_advice(self.cfg.optim, self.peak_lr, self.policy.fp8)}.")
 
     def eval_losses(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
         """The losses of one evaluation call (``eval_chunk`` micro batches), on the ranks
