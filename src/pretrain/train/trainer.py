@@ -233,6 +233,7 @@ class Trainer:
         if path is not None:
             meta = CheckpointManager.load(path, self._checkpoint_state())
             self.noise.restore(meta.get("noise_scale"))  # the estimate's EMAs, if saved
+            self.module.restore_guard(meta.get("spike_guard"))  # its window, if saved
             log.info("resumed from %s: step %d, %s tokens seen (saved with layout %s)",
                      path, self.step, f"{self.step * self.budget.global_batch_tokens:,}",
                      meta.get("layout"))
@@ -243,8 +244,7 @@ class Trainer:
 
     def save_checkpoint(self, block: bool = False) -> None:
         """A checkpoint of this step, unless the last step was skipped for a non-finite loss
-        or gradient: no save then, so retention keeps the good ones (periodic, stop and
-        final saves alike)."""
+        or gradient: retention keeps the good ones (periodic, stop and final saves alike)."""
         if self.module.nonfinite_in_a_row:
             log.warning("step %d: no checkpoint while steps are being skipped for a "
                         "non-finite loss or gradient (%d in a row): the newest one, %s, "
@@ -255,6 +255,7 @@ class Trainer:
                 "samples_seen": self.samples_seen, "layout": self.plan["layout"],
                 "world_size": self.world_size, "branch": self.branch,
                 "noise_scale": self.noise.estimator.state_dict(),
+                "spike_guard": self.module.guard_state(),
                 "config": OmegaConf.to_container(OmegaConf.structured(self.cfg))}
         self.ckpt.save(self.step, self._checkpoint_state(), meta, block=block)
 
@@ -297,8 +298,7 @@ class Trainer:
         return step == 1 or step == self.budget.steps or step % self.cfg.logging.log_interval == 0
 
     def evaluate(self) -> float | None:
-        """The mean validation loss (evaluation.Evaluator), None without a validation
-        split. Every rank calls it."""
+        """The mean validation loss (evaluation.Evaluator; None without one): every rank."""
         return self.evaluator.evaluate() if self.evaluator is not None else None
 
     # -- loop ----------------------------------------------------------------------------
@@ -375,7 +375,7 @@ class Trainer:
             "step": self.step, "loss": loss, "lr": self.module.lr, "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s, "mfu": mfu, **memory,
             "tokens": self.step * self.budget.global_batch_tokens,
-            "loss_scale": self.module.loss_scale, "skipped_steps": self.module.skipped_steps,
+            "loss_scale": self.module.loss_scale, **self.module.step_counts(logging=True),
             **routing,
         }
 
@@ -443,7 +443,7 @@ class Trainer:
         result = {"steps": self.step, "final_loss": final_loss,
                   "first_val_loss": self.first_val_loss, "final_val_loss": self.last_val_loss,
                   "tokens": self.step * tokens_per_step,
-                  "skipped_steps": self.module.skipped_steps,
+                  **self.module.step_counts(),
                   "val_batches": self.evaluator.batch_count() if self.evaluator else None,
                   "noise_scale": self.noise.value, "final_lr": self.module.lr,
                   **({"branch": self.branch} if self.branch else {})}
