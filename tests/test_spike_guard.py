@@ -149,3 +149,27 @@ def test_z_loss_trains_the_term_and_reports_plain_losses(compose, prepared, tmp_
 def test_bad_stability_keys_are_refused_naming_the_fix(compose, overrides, says):
     with pytest.raises(ConfigError, match=says.replace(".", r"\.").replace("(", r"\(")):
         check(compose(overrides))
+
+
+def test_z_loss_under_a_pipeline_is_the_one_process_z_loss(prepared, tmp_path):
+    """pp=2 (two processes, the loss on the last stage, the schedule's first step calling the
+    loss to infer shapes too): the same reported losses and z-loss terms as one process."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    common = [a for a in NANO if not a.startswith(("logging=", "parallel.micro"))] + [
+        f"data.root={prepared.parent}", "budget.steps=3", "train.z_loss=1e-2",
+        "logging.log_interval=1", "train.device=cpu", "parallel.micro_batch_size=4",
+        "logging=quiet", f"runs_dir={tmp_path}"]
+    for name, launch in (("one", ["train.py"]),
+                         ("pp2", ["tools/run_local.py", "parallel=pp2", "parallel.dp=1"])):
+        proc = subprocess.run([sys.executable, *launch, *common, f"run_name={name}"],
+                              cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    one, pp2 = ([m for m in read_metrics(tmp_path / n) if "loss" in m] for n in ("one", "pp2"))
+    assert [m["step"] for m in pp2] == [1, 2, 3]
+    for a, b in zip(one, pp2, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["z_loss"] == pytest.approx(a["z_loss"], rel=1e-5) and a["z_loss"] > 0

@@ -191,8 +191,11 @@ class PipelineStep:
             if not pm.has_last_stage:
                 self.z_total = torch.zeros((), device=self.device) if pm.z_loss else None
                 return torch.zeros((), device=self.device), None
-            if pm.z_loss:  # the reported loss is the cross-entropy alone
-                ce, self.z_total = torch.stack([torch.stack(k) for k in self.loss.kept]).mean(0)
+            if pm.z_loss:  # the reported loss is the cross-entropy alone; the last
+                # len(losses) calls are this step's micro batches (the schedule's first
+                # step also calls the loss to infer shapes)
+                kept = self.loss.kept[-len(losses):]
+                ce, self.z_total = torch.stack([torch.stack(k) for k in kept]).mean(0)
                 return ce, None
             return torch.stack([local(loss.detach()) for loss in losses]).mean() / scale, None
 
