@@ -173,3 +173,36 @@ def test_z_loss_under_a_pipeline_is_the_one_process_z_loss(prepared, tmp_path):
     for a, b in zip(one, pp2, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["z_loss"] == pytest.approx(a["z_loss"], rel=1e-5) and a["z_loss"] > 0
+
+
+def test_a_fused_optimizer_skips_a_spike_on_the_device(compose, prepared, tmp_path):
+    """With a fused AdamW (the GPU default) the spike step is decided without a host read:
+    no ``.item()`` in it, parameters and optimizer state untouched."""
+    trainer, decisions = _guarded_trainer(compose, prepared, tmp_path / "fused",
+                                          "optim.fused=true")
+    try:
+        assert trainer.module.optimizer.defaults["fused"]
+        for _ in range(SPIKE_AT - 1):
+            trainer.train_step_local()
+        params = [p.detach().clone() for p in trainer.module.model.parameters()]
+        state = [v.clone() for p in trainer.module.model.parameters()
+                 for v in trainer.module.optimizer.state[p].values()]
+        syncs = []
+        orig_item = torch.Tensor.item
+        torch.Tensor.item = lambda t: syncs.append(1) or orig_item(t)
+        try:
+            del trainer.module.guard.record  # the test's recorder reads on the host
+            trainer.train_step_local()
+        finally:
+            torch.Tensor.item = orig_item
+        assert syncs == []
+        assert all(torch.equal(p, q) for p, q in zip(trainer.module.model.parameters(), params,
+                                                     strict=True))
+        after = [v for p in trainer.module.model.parameters()
+                 for v in trainer.module.optimizer.state[p].values()]
+        assert all(torch.equal(a, b) for a, b in zip(after, state, strict=True))
+        trainer._check_nonfinite()
+        assert trainer.module.step_counts()["spike_skipped_steps"] == 1
+        assert [s for s, taken in decisions if not taken] == []  # before the spike
+    finally:
+        trainer.close()
