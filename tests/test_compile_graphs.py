@@ -62,3 +62,28 @@ def test_training_forward_and_loss_is_one_joint_graph(name):
     assert type(loss.grad_fn).__name__ == "CompiledFunctionBackward"
     loss.backward()
     assert len(joint) == 2
+
+
+def test_z_loss_is_in_the_same_one_graph():
+    """train.z_loss on one process: the model, the cross-entropy and the z-loss term compile
+    as one graph (the term from the same logits), and backward runs through both."""
+    cfg = compose_config(["model=nano"])
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    set_attention_backend(model, "sdpa")
+    model.train()
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        boxed = lambda g, _inputs: make_boxed_func(g.forward)  # noqa: E731
+        return aot_autograd(fw_compiler=boxed, bw_compiler=boxed)(gm, inputs)
+
+    compiled = torch.compile(forward_and_loss(model, z_loss=1e-4), backend=backend,
+                             fullgraph=True)
+    x = torch.randint(0, 1000, (2, 64), device="meta")
+    ce, z = compiled(x, x)
+    assert not counters["graph_break"] and len(graphs) == 1
+    ops = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert any("cross_entropy" in o for o in ops) and any("logsumexp" in o for o in ops)
+    (ce + z).backward()

@@ -60,3 +60,44 @@ def test_planner_sizes_the_path_the_loss_takes(tokens, monkeypatch):
     # gradient in the compute dtype and two fp32 chunks
     plain, chunk = 8 * tokens * 64, 2 * tokens * 64 + 8 * min(7, tokens) * 64
     assert transient == (chunk if chunked else plain)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_z_loss_value_and_gradient_match_the_plain_formula(chunked, monkeypatch):
+    """train.z_loss: cross-entropy + z x mean(logsumexp(logits)^2), value and gradient, by
+    the chunked loop and by the whole-logits path, against autograd on the plain formula."""
+    monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", 7 * 50 if chunked else 10**9)
+    z = 1e-2  # large enough that the term moves the gradient well above the tolerance
+    g = torch.Generator().manual_seed(1)
+    logits = 3 * torch.randn(3, 40, 50, generator=g) + 2  # log-sum-exps far from 0
+    targets = torch.randint(0, 50, (3, 40), generator=g)
+
+    a = logits.clone().requires_grad_(True)
+    ce, zt = loss_mod.loss_terms(a, targets, z_loss=z)
+    (1.5 * (ce + zt)).backward()
+    b = logits.clone().requires_grad_(True)
+    flat = b.flatten(0, 1)
+    ref_ce = F.cross_entropy(flat, targets.flatten())
+    ref_z = z * torch.logsumexp(flat, -1).pow(2).mean()
+    (1.5 * (ref_ce + ref_z)).backward()
+
+    assert ("Chunked" in type(ce.grad_fn).__name__) == chunked
+    torch.testing.assert_close(ce, ref_ce, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(zt, ref_z, atol=1e-6, rtol=1e-6)
+    assert zt.item() > 1e-2  # the term is there
+    torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6)
+    c = logits.clone().requires_grad_(True)  # without the term the gradient differs
+    loss_mod.cross_entropy(c, targets).mul(1.5).backward()
+    assert (c.grad - b.grad).abs().max() > 1e-4
+
+
+def test_z_loss_zero_is_the_plain_loss_bit_for_bit(monkeypatch):
+    monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", 7 * 50)
+    logits = torch.randn(3, 40, 50, generator=torch.Generator().manual_seed(2))
+    targets = torch.randint(0, 50, (3, 40), generator=torch.Generator().manual_seed(3))
+    a, b = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    ce, zt = loss_mod.loss_terms(a, targets, z_loss=0.0)
+    plain = loss_mod.cross_entropy(b, targets)
+    ce.backward()
+    plain.backward()
+    assert torch.equal(ce, plain) and zt.item() == 0.0 and torch.equal(a.grad, b.grad)

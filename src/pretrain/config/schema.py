@@ -216,6 +216,13 @@ class OptimConfig:
     # An LR more than 100x outside the optimizer's usual range (optim/factory.py LR_RANGES)
     # is refused: an LR meant for another optimizer, or a typo. true: run it anyway.
     allow_lr_out_of_range: bool = False
+    # Skip a step whose loss or grad norm is an outlier (> mean + spike_sigmas x std of the
+    # last spike_window counted steps, once spike_warmup steps are counted), decided on the
+    # device (optim/spike_guard.py; OLMo-core's SkipStepOptimizer). Off by default.
+    spike_guard: bool = False
+    spike_sigmas: float = 6.0
+    spike_window: int = 128
+    spike_warmup: int = 64
 
 
 @dataclass
@@ -318,6 +325,9 @@ class TrainConfig:
     # A step whose loss or gradient is not finite is skipped (no update); this many in a
     # row stop the run with the last good checkpoint intact.
     max_nonfinite_steps: int = 5
+    # z-loss (PaLM; OLMo-core's OLMo-3 scripts use 1e-5): z_loss x logsumexp(logits)^2,
+    # averaged over tokens, added to the training loss (not to the reported losses); 0: off.
+    z_loss: float = 0.0
     # Tokens generated from the trained model at the end (0 to skip).
     sample_tokens: int = 0
     sample_prompt: str = "def "

@@ -59,6 +59,7 @@ def check(cfg: Config, world_size: int | None = None) -> None:
     p.extend(mixture_problems(cfg.data, cfg.schedule.decay))
     _check_tasks(cfg, p)
     if not cfg.data.mixture and cfg.data.tokenizer == "bpe" and cfg.data.tokenizer_vocab_size > cfg.model.vocab_size:
+    _check_stability(cfg, p)
         p.append(f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size} exceeds "
                  f"model.vocab_size={cfg.model.vocab_size}: token ids would fall outside the "
                  f"embedding; set model.vocab_size={cfg.data.tokenizer_vocab_size}")
@@ -158,6 +159,31 @@ def _check_optim(cfg: Config, p: list[str]) -> None:
     if cfg.optim.lr_scaling != "none" and not cfg.optim.ref_batch_tokens:
         p.append(f"optim.lr_scaling={cfg.optim.lr_scaling} needs optim.ref_batch_tokens, the "
                  "global batch (in tokens) that optim.lr was tuned for")
+
+
+def _check_stability(cfg: Config, p: list[str]) -> None:
+    """train.z_loss and the spike guard (optim.spike_*)."""
+    z, o = cfg.train.z_loss, cfg.optim
+    if z < 0:
+        p.append(f"train.z_loss={z} must be >= 0 (0: off; OLMo-3 uses 1e-5, PaLM 1e-4)")
+    if z > 0 and cfg.parallel.tp > 1:
+        p.append(f"train.z_loss={z} is not computed on vocabulary-sharded logits "
+                 f"(parallel.tp={cfg.parallel.tp}, loss_parallel): set train.z_loss=0, or "
+                 "train with parallel.tp=1 (FSDP/DDP/pipeline layouts take z-loss)")
+    if not o.spike_guard:
+        return
+    if o.spike_sigmas <= 0:
+        p.append(f"optim.spike_sigmas={o.spike_sigmas} must be positive (6 is OLMo-core's)")
+    if o.spike_window < 2 or o.spike_warmup < 2:
+        p.append(f"optim.spike_window={o.spike_window} and optim.spike_warmup="
+                 f"{o.spike_warmup} must be at least 2 (a standard deviation needs two steps)")
+    elif o.spike_warmup > o.spike_window:
+        p.append(f"optim.spike_warmup={o.spike_warmup} exceeds optim.spike_window="
+                 f"{o.spike_window}: the window never holds that many steps; set "
+                 f"optim.spike_warmup={o.spike_window // 2}")
+    if cfg.precision.loss_scaling:
+        p.append("optim.spike_guard=true with fp16 loss scaling: the scaler skips steps "
+                 "itself; use precision=bf16 (no loss scaling), or optim.spike_guard=false")
 
 
 def _check_layout(cfg: Config, world_size: int, p: list[str]) -> None:

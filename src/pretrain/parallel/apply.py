@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from pretrain.config.schema import Config
 from pretrain.model.gpt import GPT, set_attention_backend
-from pretrain.model.loss import cross_entropy
+from pretrain.model.loss import cross_entropy, loss_terms
 from pretrain.model.moe import GroupedExperts, MoE
 from pretrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from pretrain.parallel.data_parallel import apply_data_parallel, autocasts, needs_wrapper
@@ -62,6 +62,13 @@ class ParallelModel:
     # (tokens, targets) -> mean loss of one micro batch through the whole model: model and
     # loss compiled as one graph on one process (``whole_model_loss``)
     train_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # train.z_loss > 0: training steps take (cross-entropy, z-loss term) from ``terms``
+    # ((logits, targets), as ``loss``) or ``train_terms`` ((tokens, targets), as
+    # ``train_loss``); evaluation keeps the plain loss
+    z_loss: float = 0.0
+    terms: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    train_terms: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None \
+        = None
 
     def autocast(self, enabled: bool = True) -> AbstractContextManager:
         """The compute-dtype context of forwards (one process, mixed precision), a no-op
@@ -77,6 +84,16 @@ class ParallelModel:
         if self.train_loss is not None:
             return self.train_loss(x, y)
         return self.loss(self.parts[0](x), y)
+
+    def micro_batch_terms(self, x: torch.Tensor, y: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A training micro batch's (mean loss, z-loss term; None without z-loss, whose
+        path is exactly ``micro_batch_loss``'s)."""
+        if not self.z_loss:
+            return self.micro_batch_loss(x, y), None
+        if self.train_terms is not None:
+            return self.train_terms(x, y)
+        return self.terms(self.parts[0](x), y)
 
     @property
     def has_first_stage(self) -> bool:
@@ -209,37 +226,58 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
                        stage_ids=stage_ids,
                        autocast_dtype=policy.compute_dtype
                        if autocasts(layout, policy.mixed) else None)
-    if cfg.train.compile:  # what Layout.compile_scope says
-        if whole:
-            pm.train_loss = whole_model_loss(model)
-        elif layout.tp == 1:  # under TP the logits are vocabulary-sharded (loss_parallel)
-            pm.loss = compiled_loss()
+    _losses(pm, model, cfg, whole)
     if mesh is not None:
         pm.tied = tied_embedding(cfg.model.tie_embeddings, parts, stage_ids, layout, mesh.root)
     return pm
 
 
-def forward_and_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _losses(pm: ParallelModel, model: nn.Module, cfg: Config, whole: bool) -> None:
+    """The loss functions ``pm`` trains and evaluates with: compiled when the run compiles
+    (what Layout.compile_scope says), the z-loss terms when train.z_loss > 0."""
+    z = pm.z_loss = cfg.train.z_loss
+    if z and pm.layout.tp > 1:  # decision/checks.py says so first, unless parallel=auto chose it
+        raise ValueError(f"train.z_loss={z} is not computed on vocabulary-sharded logits "
+                         f"(tp={pm.layout.tp}): set train.z_loss=0 or parallel.tp=1")
+    if z:
+        pm.terms = functools.partial(loss_terms, z_loss=z)
+    if not cfg.train.compile:
+        return
+    if whole:
+        pm.train_loss = whole_model_loss(model)
+        pm.train_terms = whole_model_loss(model, z) if z else None
+    elif pm.layout.tp == 1:  # under TP the logits are vocabulary-sharded (loss_parallel)
+        pm.loss = compiled_loss()
+        pm.terms = compiled_loss(z) if z else None
+
+
+def forward_and_loss(model: nn.Module, z_loss: float | None = None) -> Callable:
     """(tokens, targets) -> mean loss through ``model``: what ``whole_model_loss`` compiles
-    (tests/test_compile_graphs.py traces it)."""
+    (tests/test_compile_graphs.py traces it); with ``z_loss``, -> (loss, z-loss term)."""
 
     def train_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return cross_entropy(model(x), y, fused=True)
 
-    return train_loss
+    def train_terms(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return loss_terms(model(x), y, fused=True, z_loss=z_loss)
+
+    return train_loss if z_loss is None else train_terms
 
 
-def whole_model_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def whole_model_loss(model: nn.Module, z_loss: float | None = None) -> Callable:
     """The model and its loss compiled as one graph. The loss is torch's own cross-entropy
     on the whole logits: inside the graph inductor fuses the upcast, the log-sum-exp and
     the gradient, so no fp32 copy of the logits is ever stored (what the eager path chunks
-    to avoid)."""
-    return _compiled(forward_and_loss(model))
+    to avoid). With ``z_loss``: (loss, z-loss term), from the same graph."""
+    return _compiled(forward_and_loss(model, z_loss))
 
 
-def compiled_loss() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The cross-entropy compiled on its own (per-block compile: FSDP2, pipeline stages)."""
-    return _compiled(functools.partial(cross_entropy, fused=True))
+def compiled_loss(z_loss: float | None = None) -> Callable:
+    """The cross-entropy (with ``z_loss``: its terms) compiled on its own (per-block
+    compile: FSDP2, pipeline stages)."""
+    if z_loss is None:
+        return _compiled(functools.partial(cross_entropy, fused=True))
+    return _compiled(functools.partial(loss_terms, fused=True, z_loss=z_loss))
 
 
 def _compiled(fn: Callable) -> Callable:

@@ -208,8 +208,12 @@ def format_metrics(m: dict[str, Any]) -> str:
     for key, f in fmt.items():
         if m.get(key) is not None:
             parts.append(f.format(m[key]))
+    if m.get("z_loss") is not None:
+        parts.append(f"z_loss {m['z_loss']:.2e}")
     if m.get("skipped_steps"):
         parts.append(f"{m['skipped_steps']} skipped")
+    if m.get("spike_skipped_steps"):
+        parts.append(f"{m['spike_skipped_steps']} spikes skipped")
     loads = [v for k, v in m.items() if k.startswith("moe/max_load")]
     if loads:  # a mixture of experts: the busiest expert over the mean, worst layer
         parts.append(f"expert load {max(loads):.2f}x")

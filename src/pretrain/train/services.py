@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from pretrain.train import downstream
 from pretrain.train.evaluation import SampleHook
 from pretrain.train.expert_load import ExpertLoad
 from pretrain.train.garbage import GarbageCollectionHook
 from pretrain.train.hooks import Hook
 from pretrain.train.noise_scale import NoiseScaleHook
+from pretrain.train.spike_window import SpikeWindow
 
 # meta.json's own keys (Trainer.save_checkpoint): a hook's state may not take one of them
 RESERVED = frozenset({"step", "tokens", "samples_seen", "layout", "world_size", "branch",
@@ -21,13 +23,15 @@ RESERVED = frozenset({"step", "tokens", "samples_seen", "layout", "world_size", 
 def build_hooks(trainer: Any) -> list[Hook]:
     """The run's services, built after the train module and before resume (a hook may read
     ``trainer.cfg``, ``trainer.module``, ``trainer.budget``, ``trainer.layout``)."""
-    hooks: list[Hook] = [
+    hooks: list[Hook | None] = [
         ExpertLoad(),  # MoE: routing stats on the log line, the busiest expert's load
         NoiseScaleHook(trainer.noise),  # the gradient noise scale, the batch compared to it
         GarbageCollectionHook(trainer.cfg.train.gc_interval),  # at fixed steps, every rank
+        SpikeWindow(trainer.module),  # the spike guard's window across a resume
+        downstream.build(trainer),  # multiple-choice task scores (eval.tasks; None: off)
         SampleHook(),  # text from the trained model at the end
     ]
-    return check_names(hooks)
+    return check_names([h for h in hooks if h is not None])
 
 
 def check_names(hooks: list[Hook]) -> list[Hook]:

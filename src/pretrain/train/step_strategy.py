@@ -32,14 +32,24 @@ def local(t: torch.Tensor) -> torch.Tensor:
 class ScaledLoss:
     """The pipeline schedule's loss function. The schedule runs backward on it itself, so
     fp16 loss scaling multiplies it here, while ``scale`` is set: during training steps
-    only (``PipelineStep.forward_backward`` sets it)."""
+    only (``PipelineStep.forward_backward`` sets it). With z-loss (``terms``), training
+    steps (``training`` set) return cross-entropy + z-loss term, and keep both, detached,
+    in ``kept`` (the schedule's ``losses`` hold the sums)."""
 
-    def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 terms: Callable | None = None):
         self.scale: float | None = None
-        self.fn = loss
+        self.fn, self.terms = loss, terms
+        self.training = False
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.fn(logits, targets)
+        if self.training and self.terms is not None:
+            ce, z = self.terms(logits, targets)
+            self.kept.append((local(ce.detach()), local(z.detach())))
+            loss = ce + z
+        else:
+            loss = self.fn(logits, targets)
         return loss if self.scale is None else loss * self.scale
 
 
@@ -60,6 +70,7 @@ class AccumulationStep:
         self.parallel, self.layout, self.device = parallel, parallel.layout, parallel.device
         self.scaler, self.small_seqs, self.grad_sq_norm = scaler, small_seqs, grad_sq_norm
         self.has_moe = bool(moe_layers(self.model))  # fp16 + MoE: the scale, read per step
+        self.z_total: torch.Tensor | None = None  # the last step's z-loss term (z-loss runs)
 
     @staticmethod
     def eval_sizes(layout: Layout) -> tuple[int, int]:
@@ -85,13 +96,18 @@ class AccumulationStep:
         chunks, split = self._micro_batches(x, y, measure)
         pm = self.parallel
         total = torch.zeros((), device=self.device)
+        z_total = self.z_total = None if not pm.z_loss else torch.zeros((), device=self.device)
         small_sq = None
         # one autocast region for the step: each weight is cast once, not once a micro batch
         with loss_context(self.layout.tp), pm.autocast():
             for i, (xs, ys) in enumerate(chunks):
                 self._sync_gradients(i == len(chunks) - 1 or (measure and i == 0))
                 weight = len(xs) / len(x) if split else 1 / n
-                loss = pm.micro_batch_loss(xs, ys)
+                loss, z = pm.micro_batch_terms(xs, ys)
+                reported = loss
+                if z is not None:  # z-loss: in the objective, not in the reported loss
+                    z_total += local(z.detach()) * weight
+                    loss = loss + z
                 # an ordinary step divides by n: the same bits as before the halves existed
                 loss = loss * weight if split else loss / n
                 # an MoE layer's auxiliary losses count as this micro batch's loss does
@@ -99,7 +115,8 @@ class AccumulationStep:
                     self.scaler.get_scale() if self.scaler and self.has_moe else 1.0)
                 with aux_loss_scale(unit), pm.autocast(enabled=False):
                     (self.scaler.scale(loss) if self.scaler else loss).backward()
-                total += local(loss.detach())
+                total += local(loss.detach()) if z is None else \
+                    local(reported.detach()) * weight
                 if measure and i == 0:
                     # the mean gradient of this micro batch: the loss was weighted
                     small_sq = self.grad_sq_norm() / weight ** 2
@@ -146,7 +163,8 @@ class PipelineStep:
     def __init__(self, parallel: ParallelModel, scaler, optimizer: torch.optim.Optimizer):
         self.parallel, self.layout, self.device = parallel, parallel.layout, parallel.device
         self.scaler, self.optimizer = scaler, optimizer
-        self.loss = ScaledLoss(parallel.loss)
+        self.loss = ScaledLoss(parallel.loss, parallel.terms if parallel.z_loss else None)
+        self.z_total: torch.Tensor | None = None  # the last step's z-loss term (z-loss runs)
         self.schedule = build_schedule(parallel.parts, parallel.stage_ids, self.layout,
                                        parallel.mesh.pp, self.device, self.loss)
 
@@ -171,6 +189,7 @@ class PipelineStep:
             if self.scaler:  # scale() also creates the scaler's state on first use
                 self.scaler.scale(torch.ones((), device=self.device))
                 self.loss.scale = self.scaler.get_scale()
+            self.loss.training, self.loss.kept = True, []
             try:  # return_outputs=False: the last stage keeps no micro batch's logits
                 # the schedule divides every gradient by the micro batch count itself
                 with aux_loss_scale(self.loss.scale or 1.0):
@@ -178,8 +197,16 @@ class PipelineStep:
                                        return_outputs=False)
             finally:
                 scale, self.loss.scale = self.loss.scale or 1.0, None
+                self.loss.training = False
             if not pm.has_last_stage:
+                self.z_total = torch.zeros((), device=self.device) if pm.z_loss else None
                 return torch.zeros((), device=self.device), None
+            if pm.z_loss:  # the reported loss is the cross-entropy alone; the last
+                # len(losses) calls are this step's micro batches (the schedule's first
+                # step also calls the loss to infer shapes)
+                kept = self.loss.kept[-len(losses):]
+                ce, self.z_total = torch.stack([torch.stack(k) for k in kept]).mean(0)
+                return ce, None
             return torch.stack([local(loss.detach()) for loss in losses]).mean() / scale, None
 
     def eval_losses(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:

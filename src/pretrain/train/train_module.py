@@ -32,6 +32,7 @@ from pretrain.optim.nonfinite import (
     step_unless,
 )
 from pretrain.optim.specs import build_optimizer
+from pretrain.optim.spike_guard import SpikeGuard
 from pretrain.parallel import mesh as dist_env
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
 from pretrain.parallel.layout import Layout
@@ -105,6 +106,9 @@ class TrainModule:
         self.skipped_steps = 0
         self.nonfinite_in_a_row = 0
         self.skips = NonFiniteSteps(self.device, self.skipped_steps)
+        o = cfg.optim  # optim.spike_guard: loss / grad-norm outliers skipped too
+        self.guard = SpikeGuard(self.device, o.spike_sigmas, o.spike_window, o.spike_warmup) \
+            if o.spike_guard else None
         self.strategy = step_strategy(self.parallel, self.scaler, optimizer=self.optimizer,
                                       small_seqs=small_seqs, grad_sq_norm=self.grad_sq_norm)
         # micro batches one evaluation call computes, and batches one round computes anyway
@@ -212,7 +216,7 @@ class TrainModule:
         self.parallel.train()
         loss, small_sq = self.strategy.forward_backward(x, y, measure)
         grad_norm = self._clipped_grad_norm().detach()
-        self._update(grad_norm, step)
+        self._update(grad_norm, step, loss.detach())
         for part in self.parts:  # aux_free MoE layers: their biases follow the step's load
             update_biases(part, self.parallel.sum_over_replicas)
         self.optimizer.zero_grad(set_to_none=True)
@@ -235,20 +239,27 @@ class TrainModule:
         unscale = (lambda: self.scaler.unscale_(self.optimizer)) if self.scaler else None
         return self.parallel.clip_grad_norm(grad_clip if grad_clip > 0 else math.inf, unscale)
 
-    def _update(self, grad_norm: torch.Tensor, step: int) -> None:
-        """The optimizer step, unless the gradients are not finite: fp16's scaler skips
-        such a step itself (and lowers the scale); otherwise a fused optimizer skips it on
-        the device, and a non-fused one here, after reading the decision."""
+    def _update(self, grad_norm: torch.Tensor, step: int, loss: torch.Tensor) -> None:
+        """The optimizer step, unless the gradients are not finite (or, with the spike
+        guard, the loss or grad norm is an outlier): fp16's scaler skips a non-finite step
+        itself (and lowers the scale); otherwise a fused optimizer skips it on the device,
+        and a non-fused one here, after reading the decision."""
         if self.scaler:  # fp16: the scaler skips steps with inf/nan gradients itself
             self._scaler_step(step)
             return
-        finite = torch.isfinite(grad_norm)
-        on_host = None if device_skip_supported(self.optimizer) else bool(finite.item())
+        finite = take = torch.isfinite(grad_norm)
+        if self.guard is not None:  # the global loss: every rank decides the same
+            loss = self.global_loss(loss)
+            ok = self.guard.ok(loss, grad_norm)
+            take = finite & ok
+        on_host = None if device_skip_supported(self.optimizer) else bool(take.item())
         if on_host is None:
-            step_unless(self.optimizer, finite)
+            step_unless(self.optimizer, take)
         elif on_host:
             self.optimizer.step()
         self.skips.add(finite)
+        if self.guard is not None:
+            self.guard.record(loss, grad_norm, finite, ok)
         if self.fp8_scales:
             after_optimizer_step(self.parts)
         if on_host is False:
@@ -271,6 +282,7 @@ class TrainModule:
         if self.scaler:  # fp16: counted by the scaler's path, on the host
             return
         limit = self.cfg.train.max_nonfinite_steps
+        self._settle_spikes(step)
         longest = self.skips.settle(step, limit)
         self.skipped_steps, self.nonfinite_in_a_row = self.skips.skipped, self.skips.in_a_row
         if longest >= limit:
@@ -281,6 +293,41 @@ class TrainModule:
                 f"(train.max_nonfinite_steps={limit}); stopping. The last good checkpoint "
                 f"{last or '(none saved)'} is intact: "
                 f"{nonfinite_advice(self.cfg.optim, self.peak_lr, self.policy.fp8)}.")
+
+    def _settle_spikes(self, step: int) -> None:
+        """Read the spike guard's count (on the steps that read the non-finite counts) and
+        warn about spikes skipped since the last read."""
+        if self.guard is None:
+            return
+        before = self.guard.skipped
+        new = self.guard.settle() - before
+        if new:
+            log.warning("%d step(s) up to step %d skipped: loss or gradient norm above the "
+                        "mean + %g sigma of the last %d steps taken (optim.spike_guard; "
+                        "%d in all)", new, step, self.guard.sigmas, self.guard.size,
+                        self.guard.skipped)
+
+    def step_counts(self, logging: bool = False) -> dict:
+        """The skip counts for the log line and result.json (``spike_skipped_steps`` with
+        the spike guard on); on a logging step also the last step's z-loss term, global
+        (an all-reduce: every rank calls this at the same point)."""
+        counts = {"skipped_steps": self.skipped_steps}
+        if self.guard is not None:
+            counts["spike_skipped_steps"] = self.guard.skipped
+        z = getattr(self.strategy, "z_total", None)
+        if logging and z is not None:
+            counts["z_loss"] = self.global_loss(z).item()
+        return counts
+
+    def guard_state(self) -> dict | None:
+        """The spike guard's window and count, for the checkpoint's meta (None: off)."""
+        return self.guard.state_dict() if self.guard is not None else None
+
+    def restore_guard(self, state: dict | None) -> None:
+        """The spike guard as ``guard_state`` saved it (a checkpoint without one, or with
+        the guard off: the window starts empty)."""
+        if self.guard is not None:
+            self.guard.load_state_dict(state)
 
     def eval_losses(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor] | None:
         """The losses of one evaluation call (``eval_chunk`` micro batches), on the ranks

@@ -208,8 +208,7 @@ class Trainer:
         return step == 1 or step == self.budget.steps or step % self.cfg.logging.log_interval == 0
 
     def evaluate(self) -> float | None:
-        """The mean validation loss (evaluation.Evaluator), None without a validation
-        split. Every rank calls it."""
+        """The mean validation loss (evaluation.Evaluator; None without one): every rank."""
         return self.evaluator.evaluate() if self.evaluator is not None else None
 
     # -- loop ----------------------------------------------------------------------------
@@ -290,7 +289,7 @@ class Trainer:
             "mfu": self.peak.mfu(tps * self.budget.flops_per_token),
             **memory_metrics(self.device, max_over_ranks),
             "tokens": self.step * self.budget.global_batch_tokens,
-            "loss_scale": self.module.loss_scale, "skipped_steps": self.module.skipped_steps,
+            "loss_scale": self.module.loss_scale, **self.module.step_counts(logging=True),
         }
 
     def _evaluate_and_log(self) -> None:
@@ -326,7 +325,7 @@ class Trainer:
         result = {"steps": self.step, "final_loss": final_loss,
                   "first_val_loss": self.first_val_loss, "final_val_loss": self.last_val_loss,
                   "tokens": self.step * self.budget.global_batch_tokens,
-                  "skipped_steps": self.module.skipped_steps,
+                  **self.module.step_counts(),
                   "val_batches": self.evaluator.batch_count() if self.evaluator else None,
                   "final_lr": self.module.lr, **({"branch": self.branch} if self.branch else {})}
         self._call_hooks("finish", result)
