@@ -58,8 +58,9 @@ def check(cfg: Config, world_size: int | None = None) -> None:
     _check_optim(cfg, p)
     p.extend(mixture_problems(cfg.data, cfg.schedule.decay))
     _check_tasks(cfg, p)
-    if not cfg.data.mixture and cfg.data.tokenizer == "bpe" and cfg.data.tokenizer_vocab_size > cfg.model.vocab_size:
     _check_stability(cfg, p)
+    if (not cfg.data.mixture and cfg.data.tokenizer == "bpe"
+            and cfg.data.tokenizer_vocab_size > cfg.model.vocab_size):
         p.append(f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size} exceeds "
                  f"model.vocab_size={cfg.model.vocab_size}: token ids would fall outside the "
                  f"embedding; set model.vocab_size={cfg.data.tokenizer_vocab_size}")
