@@ -11,7 +11,8 @@ The piece boundaries, the validation documents (split.py) and so the files depen
 the corpus and the config, never on the number of workers. The staging dir's name derives
 from the fingerprint, so separate jobs (a Slurm array, several nodes) share it. Output::
 
-    index.json           tokenizer, dtype, vocab, eos id, shards per split, fingerprint
+    index.json           tokenizer, dtype, vocab, eos id, shards per split, fingerprint;
+                         per split its documents, tokens (EOS included) and text bytes
     tokenizer.json       the tokenizer used (trained here for tokenizer=bpe, or copied)
     plan.json            the pieces and the settings they were encoded with
     train_000.bin ...    uint16/uint32 token ids, documents joined by the EOS token
@@ -239,7 +240,7 @@ def merge(cfg: DataConfig) -> Path:
         "format": FORMAT_VERSION, "fingerprint": fp, "source": cfg.source,
         "tokenizer": cfg.tokenizer, "vocab_size": the_plan["vocab_size"],
         "eos_id": the_plan["eos_id"], "dtype": the_plan["dtype"], "pieces": n,
-        "splits": {s: {"documents": 0, "tokens": 0, "shards": []} for s in splits},
+        "splits": {s: {"documents": 0, "tokens": 0, "bytes": 0, "shards": []} for s in splits},
     }
     max_id = -1
     for i in range(n):
@@ -250,6 +251,9 @@ def merge(cfg: DataConfig) -> Path:
             split["documents"] += part["documents"]
             split["tokens"] += part["tokens"]
             split["shards"] += part["shards"]
+            # a piece encoded before the byte count existed: the split's total is unknown
+            split["bytes"] = None if split["bytes"] is None or "bytes" not in part \
+                else split["bytes"] + part["bytes"]
     index["max_token_id"] = max_id
     docs = {s: v["documents"] for s, v in index["splits"].items()}
     if sum(docs.values()) == 0:

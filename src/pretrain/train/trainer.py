@@ -1,14 +1,13 @@
 """The one training loop every recipe runs, on one process or many.
 
-A linear story: resolve the run (resolve.py: ``auto`` decided, plan printed), join the
-process group, check the data is prepared, build the train module (train_module.py: model,
-optimizer, schedule, loss scaler and step strategy for this layout), resume or start, then
-loop: batch -> step -> log -> evaluate -> stop or save. The services sit beside the loop,
-each in its own file: evaluation.py (validation loss, sample), noise_scale.py (the probe),
-metrics.py (loss window, throughput, MFU, sinks), checkpoint/ (saving, resume decisions),
-preemption.py (stop, save and requeue policy). The loop asks nothing about the layout; it
-imports nothing from ``parallel/`` (tests/test_architecture.py). Rank 0 alone logs and
-writes files.
+A linear story: resolve the run (resolve.py: ``auto`` decided, plan printed), join the process
+group, check the data is prepared, build the train module (train_module.py: model, optimizer,
+schedule, loss scaler and step strategy for this layout), resume or start, then loop: batch -> step
+-> log -> evaluate -> stop or save. The services sit beside the loop, each in its own file:
+evaluation.py (validation loss, sample), noise_scale.py (the probe), metrics.py (loss window,
+throughput, MFU, sinks), checkpoint/ (saving, resume decisions), preemption.py (stop, save and
+requeue policy). The loop asks nothing about the layout; it imports nothing from ``parallel/``
+(tests/test_architecture.py). Rank 0 alone logs and writes files.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from pretrain.data.prepare import DataError, data_dir, load_index, prepare, requ
 from pretrain.decision.resolve import dry_run, resolve_run
 from pretrain.hardware.device import keep_freed_memory, peak_rss_bytes
 from pretrain.planning.memory import checkpoint_bytes
-from pretrain.train.evaluation import Evaluator, sample
+from pretrain.train.evaluation import Evaluator, sample, source_validation
 from pretrain.train.garbage import GarbageCollection
 from pretrain.train.metrics import LossWindow, MetricsLogger, PeakFlops, Throughput, memory_metrics
 from pretrain.train.noise_scale import NoiseScaleProbe, compare_batch
@@ -174,6 +173,7 @@ class Trainer:
             self.val_data, self.module, eval_batches=cfg.train.eval_batches,
             micro_batch_size=layout.micro_batch_size, dp=layout.dp,
             dp_rank=self.place.dp_rank, device=self.device)
+        self.hooks = list(filter(None, [source_validation(self)]))  # until services.build_hooks
         self._log_startup_memory()
         self.peak = PeakFlops(self.device, self.policy, self.world_size, measure=self.rank0)
         # Every rank continues from the same RNG state (rank 0 alone drew random numbers to
@@ -297,8 +297,7 @@ class Trainer:
         return step == 1 or step == self.budget.steps or step % self.cfg.logging.log_interval == 0
 
     def evaluate(self) -> float | None:
-        """The mean validation loss (evaluation.Evaluator), None without a validation
-        split. Every rank calls it."""
+        """The mean validation loss (evaluation.Evaluator), None without one; on every rank."""
         return self.evaluator.evaluate() if self.evaluator is not None else None
 
     # -- loop ----------------------------------------------------------------------------
@@ -346,16 +345,14 @@ class Trainer:
         return self._stop_or_save()
 
     def _evaluate_at_start(self) -> None:
-        """The untrained model's validation loss, logged at step 0; a resumed run measured
-        it before it stopped (its checkpoint holds it)."""
+        """The untrained model's validation loss at step 0 (a resumed run's checkpoint has it)."""
         if self.step == 0:
             self._evaluate_and_log()
             self.first_val_loss = self.last_val_loss
         self.last_val_loss = self.first_val_loss
 
     def _log_step(self, window: LossWindow, grad_norm: torch.Tensor, clock: Throughput) -> None:
-        """The log line of a logging step: the mean loss since the last one, throughput,
-        and the noise scale (when measured and defined)."""
+        """A logging step's line: mean loss since the last, throughput, noise scale (if any)."""
         tps = clock.rate(self.budget.global_batch_tokens)
         self._check_nonfinite()
         mean_loss, window.final = self._reduce_window(window)
@@ -393,9 +390,12 @@ class Trainer:
 
     def _evaluate_and_log(self) -> None:
         self.last_val_loss = self.evaluate()
-        if self.last_val_loss is not None:
-            self.metrics.log({"step": self.step, "val_loss": self.last_val_loss,
-                              "tokens": self.step * self.budget.global_batch_tokens})
+        m = {"step": self.step, "val_loss": self.last_val_loss,
+             "tokens": self.step * self.budget.global_batch_tokens}
+        for hook in self.hooks:  # validation per source (evaluation.SourceValidation)
+            hook.evaluate(self, m)
+        if m["val_loss"] is not None:
+            self.metrics.log(m)
 
     def _stop_or_save(self) -> str | None:
         """After a step other than the last: why every rank stops now, having saved a
@@ -420,8 +420,7 @@ class Trainer:
         return {"steps": self.step, "stopped": stopped}
 
     def _already_finished(self) -> dict:
-        """A finished run started again: nothing to train, and result.json (the sweep
-        fits read it) stays exactly as the run wrote it."""
+        """A finished run started again: nothing to train; result.json stays as it was."""
         path = self.run_dir / "result.json"
         log.info("this run finished already (step %d of %d, resumed from its final "
                  "checkpoint): nothing to train; %s is left as it was", self.step,
@@ -433,8 +432,7 @@ class Trainer:
         return {"steps": self.step, "already_finished": True}
 
     def _finish(self, final_loss: float) -> dict:
-        """The budget is spent: the final checkpoint, what the noise scale says of the
-        batch, a sample, and result.json."""
+        """The budget is spent: final checkpoint, noise-scale verdict, hooks, sample, result."""
         self._check_nonfinite()
         if self.cfg.checkpoint.enabled:
             self.save_checkpoint(block=True)
@@ -455,6 +453,8 @@ class Trainer:
                      self.cfg.model.moe_balance)
         if self.noise.value is not None:
             log.info(compare_batch(tokens_per_step, self.noise.value))
+        for hook in self.hooks:
+            hook.finish(self, result)
         text = sample(self.module, self.cfg.train, self.train_data.path / "tokenizer.json",
                       self.device)
         if text is not None:
