@@ -258,7 +258,7 @@ def cooldown_points(dirs: list[Path], key: str = METRICS["val_loss"]) -> list[Ru
     return collected.points
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", type=Path, help="folders holding finished runs")
     ap.add_argument("--chinchilla", nargs="+", type=float, metavar="C",
@@ -280,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metric", choices=sorted(METRICS), default="val_loss",
                     help="what is fitted: the final validation loss (nats per token, the "
                          "default) or bits per byte (result.json's final_val_bpb)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
 
     report = sweep_report(ap, args)
