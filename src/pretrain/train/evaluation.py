@@ -245,7 +245,10 @@ def source_validation(trainer, sources: list[ValidationSource] | None = None
     own = trainer.val_data
     sets, weights = {}, {}
     for src in sources if sources is not None else validation_sources(trainer.cfg.data):
-        same = own is not None and Path(src.path).resolve() == own.path.resolve()
+        # the trainer's own set when it is this source's split (a mixture's interleaved
+        # validation, which has no single path, never is)
+        own_path = getattr(own, "path", None)
+        same = own_path is not None and Path(src.path).resolve() == Path(own_path).resolve()
         windows = own if same else open_validation(src.path, trainer.cfg.model.seq_len)
         if windows is not None:
             sets[src.name], weights[src.name] = windows, src.weight
