@@ -172,7 +172,7 @@ def test_a_one_process_run_prepares_its_mixture_first(trees):
     cfg = compose_config(args)
     plan = resolve_plan(cfg)[0]
     assert [s["data_tokens"] for s in plan["data_sources"]] == [None, None]
-    train, _ = open_mixture(cfg, plan, True)
+    train = open_mixture(cfg, plan, True)
     sizes = [json.loads((trees / "data" / n / "index.json").read_text())["splits"]["train"]
              ["tokens"] for n in ("code", "docs")]
     assert [s["data_tokens"] for s in plan["data_sources"]] == sizes

@@ -40,11 +40,11 @@ class Collected:
     stable: list[str]  # runs left out: they never decayed
 
 
-def _cooled(root: Path) -> tuple[dict[str, dict | None], list[str]]:
+def _cooled(root: Path, key: str) -> tuple[dict[str, dict | None], list[str]]:
     """Under ``root``: {point name: its branch record or None} of the runs that cooled
     down, and the run directories that never did."""
     keep, stable = {}, []
-    for run_dir, plan, result in finished_runs(root):
+    for run_dir, plan, result in finished_runs(root, key):
         name = str(run_dir.relative_to(root)) if run_dir != root else root.name
         if cooled_down(plan, result):
             keep[name] = result.get("branch")
@@ -53,15 +53,15 @@ def _cooled(root: Path) -> tuple[dict[str, dict | None], list[str]]:
     return keep, stable
 
 
-def collect_cooldowns(roots: Sequence[Path | str]) -> Collected:
+def collect_cooldowns(roots: Sequence[Path | str], key: str = "final_val_loss") -> Collected:
     """Every finished run under ``roots`` that cooled down, as an (N, D) point (N the plan's
     active parameters, D the tokens it trained, counted from the start of its source for a
-    branch), and which of them are branches."""
+    branch), and which of them are branches; ``key``: the result.json metric fitted."""
     points, branches, stable = [], {}, []
     for root in map(Path, roots):
-        keep, left_out = _cooled(root)
+        keep, left_out = _cooled(root, key)
         stable += left_out
-        points += [p for p in collect_runs(root) if p.name in keep]
+        points += [p for p in collect_runs(root, key) if p.name in keep]
         branches.update({name: b for name, b in keep.items() if b})
     return Collected(points, branches, stable)
 

@@ -53,16 +53,16 @@ class RunPoint:
 # -- collecting runs ------------------------------------------------------------------------
 
 
-def finished_runs(root: Path | str) -> Iterator[tuple[Path, dict, dict]]:
+def finished_runs(root: Path | str, key="final_val_loss") -> Iterator[tuple[Path, dict, dict]]:
     """(run dir, plan, result) of every finished run under ``root``: a directory holding
     ``result.json`` (written only when a run finished its budget) with a finite, positive
-    ``final_val_loss`` and a ``plan.json`` beside it; a diverged run is left out."""
+    ``key`` (the fitted metric) and a ``plan.json`` beside it; a diverged run is left out."""
     for result_path in sorted(Path(root).rglob("result.json")):
         plan_path = result_path.with_name("plan.json")
         if not plan_path.exists():
             continue
         result, plan = json.loads(result_path.read_text()), json.loads(plan_path.read_text())
-        loss = result.get("final_val_loss")
+        loss = result.get(key)
         if loss is None or not math.isfinite(loss) or loss <= 0:
             continue
         yield result_path.parent, plan, result
@@ -94,18 +94,19 @@ def without_highest_losses(points: list[RunPoint], k: int) -> list[RunPoint]:
     return [p for p in points if p.loss < cut]
 
 
-def collect_runs(root: Path | str) -> list[RunPoint]:
+def collect_runs(root: Path | str, key: str = "final_val_loss") -> list[RunPoint]:
     """Every finished run under ``root``: a directory holding ``result.json`` (written only
-    when a run finished its budget) with ``final_val_loss`` and a ``plan.json`` beside it.
+    when a run finished its budget) with ``key`` (the loss: the metric fitted; or
+    ``final_val_bpb``) and a ``plan.json`` beside it.
     C is ``run_compute`` of the plan's N and the tokens trained: the plan's own ``compute``."""
     root, points = Path(root), []
-    for run_dir, plan, result in finished_runs(root):
+    for run_dir, plan, result in finished_runs(root, key):
         n = float(plan.get("n_params_active", plan["n_params"]))  # = n_params when dense
         d = float(result.get("tokens") or plan["tokens"])
         name = str(run_dir.relative_to(root)) if run_dir != root else root.name
         corpus = plan.get("data_tokens")
         points.append(RunPoint(name=name, n_params=n, tokens=d, flops=run_compute(n, d),
-                               loss=float(result["final_val_loss"]),
+                               loss=float(result[key]),
                                data_tokens=float(corpus) if corpus else None))
     return points
 

@@ -2,7 +2,8 @@
 
 Piece i becomes ``train_<i>.bin`` and ``validation_<i>.bin`` (``-1``, ``-2`` ... after them
 when a split of the piece exceeds data.shard_tokens), token ids written straight to uint16 or
-uint32 files, documents ended by EOS; then the marker ``done/<i>.json`` (its counts), written
+uint32 files, documents ended by EOS, and the UTF-8 bytes of each split's text (its
+documents, the EOS tokens not counted: bits per byte divide by these); then the marker ``done/<i>.json`` (its counts), written
 last and atomically, so a piece is either finished or encoded again. Worker k of n takes the
 pieces i with i % n == k, so the files do not depend on n.
 
@@ -60,6 +61,7 @@ class ShardWriter:
         self.dtype, self.shard_tokens = np.dtype(dtype), shard_tokens
         self.shards: list[dict] = []
         self.documents = 0
+        self.text_bytes = 0  # UTF-8 bytes of the documents' text, the EOS tokens not counted
         self._file = None
         self._n = 0
 
@@ -90,7 +92,7 @@ class ShardWriter:
         if self._file is not None:
             self._close_shard()
         return {"documents": self.documents, "tokens": sum(s["tokens"] for s in self.shards),
-                "shards": self.shards}
+                "bytes": self.text_bytes, "shards": self.shards}
 
 
 class Progress:
@@ -162,6 +164,7 @@ def encode_piece(staging: Path, plan: dict, i: int, tok, progress: Progress) -> 
         max_id = max(max_id, int(out.max()))
         writers[split].write(out)
         writers[split].documents += len(docs)
+        writers[split].text_bytes += sum(len(d.encode("utf-8")) for d in docs)
         progress.update(sizes[split], len(out))
         batches[split], sizes[split] = [], 0
 

@@ -58,6 +58,7 @@ class TokenWindows:
         if split not in index["splits"]:
             raise DataError(f"{self.path} has no '{split}' split (has {list(index['splits'])})")
         self.index = index
+        self.split = split
         self.seq_len = seq_len
         self.seed = seed
         self.shuffle = shuffle
@@ -79,6 +80,14 @@ class TokenWindows:
             )
         self._perm_epoch = -1
         self._perm: np.ndarray | None = None
+
+    def text_bytes(self) -> tuple[int, int] | None:
+        """(tokens, UTF-8 bytes of the text they stand for) of this split, as preparation
+        counted them (tokens include each document's EOS, bytes only its text); None for
+        data prepared before preparation counted bytes."""
+        entry = self.index["splits"][self.split]
+        nbytes = entry.get("bytes")
+        return (int(entry["tokens"]), int(nbytes)) if nbytes else None
 
     def _order(self, epoch: int) -> np.ndarray:
         if self._perm_epoch != epoch:

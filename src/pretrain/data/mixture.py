@@ -232,21 +232,6 @@ class MixtureWindows:
         return t[:, :-1], t[:, 1:]
 
 
-class MixtureValidation:
-    """Every source's validation windows in turn (window i: source i mod n, its window
-    i div n), as many of each: the validation loss weighs the sources equally."""
-
-    def __init__(self, sources: list[TokenWindows]):
-        self.sources, self.seq_len = sources, sources[0].seq_len
-        self.n_windows = len(sources) * min(s.n_windows for s in sources)
-
-    def window(self, i: int) -> np.ndarray:
-        k, j = i % len(self.sources), i // len(self.sources)
-        return self.sources[k].window(j % self.sources[k].n_windows)
-
-    batch = MixtureWindows.batch
-
-
 # -- the data check ----------------------------------------------------------------------------
 
 
@@ -304,10 +289,10 @@ def check_sources(cfg: DataConfig) -> list[dict]:
     return indexes
 
 
-def open_mixture(cfg: Config, plan: dict, prepare: bool = False
-                 ) -> tuple[MixtureWindows, MixtureValidation | None]:
-    """The mixture's training windows and (when every source has one) its validation;
-    ``plan``: the run's, with ``mixture_stages`` and ``data_sources`` (decision/resolve.py).
+def open_mixture(cfg: Config, plan: dict, prepare: bool = False) -> MixtureWindows:
+    """The mixture's training windows (each source's validation split is evaluated on its
+    own, train/evaluation.SourceValidation: the run's val_loss is their training-weighted
+    mean); ``plan``: the run's, with ``mixture_stages`` and ``data_sources`` (decision/resolve.py).
     ``prepare`` (a one-process run): first prepare the sources that say how they are built
     and are not prepared yet, when data.auto_prepare (mixture_prepare.py)."""
     if prepare:
@@ -325,10 +310,7 @@ def open_mixture(cfg: Config, plan: dict, prepare: bool = False
              for k, (_, p, _) in enumerate(sources)]
     mixer = BatchMixer([(int(s), tuple(w)) for s, w in plan["mixture_stages"]],
                        cfg.train.global_batch_size, cfg.data.seed)
-    with_val = all("validation" in ix["splits"] for ix in indexes)
-    val = MixtureValidation([TokenWindows(p, "validation", seq_len, shuffle=False)
-                             for _, p, _ in sources]) if with_val else None
-    return MixtureWindows(train, mixer), val
+    return MixtureWindows(train, mixer)
 
 
 @dataclass(frozen=True)

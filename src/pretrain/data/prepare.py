@@ -11,7 +11,8 @@ The piece boundaries, the validation documents (split.py) and so the files depen
 the corpus and the config, never on the number of workers. The staging dir's name derives
 from the fingerprint, so separate jobs (a Slurm array, several nodes) share it. Output::
 
-    index.json           tokenizer, dtype, vocab, eos id, shards per split, fingerprint
+    index.json           tokenizer, dtype, vocab, eos id, shards per split, fingerprint;
+                         per split its documents, tokens (EOS included) and text bytes
     tokenizer.json       the tokenizer used (trained here for tokenizer=bpe, or copied)
     plan.json            the pieces and the settings they were encoded with
     train_000.bin ...    uint16/uint32 token ids, documents joined by the EOS token
@@ -223,6 +224,24 @@ def _ranges(ids: list[int]) -> str:
     return ", ".join(out)
 
 
+def _add_pieces(splits: dict, staging: Path, n: int) -> int:
+    """Sum the done markers of pieces 0..n-1 into ``splits`` (documents, tokens, text bytes,
+    shards); the largest token id. A piece encoded before bytes were counted leaves its
+    split's bytes unknown (None)."""
+    max_id = -1
+    for i in range(n):
+        marker = json.loads(done_path(staging, i).read_text())
+        max_id = max(max_id, marker["max_token_id"])
+        for s, part in marker["splits"].items():
+            split = splits[s]
+            split["documents"] += part["documents"]
+            split["tokens"] += part["tokens"]
+            split["shards"] += part["shards"]
+            split["bytes"] = None if split["bytes"] is None or "bytes" not in part \
+                else split["bytes"] + part["bytes"]
+    return max_id
+
+
 def merge(cfg: DataConfig) -> Path:
     """Stage 3: check every piece is done, write index.json, publish the dir atomically."""
     fp = fingerprint(cfg)
@@ -245,18 +264,9 @@ def merge(cfg: DataConfig) -> Path:
         "format": FORMAT_VERSION, "fingerprint": fp, "source": cfg.source,
         "tokenizer": cfg.tokenizer, "vocab_size": the_plan["vocab_size"],
         "eos_id": the_plan["eos_id"], "dtype": the_plan["dtype"], "pieces": n,
-        "splits": {s: {"documents": 0, "tokens": 0, "shards": []} for s in splits},
+        "splits": {s: {"documents": 0, "tokens": 0, "bytes": 0, "shards": []} for s in splits},
     }
-    max_id = -1
-    for i in range(n):
-        marker = json.loads(done_path(staging, i).read_text())
-        max_id = max(max_id, marker["max_token_id"])
-        for s, part in marker["splits"].items():
-            split = index["splits"][s]
-            split["documents"] += part["documents"]
-            split["tokens"] += part["tokens"]
-            split["shards"] += part["shards"]
-    index["max_token_id"] = max_id
+    index["max_token_id"] = _add_pieces(index["splits"], staging, n)
     docs = {s: v["documents"] for s, v in index["splits"].items()}
     if sum(docs.values()) == 0:
         raise DataError(f"data.source={cfg.source!r} has no documents; check data.data_files")

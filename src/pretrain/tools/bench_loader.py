@@ -44,7 +44,7 @@ def open_data(cfg):
         from pretrain.data.mixture import open_mixture
         from pretrain.decision.resolve import resolve_plan
 
-        return open_mixture(cfg, resolve_plan(cfg, world_size=1)[0])[0]
+        return open_mixture(cfg, resolve_plan(cfg, world_size=1)[0])
     from pretrain.data.loader import TokenWindows
     from pretrain.data.prepare import data_dir
 

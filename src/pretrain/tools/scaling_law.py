@@ -25,7 +25,8 @@ ladder), each with a Huber objective on log loss (Hoffmann et al. 2022) and a bo
 over runs for the error bars. A cooldown branch (``checkpoint.branch_from``) is one point of its own D, so
 a WSD ladder plus its branches (recipes/ladder-tiny-wsd.yaml, ladder-tiny-cooldown.yaml) fits
 L(N, D); a run that never decayed (constant LR, kept only to branch from) is left out.
-``--points FILE.csv`` adds runs from elsewhere (columns
+``--metric val_bpb`` fits bits per byte (result.json's ``final_val_bpb``; docs/bits-per-byte.md)
+instead of the loss in nats per token. ``--points FILE.csv`` adds runs from elsewhere (columns
 n_params, tokens, loss), such as Chinchilla's own, as Besiroglu et al. 2024 extracted them. Warns when the target's tokens (L(C)'s at
 the ladder's tokens per parameter, L(N, D)'s D_opt) exceed the corpus the runs read (their
 plans' ``data_tokens``): more than one epoch, which the fit of fresh-data runs cannot predict. Writes ``fit.json``, ``loss_vs_compute.png`` and
@@ -70,8 +71,8 @@ def print_chinchilla(budgets: list[float]) -> list[dict]:
     return rows
 
 
-def print_runs(points: list[RunPoint]) -> None:
-    print(f"{'run':<48} {'N':>10} {'D':>10} {'C':>10} {'loss':>7}")
+def print_runs(points: list[RunPoint], metric: str = "loss") -> None:
+    print(f"{'run':<48} {'N':>10} {'D':>10} {'C':>10} {metric:>7}")
     for p in sorted(points, key=lambda p: p.flops):
         name = p.name if len(p.name) <= 48 else "..." + p.name[-45:]
         print(f"{name:<48} {p.n_params:>10.4g} {p.tokens:>10.4g} {p.flops:>10.4g} "
@@ -219,18 +220,45 @@ def sweep_report(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int |
     return hparam_report(args.dirs, args.out)
 
 
-def cooldown_points(dirs: list[Path]) -> list[RunPoint]:
+# --metric: the result.json key each fits (bits per byte: docs/bits-per-byte.md)
+METRICS = {"val_loss": "final_val_loss", "val_bpb": "final_val_bpb"}
+
+
+def metric_problem(dirs: list[Path], metric: str, csv_points: bool) -> str | None:
+    """Why the runs under ``dirs`` cannot be fitted on ``metric``: finished runs whose
+    result.json lacks it (all must have it: a fit on the rest would quietly drop runs), or
+    --points (losses in nats per token) with bits per byte; None when they can."""
+    from pretrain.analysis.scaling import finished_runs
+
+    key = METRICS[metric]
+    if key == METRICS["val_loss"]:
+        return None
+    if csv_points:
+        return (f"--points gives losses in nats per token; it does not mix with --metric "
+                f"{metric}: fit those on --metric val_loss")
+    lacking = [str(d) for root in dirs for d, _, r in finished_runs(root) if r.get(key) is None]
+    if not lacking:
+        return None
+    return (f"--metric {metric}: {len(lacking)} finished run(s) have no {key} in result.json "
+            f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}): they trained "
+            f"before bits per byte were recorded, or on data prepared without byte counts. "
+            f"Prepare their data again (move data/<name> aside, `python tools/prepare_data.py "
+            f"data=...`) and rerun them, or fit on --metric val_loss")
+
+
+def cooldown_points(dirs: list[Path], key: str = METRICS["val_loss"]) -> list[RunPoint]:
     """The finished runs under ``dirs`` that cooled down, cooldown branches included, each
-    an (N, D) point (analysis/branches.py); a run that never decayed is named and left out."""
+    an (N, D) point (analysis/branches.py); a run that never decayed is named and left out.
+    ``key``: the result.json metric that is the point's loss."""
     from pretrain.analysis.branches import collect_cooldowns, describe
 
-    collected = collect_cooldowns(dirs)
+    collected = collect_cooldowns(dirs, key)
     if collected.branches or collected.stable:
         print("\n".join(describe(collected)))
     return collected.points
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", type=Path, help="folders holding finished runs")
     ap.add_argument("--chinchilla", nargs="+", type=float, metavar="C",
@@ -249,6 +277,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="runs from a CSV file (n_params, tokens, loss), repeatable")
     ap.add_argument("--exclude-highest-loss", type=int, default=0, metavar="K",
                     help="leave out the K runs with the highest loss before fitting")
+    ap.add_argument("--metric", choices=sorted(METRICS), default="val_loss",
+                    help="what is fitted: the final validation loss (nats per token, the "
+                         "default) or bits per byte (result.json's final_val_bpb)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
 
     report = sweep_report(ap, args)
@@ -261,7 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dirs and not args.points:
         ap.error("give one or more folders of runs, --points CSV, or --chinchilla C")
 
-    points = cooldown_points(args.dirs)
+    problem = metric_problem(args.dirs, args.metric, bool(args.points))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    points = cooldown_points(args.dirs, METRICS[args.metric])
     points = without_highest_losses(points + [p for f in args.points for p in read_points(f)],
                                     args.exclude_highest_loss)
     if not points:
@@ -271,10 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     target = args.target_flops or 10 * max(p.flops for p in points)
     out = args.out or (args.dirs[0] if args.dirs else Path("runs")) / "scaling_law"
     out.mkdir(parents=True, exist_ok=True)
-    print(f"{len(points)} finished runs (C = 6ND, the plan's 'compute')")
-    print_runs(points)
+    print(f"{len(points)} finished runs (C = 6ND, the plan's 'compute'), fitting "
+          f"{METRICS[args.metric]}")
+    print_runs(points, args.metric)
 
-    fit: dict = {"runs": [vars(p) for p in points], "target_flops": target}
+    fit: dict = {"metric": METRICS[args.metric], "runs": [vars(p) for p in points],
+                 "target_flops": target}
     compute, chinchilla = fit_laws(points, target, args.bootstrap, args.seed, fit)
     report_target_data(points, target, chinchilla, fit)
     report_isoflop(points, fit)

@@ -1,5 +1,6 @@
-"""Evaluation and sampling: the validation loss of the model as it trains, and a sample of
-generated text at the end.
+"""Evaluation and sampling: the validation loss of the model as it trains (of each source,
+in nats per token and bits per byte: ``SourceValidation``), and a sample of generated text
+at the end.
 
 The validation loss is the mean over the first ``eval_batch_count()`` micro batches of the
 validation split, each counted once, spread over the DP ranks: the same batches, so the
@@ -13,10 +14,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pretrain.data.loader import TokenWindows
+from pretrain.data.prepare import load_index
 from pretrain.train.hooks import Hook
 
 log = logging.getLogger("pretrain")
@@ -145,3 +150,137 @@ class SampleHook(Hook):
         if text is not None:
             log.info("sample from the trained model:\n%s\n%s\n%s", "-" * 60, text, "-" * 60)
             result["sample"] = text
+
+
+# -- validation per source, in loss and bits per byte -------------------------------------------
+
+
+def bits_per_byte(loss: float, tokens: int, nbytes: int) -> float:
+    """Bits per byte of a mean loss of ``loss`` nats per token over text that ``tokens``
+    tokens of ``nbytes`` UTF-8 bytes stand for: nats per byte over ln 2."""
+    return loss * (tokens / nbytes) / math.log(2)
+
+
+def weighted_mean(values: dict[str, float | None], weights: dict[str, float]) -> float | None:
+    """The mean of ``values`` by ``weights`` over the names of positive weight (a weight-0
+    source is validation only); None when one of them has no value."""
+    names = [n for n, w in weights.items() if w > 0]
+    if not names or any(values.get(n) is None for n in names):
+        return None
+    return math.fsum(weights[n] * values[n] for n in names) / math.fsum(weights[n] for n in names)
+
+
+@dataclass(frozen=True)
+class ValidationSource:
+    """One validation set: a source's name, its prepared corpus (a ``data.root/<name>``
+    directory, its ``validation`` split evaluated) and its share of the training tokens."""
+
+    name: str
+    path: Path
+    weight: float = 1.0
+
+
+def validation_sources(data_cfg) -> list[ValidationSource]:
+    """The sources a run validates on: every entry of ``data.mixture`` ({name, weight},
+    each prepared under ``data.root``; weight 0 = validation only), else the one corpus
+    ``data.name``."""
+    mixture = getattr(data_cfg, "mixture", None)
+    if mixture:
+        return [ValidationSource(s.name, Path(data_cfg.root) / s.name, float(s.weight))
+                for s in mixture]
+    return [ValidationSource(data_cfg.name, Path(data_cfg.root) / data_cfg.name)]
+
+
+class SourceValidation(Hook):
+    """The validation loss of each source at every evaluation point, in nats per token and
+    in bits per byte (``bits_per_byte`` with the split's tokens and bytes as preparation
+    counted them), reported as ``val_loss/<name>`` and ``val_bpb/<name>`` (log line,
+    metrics.jsonl, wandb) and in result.json as ``val/<name>: {loss, bpb, weight}`` and
+    ``final_val_bpb``. The run's ``val_loss`` becomes the training-weighted mean over the
+    sources of positive weight: for one source, its loss, unchanged. The source the trainer
+    evaluates itself (the same split) is not evaluated twice: its loss is the trainer's."""
+
+    name = "validation"
+
+    def __init__(self, sets: dict[str, TokenWindows], weights: dict[str, float],
+                 make_evaluator: Callable[[TokenWindows], Evaluator], reuse: str | None = None):
+        self.sets, self.weights, self.reuse = sets, weights, reuse
+        self.evaluators = {n: make_evaluator(w) for n, w in sets.items() if n != reuse}
+        self.counts = {n: w.text_bytes() for n, w in sets.items()}
+        self.loss: dict[str, float | None] = {}
+        self.bpb: dict[str, float | None] = {}
+        self.described = False
+
+    def describe(self) -> None:
+        """Once, on rank 0: the sources validated on, and which have no byte counts."""
+        log.info("validation per source: %s", ", ".join(
+            f"{n} (weight {self.weights[n]:g}, {w.n_windows} windows)"
+            for n, w in self.sets.items()))
+        for n, counts in self.counts.items():
+            if counts is None:
+                log.warning(unavailable_note(n, self.sets[n].path))
+        for ev in self.evaluators.values():
+            ev.describe()
+
+    def evaluate(self, trainer, metrics: dict) -> None:
+        if trainer.rank0 and not self.described:
+            self.describe()
+        self.described = True
+        for n in self.sets:
+            loss = trainer.last_val_loss if n == self.reuse else self.evaluators[n].evaluate()
+            counts = self.counts[n]
+            self.loss[n] = loss
+            self.bpb[n] = None if counts is None or loss is None else bits_per_byte(loss, *counts)
+            metrics[f"val_loss/{n}"] = loss
+            if self.bpb[n] is not None:
+                metrics[f"val_bpb/{n}"] = self.bpb[n]
+        metrics["val_loss"] = trainer.last_val_loss = weighted_mean(self.loss, self.weights)
+
+    def finish(self, trainer, result: dict) -> None:
+        for n in self.sets:
+            entry = {"loss": self.loss.get(n), "bpb": self.bpb.get(n), "weight": self.weights[n]}
+            if self.counts[n] is None:
+                entry["bpb_unavailable"] = unavailable_note(n, self.sets[n].path)
+            result[f"val/{n}"] = entry
+        result["final_val_bpb"] = weighted_mean(self.bpb, self.weights)
+
+
+def unavailable_note(name: str, path: Path) -> str:
+    return (f"bits per byte unavailable for '{name}': {path} was prepared before preparation "
+            f"counted the bytes of its text; move {path} aside and prepare it again "
+            f"(`python tools/prepare_data.py data=...`) to get them")
+
+
+def source_validation(trainer, sources: list[ValidationSource] | None = None
+                      ) -> SourceValidation | None:
+    """The per-source validation of ``trainer``'s run: ``sources``, by default its config's
+    (``validation_sources``); None when none has a validation split. The trainer's own
+    validation set, when it is one of them, is not evaluated twice."""
+    own = trainer.val_data
+    sets, weights = {}, {}
+    for src in sources if sources is not None else validation_sources(trainer.cfg.data):
+        # the trainer's own set when it is this source's split (a mixture's interleaved
+        # validation, which has no single path, never is)
+        own_path = getattr(own, "path", None)
+        same = own_path is not None and Path(src.path).resolve() == Path(own_path).resolve()
+        windows = own if same else open_validation(src.path, trainer.cfg.model.seq_len)
+        if windows is not None:
+            sets[src.name], weights[src.name] = windows, src.weight
+    if not sets:
+        return None
+    reuse = next((n for n, w in sets.items() if w is own and trainer.evaluator), None)
+    layout, place = trainer.layout, trainer.place
+
+    def make(windows: TokenWindows) -> Evaluator:
+        return Evaluator(windows, trainer.module, eval_batches=trainer.cfg.train.eval_batches,
+                         micro_batch_size=layout.micro_batch_size, dp=layout.dp,
+                         dp_rank=place.dp_rank, device=trainer.device)
+
+    return SourceValidation(sets, weights, make, reuse)
+
+
+def open_validation(path: Path, seq_len: int) -> TokenWindows | None:
+    """The validation windows of the corpus at ``path``; None when it has no such split."""
+    if "validation" not in load_index(Path(path))["splits"]:
+        return None
+    return TokenWindows(path, "validation", seq_len, shuffle=False)

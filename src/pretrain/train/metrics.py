@@ -208,6 +208,12 @@ def format_metrics(m: dict[str, Any]) -> str:
     for key, f in fmt.items():
         if m.get(key) is not None:
             parts.append(f.format(m[key]))
+    for key, loss in m.items():  # validation per source: its loss, and bits per byte
+        if key.startswith("val_loss/") and loss is not None:
+            name = key.removeprefix("val_loss/")
+            bpb = m.get(f"val_bpb/{name}")
+            parts.append(f"val/{name} {loss:.4f}" + (f" ({bpb:.3f} bpb)" if bpb is not None
+                                                       else ""))
     if m.get("z_loss") is not None:
         parts.append(f"z_loss {m['z_loss']:.2e}")
     if m.get("skipped_steps"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from pretrain.train import downstream
-from pretrain.train.evaluation import SampleHook
+from pretrain.train.evaluation import SampleHook, source_validation
 from pretrain.train.expert_load import ExpertLoad
 from pretrain.train.garbage import GarbageCollectionHook
 from pretrain.train.hooks import Hook
@@ -24,6 +24,7 @@ def build_hooks(trainer: Any) -> list[Hook]:
     """The run's services, built after the train module and before resume (a hook may read
     ``trainer.cfg``, ``trainer.module``, ``trainer.budget``, ``trainer.layout``)."""
     hooks: list[Hook | None] = [
+        source_validation(trainer),  # each source's validation loss and bits per byte
         ExpertLoad(),  # MoE: routing stats on the log line, the busiest expert's load
         NoiseScaleHook(trainer.noise),  # the gradient noise scale, the batch compared to it
         GarbageCollectionHook(trainer.cfg.train.gc_interval),  # at fixed steps, every rank

@@ -102,7 +102,9 @@ class Trainer:
         """The training and (when prepared) validation windows, read ahead on a thread."""
         cfg = self.cfg
         if cfg.data.mixture:  # data/mixture.py; the plan says what each source gives
-            self.train_data, self.val_data = open_mixture(cfg, self.plan, self.world_size == 1)
+            # each source's validation: evaluation.SourceValidation (services.build_hooks)
+            self.train_data = open_mixture(cfg, self.plan, self.world_size == 1)
+            self.val_data = None
         else:
             self.train_data, self.val_data, epochs = training_data(cfg, self.world_size,
                                                                    self.budget.tokens)
