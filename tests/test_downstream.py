@@ -246,3 +246,13 @@ def test_two_process_layouts_score_as_one_process(prepared, tmp_path):
             got = json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
             for k in keys:
                 assert got[k] == pytest.approx(one[k], abs=tol), (name, rank, k)
+
+
+def test_the_log_line_shows_each_task():
+    from pretrain.train.metrics import format_metrics
+
+    line = format_metrics({"step": 30, "total_steps": 60, "val_loss": 6.58,
+                           "task/hellaswag/acc": 0.375, "task/hellaswag/acc_norm": 0.25,
+                           "task/hellaswag/bpb": 3.72, "task/arc_easy/acc": 0.125})
+    assert "hellaswag acc 0.375 (0.250 norm) 3.720 bpb" in line
+    assert "arc_easy acc 0.125" in line

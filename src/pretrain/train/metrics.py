@@ -214,6 +214,13 @@ def format_metrics(m: dict[str, Any]) -> str:
             bpb = m.get(f"val_bpb/{name}")
             parts.append(f"val/{name} {loss:.4f}" + (f" ({bpb:.3f} bpb)" if bpb is not None
                                                        else ""))
+    for key, acc in m.items():  # downstream tasks: accuracy (normalised) and answer bpb
+        if key.startswith("task/") and key.endswith("/acc") and acc is not None:
+            name = key.removeprefix("task/").removesuffix("/acc")
+            norm, bpb = m.get(f"task/{name}/acc_norm"), m.get(f"task/{name}/bpb")
+            parts.append(f"{name} acc {acc:.3f}" + (f" ({norm:.3f} norm)" if norm is not None
+                                                    else "")
+                         + (f" {bpb:.3f} bpb" if bpb is not None else ""))
     if m.get("z_loss") is not None:
         parts.append(f"z_loss {m['z_loss']:.2e}")
     if m.get("skipped_steps"):
