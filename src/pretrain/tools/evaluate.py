@@ -27,12 +27,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from pretrain.checkpoint.manager import (
-    CheckpointError,
-    load_model_weights,
-    read_meta,
-    resolve_checkpoint,
-)
+from pretrain.checkpoint.folder import CheckpointError, read_meta, resolve_checkpoint
+from pretrain.checkpoint.manager import load_model_weights
 from pretrain.config.schema import EvalConfig, ModelConfig
 from pretrain.data.tasks import TaskNotFound
 from pretrain.model.gpt import GPT
