@@ -278,7 +278,7 @@ def _point(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", type=Path, help="folders holding finished runs")
     ap.add_argument("--chinchilla", nargs="+", type=float, metavar="C",
@@ -305,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-ratio", type=float, default=100.0, metavar="X",
                     help="call a prediction extrapolated when the target is more than X "
                          "times the largest run's compute (default 100)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
 
     report = sweep_report(ap, args)
