@@ -36,13 +36,13 @@ from pretrain.config.paths import REPO
 
 
 def branch_budgets(recipe: str) -> list[float]:
-    """The tokens per parameter of the recipe's branch points (its cooldown budgets)."""
-    from omegaconf import OmegaConf
+    """The tokens per parameter of the recipe's branch points (its cooldown budgets), as
+    the recipe composes (its defaults included)."""
+    from pretrain.config.compose import compose_config
 
-    path = REPO / "recipes" / f"{recipe}.yaml"
-    if not path.exists():
+    if not (REPO / "recipes" / f"{recipe}.yaml").exists():
         raise SystemExit(f"--recipe {recipe}: no recipes/{recipe}.yaml")
-    budgets = OmegaConf.select(OmegaConf.load(path), "checkpoint.branch_tokens_per_param")
+    budgets = compose_config([f"+recipe={recipe}"]).checkpoint.branch_tokens_per_param
     if not budgets:
         raise SystemExit(f"recipes/{recipe}.yaml sets no checkpoint.branch_tokens_per_param: "
                          "a ladder recipe stores branch points for its cooldown branches")
