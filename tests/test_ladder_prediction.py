@@ -102,6 +102,10 @@ def test_a_ladder_predicts_a_run_30x_its_compute_with_an_interval(tmp_path, caps
     assert pred["loss"]["value"] == pytest.approx(true_loss, rel=0.02)
     assert pred["loss"]["low"] < pred["loss"]["value"] < pred["loss"]["high"]
     assert f"N = {n_h:.4g}, D = {d_h:.4g}" in text and "loss " in text
+    # the held-out point is 3.6x the largest size: its N term is extrapolated, and said so
+    (why,) = pred["extrapolation"]
+    assert why.startswith("N = 4.001e+05 is 3.57x the largest size run (1.121e+05)")
+    assert f"(C = {target:.4g}): loss" in text and "-- EXTRAPOLATED:" in text
     assert fitted["extrapolation"]["L(N, D)"] == []
     verdict = text.split(f"prediction at the target C = {target:.4g}:")[1]
     assert "L(N, D): loss" in verdict and "N_opt" in verdict and "D_opt" in verdict

@@ -77,9 +77,9 @@ def support_warnings(points: Sequence[RunPoint], law: str, bounds: Bounds = Boun
     return out
 
 
-def interval_bound_warnings(rep: FitReport, law: str, bounds: Bounds = Bounds()) -> list[str]:
+def interval_bound_warnings(est: Estimate | None, law: str, bounds: Bounds = Bounds()
+                            ) -> list[str]:
     """The predicted loss's 95% bootstrap interval is missing or wider than the bound."""
-    est = rep.predictions.get("loss")
     if est is None:
         return []
     if not (math.isfinite(est.low) and math.isfinite(est.high)):
@@ -108,8 +108,22 @@ def compute_ratio_warnings(points: Sequence[RunPoint], target_flops: float,
 def extrapolation_warnings(points: Sequence[RunPoint], target_flops: float, law: str,
                            rep: FitReport, bounds: Bounds = Bounds()) -> list[str]:
     """Every reason the target's prediction by ``law`` is past what the fit supports."""
-    return (support_warnings(points, law, bounds) + interval_bound_warnings(rep, law, bounds)
+    return (support_warnings(points, law, bounds)
+            + interval_bound_warnings(rep.predictions.get("loss"), law, bounds)
             + compute_ratio_warnings(points, target_flops, bounds))
+
+
+def point_warnings(points: Sequence[RunPoint], n_params: float, tokens: float,
+                   est: Estimate, bounds: Bounds = Bounds()) -> list[str]:
+    """The reasons a ``--predict`` point's loss is an extrapolation: its interval (as the
+    target's), its compute against the largest run's, and its N beyond the sizes run."""
+    out = interval_bound_warnings(est, "L(N, D)", bounds)
+    out += compute_ratio_warnings(points, 6.0 * n_params * tokens, bounds)
+    largest = max(p.n_params for p in points)
+    if n_params > largest:
+        out.append(f"N = {n_params:.4g} is {n_params / largest:.3g}x the largest size run "
+                   f"({largest:.4g}): the N term is extrapolated")
+    return out
 
 
 def predict_at(rep: FitReport, n_params: float, tokens: float) -> Estimate:

@@ -191,7 +191,12 @@ def report_extrapolation(points: list[RunPoint], target: float,
     """The target's prediction by each fitted law, said to be supported or extrapolated
     (pretrain/analysis/extrapolation.py, with the corpus check of target_data.py); and the
     L(N, D) prediction at each ``--predict N,D``. Recorded in ``fit``."""
-    from pretrain.analysis.extrapolation import Bounds, extrapolation_warnings, predict_at
+    from pretrain.analysis.extrapolation import (
+        Bounds,
+        extrapolation_warnings,
+        point_warnings,
+        predict_at,
+    )
 
     bounds = Bounds(max_interval=args.max_interval, max_ratio=args.max_ratio)
     epochs = fit.get("target_data", {}).get("target_epochs", {})
@@ -221,7 +226,12 @@ def report_extrapolation(points: list[RunPoint], target: float,
             est = predict_at(chinchilla, n, d)
             fit["predict"].append({"n_params": n, "tokens": d, "flops": 6 * n * d,
                                    "loss": vars(est)})
-            print(f"  N = {n:.4g}, D = {d:.4g} (C = {6 * n * d:.4g}): loss {est}")
+            why = point_warnings(points, n, d, est, bounds)
+            fit["predict"][-1]["extrapolation"] = why
+            print(f"  N = {n:.4g}, D = {d:.4g} (C = {6 * n * d:.4g}): loss {est}"
+                  + (" -- EXTRAPOLATED:" if why else " -- supported"))
+            for w in why:
+                print(f"      - {w}")
 
 
 def report_isoflop(points: list[RunPoint], fit: dict) -> None:
