@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrain.analysis.corpus import corpus_tokens
 from pretrain.budget.compute import FLOPS_PER_PARAM_TOKEN, run_compute
 
 HUBER_DELTA = 1e-3  # Hoffmann et al. 2022, section D.2
@@ -46,7 +47,7 @@ class RunPoint:
     tokens: float
     flops: float
     loss: float
-    # training tokens of the corpus the run read (its plan's data_tokens); None: unknown
+    # fresh tokens of the corpus the run read (analysis/corpus.py); None: unknown
     data_tokens: float | None = None
 
 
@@ -104,10 +105,9 @@ def collect_runs(root: Path | str, key: str = "final_val_loss") -> list[RunPoint
         n = float(plan.get("n_params_active", plan["n_params"]))  # = n_params when dense
         d = float(result.get("tokens") or plan["tokens"])
         name = str(run_dir.relative_to(root)) if run_dir != root else root.name
-        corpus = plan.get("data_tokens")
         points.append(RunPoint(name=name, n_params=n, tokens=d, flops=run_compute(n, d),
                                loss=float(result[key]),
-                               data_tokens=float(corpus) if corpus else None))
+                               data_tokens=corpus_tokens(plan)))
     return points
 
 

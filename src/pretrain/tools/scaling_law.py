@@ -186,6 +186,55 @@ def report_target_data(points: list[RunPoint], target: float, chinchilla: FitRep
         print(f"warning: {w}")
 
 
+def report_extrapolation(points: list[RunPoint], target: float,
+                         reports: dict[str, FitReport | None], fit: dict,
+                         args: argparse.Namespace) -> None:
+    """The target's prediction by each fitted law, said to be supported or extrapolated
+    (pretrain/analysis/extrapolation.py, with the corpus check of target_data.py); and the
+    L(N, D) prediction at each ``--predict N,D``. Recorded in ``fit``."""
+    from pretrain.analysis.extrapolation import (
+        Bounds,
+        extrapolation_warnings,
+        point_warnings,
+        predict_at,
+    )
+
+    bounds = Bounds(max_interval=args.max_interval, max_ratio=args.max_ratio)
+    epochs = fit.get("target_data", {}).get("target_epochs", {})
+    fit["extrapolation"] = {}
+    print(f"\nprediction at the target C = {target:.4g}:")
+    for law, rep in reports.items():
+        if rep is None or "loss" not in rep.predictions:
+            continue
+        why = extrapolation_warnings(points, target, law, rep, bounds)
+        if epochs.get(law, 0) > 1:
+            why.append(f"{law}: the target's tokens are {epochs[law]:.3g} epochs of the corpus")
+        fit["extrapolation"][law] = why
+        opt = "" if law == "L(C)" else (f", N_opt {rep.predictions['n_opt'].value:.4g}, "
+                                        f"D_opt {rep.predictions['d_opt'].value:.4g}")
+        print(f"  {law}: loss {rep.predictions['loss']}{opt}")
+        print("    " + ("EXTRAPOLATED past what the fit supports, not a result:" if why else
+                        f"supported (>= {bounds.min_distinct} sizes, 95% interval <= "
+                        f"{100 * bounds.max_interval:.3g}%, <= {bounds.max_ratio:.3g}x the "
+                        "largest run, < 1 epoch)"))
+        for w in why:
+            print(f"      - {w}")
+    chinchilla = reports.get("L(N, D)")
+    if args.predict and chinchilla is not None:
+        fit["predict"] = []
+        print("\nL(N, D) at the given points (± bootstrap std [95% interval]):")
+        for n, d in args.predict:
+            est = predict_at(chinchilla, n, d)
+            fit["predict"].append({"n_params": n, "tokens": d, "flops": 6 * n * d,
+                                   "loss": vars(est)})
+            why = point_warnings(points, n, d, est, bounds)
+            fit["predict"][-1]["extrapolation"] = why
+            print(f"  N = {n:.4g}, D = {d:.4g} (C = {6 * n * d:.4g}): loss {est}"
+                  + (" -- EXTRAPOLATED:" if why else " -- supported"))
+            for w in why:
+                print(f"      - {w}")
+
+
 def report_isoflop(points: list[RunPoint], fit: dict) -> None:
     """Warn where a budget's best run is at the edge of its sizes; print (and record in
     ``fit``) each budget's parabola minimum."""
@@ -258,7 +307,16 @@ def cooldown_points(dirs: list[Path], key: str = METRICS["val_loss"]) -> list[Ru
     return collected.points
 
 
-def parser() -> argparse.ArgumentParser:
+def _point(text: str) -> tuple[float, float]:
+    from pretrain.analysis.extrapolation import parse_point
+
+    try:
+        return parse_point(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", type=Path, help="folders holding finished runs")
     ap.add_argument("--chinchilla", nargs="+", type=float, metavar="C",
@@ -280,11 +338,19 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--metric", choices=sorted(METRICS), default="val_loss",
                     help="what is fitted: the final validation loss (nats per token, the "
                          "default) or bits per byte (result.json's final_val_bpb)")
+    ap.add_argument("--predict", type=_point, action="append", default=[], metavar="N,D",
+                    help="also print L(N, D) at this point with its interval, repeatable")
+    ap.add_argument("--max-interval", type=float, default=0.05, metavar="FRACTION",
+                    help="call a prediction extrapolated when its 95%% bootstrap interval is "
+                         "wider than this fraction of the loss (default 0.05)")
+    ap.add_argument("--max-ratio", type=float, default=100.0, metavar="X",
+                    help="call a prediction extrapolated when the target is more than X "
+                         "times the largest run's compute (default 100)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser()
+    ap = build_parser()
     args = ap.parse_args(argv)
 
     report = sweep_report(ap, args)
@@ -319,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                  "target_flops": target}
     compute, chinchilla = fit_laws(points, target, args.bootstrap, args.seed, fit)
     report_target_data(points, target, chinchilla, fit)
+    report_extrapolation(points, target, {"L(C)": compute, "L(N, D)": chinchilla}, fit, args)
     report_isoflop(points, fit)
 
     # the numbers first: a plot that cannot be drawn must not lose them
