@@ -39,7 +39,7 @@ def test_run_local_counts_the_processes_a_layout_needs():
     assert "torch.distributed.run --standalone --nproc_per_node=8" in out
     assert out.strip().endswith("train.py +recipe=nano-3d")
     out = run_local("--print", "--nproc", "4", "+recipe=tiny", "parallel=zero3",
-                    "parallel.dp=null").stdout
+                    "parallel.dp=null", "parallel.micro_batch_size=2").stdout
     assert "--nproc_per_node=4" in out
 
 
