@@ -257,3 +257,29 @@ def test_scaling_law_says_which_runs_lack_bits_per_byte(tmp_path, capsys):
     assert "35 finished run(s) have no final_val_bpb" in err and str(tmp_path / "old") in err
     assert "--metric val_loss" in err and "prepare_data.py" in err
     assert not (tmp_path / "out" / "fit.json").exists()
+
+
+def test_scaling_law_fits_a_tasks_bits_per_byte(tmp_path, capsys):
+    """--metric task/<name>/bpb fits result.json's flat task key (train/downstream.py) like
+    the loss; runs that did not score the task are named, with the ways to get it."""
+    pytest.importorskip("scipy")
+    from pretrain.tools import scaling_law
+
+    write_sweep(tmp_path / "sweep")
+    for result_path in (tmp_path / "sweep").rglob("result.json"):
+        result = json.loads(result_path.read_text())
+        result["task/hellaswag/bpb"] = result["final_val_loss"] * 0.5
+        result_path.write_text(json.dumps(result))
+    out = tmp_path / "fit"
+    assert scaling_law.main([str(tmp_path / "sweep"), "--metric", "task/hellaswag/bpb",
+                             "--out", str(out), "--bootstrap", "0", "--no-plots"]) == 0
+    fit = json.loads((out / "fit.json").read_text())
+    assert fit["metric"] == "task/hellaswag/bpb"
+    assert fit["chinchilla_law"]["E"] > 0
+    capsys.readouterr()
+    code = scaling_law.main([str(tmp_path / "sweep"), "--metric", "task/arc_easy/bpb",
+                             "--out", str(tmp_path / "none"), "--no-plots"])
+    err = capsys.readouterr().err
+    assert code == 2 and "have no task/arc_easy/bpb" in err and "eval.tasks=[arc_easy]" in err
+    with pytest.raises(SystemExit):
+        scaling_law.main([str(tmp_path / "sweep"), "--metric", "task/hellaswag/acc"])

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -269,8 +270,25 @@ def sweep_report(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int |
     return hparam_report(args.dirs, args.out)
 
 
-# --metric: the result.json key each fits (bits per byte: docs/bits-per-byte.md)
+# --metric: the result.json key each fits (bits per byte: docs/bits-per-byte.md), or a
+# downstream task's bits per byte of the correct answer, task/<name>/bpb (docs/evaluation.md:
+# the task metric that moves smoothly at small scale; accuracy is not a power law in compute)
 METRICS = {"val_loss": "final_val_loss", "val_bpb": "final_val_bpb"}
+TASK_BPB = re.compile(r"^task/[\w.:-]+/bpb$")
+
+
+def metric_key(metric: str) -> str:
+    """The result.json key ``--metric`` fits: METRICS's, or task/<name>/bpb itself."""
+    return METRICS.get(metric, metric)
+
+
+def metric_arg(text: str) -> str:
+    """--metric's value: a name of METRICS or task/<name>/bpb."""
+    if text in METRICS or TASK_BPB.match(text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"--metric {text}: use {', '.join(sorted(METRICS))} or task/<name>/bpb (a task of "
+        "eval.tasks, e.g. task/hellaswag/bpb)")
 
 
 def metric_problem(dirs: list[Path], metric: str, csv_points: bool) -> str | None:
@@ -279,7 +297,7 @@ def metric_problem(dirs: list[Path], metric: str, csv_points: bool) -> str | Non
     --points (losses in nats per token) with bits per byte; None when they can."""
     from pretrain.analysis.scaling import finished_runs
 
-    key = METRICS[metric]
+    key = metric_key(metric)
     if key == METRICS["val_loss"]:
         return None
     if csv_points:
@@ -288,11 +306,17 @@ def metric_problem(dirs: list[Path], metric: str, csv_points: bool) -> str | Non
     lacking = [str(d) for root in dirs for d, _, r in finished_runs(root) if r.get(key) is None]
     if not lacking:
         return None
+    runs = f"{', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}"
+    if TASK_BPB.match(metric):
+        why = (f"they ran without eval.tasks naming that task: rerun them with "
+               f"'eval.tasks=[{metric.split('/')[1]}]', score their checkpoints with "
+               f"tools/evaluate.py, or fit on --metric val_loss")
+    else:
+        why = ("they trained before bits per byte were recorded, or on data prepared without "
+               "byte counts. Prepare their data again (move data/<name> aside, `python "
+               "tools/prepare_data.py data=...`) and rerun them, or fit on --metric val_loss")
     return (f"--metric {metric}: {len(lacking)} finished run(s) have no {key} in result.json "
-            f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}): they trained "
-            f"before bits per byte were recorded, or on data prepared without byte counts. "
-            f"Prepare their data again (move data/<name> aside, `python tools/prepare_data.py "
-            f"data=...`) and rerun them, or fit on --metric val_loss")
+            f"({runs}): {why}")
 
 
 def cooldown_points(dirs: list[Path], key: str = METRICS["val_loss"]) -> list[RunPoint]:
@@ -335,9 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="runs from a CSV file (n_params, tokens, loss), repeatable")
     ap.add_argument("--exclude-highest-loss", type=int, default=0, metavar="K",
                     help="leave out the K runs with the highest loss before fitting")
-    ap.add_argument("--metric", choices=sorted(METRICS), default="val_loss",
+    ap.add_argument("--metric", type=metric_arg, default="val_loss",
                     help="what is fitted: the final validation loss (nats per token, the "
-                         "default) or bits per byte (result.json's final_val_bpb)")
+                         "default), bits per byte (result.json's final_val_bpb), or a task's "
+                         "bits per byte of the correct answer (task/<name>/bpb)")
     ap.add_argument("--predict", type=_point, action="append", default=[], metavar="N,D",
                     help="also print L(N, D) at this point with its interval, repeatable")
     ap.add_argument("--max-interval", type=float, default=0.05, metavar="FRACTION",
@@ -367,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    points = cooldown_points(args.dirs, METRICS[args.metric])
+    points = cooldown_points(args.dirs, metric_key(args.metric))
     points = without_highest_losses(points + [p for f in args.points for p in read_points(f)],
                                     args.exclude_highest_loss)
     if not points:
@@ -378,10 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (args.dirs[0] if args.dirs else Path("runs")) / "scaling_law"
     out.mkdir(parents=True, exist_ok=True)
     print(f"{len(points)} finished runs (C = 6ND, the plan's 'compute'), fitting "
-          f"{METRICS[args.metric]}")
+          f"{metric_key(args.metric)}")
     print_runs(points, args.metric)
 
-    fit: dict = {"metric": METRICS[args.metric], "runs": [vars(p) for p in points],
+    fit: dict = {"metric": metric_key(args.metric), "runs": [vars(p) for p in points],
                  "target_flops": target}
     compute, chinchilla = fit_laws(points, target, args.bootstrap, args.seed, fit)
     report_target_data(points, target, chinchilla, fit)
