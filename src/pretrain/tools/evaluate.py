@@ -25,27 +25,17 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from pretrain.checkpoint.folder import CheckpointError, read_meta, resolve_checkpoint
-from pretrain.checkpoint.manager import load_model_weights
-from pretrain.config.schema import EvalConfig, ModelConfig
+from pretrain.checkpoint.folder import CheckpointError
+from pretrain.config.schema import EvalConfig
 from pretrain.data.tasks import TaskNotFound
-from pretrain.model.gpt import GPT
-from pretrain.tools.export_hf import find_tokenizer
+from pretrain.tools.export_hf import find_tokenizer, model_from_checkpoint
 from pretrain.train.downstream import TaskSet, score
 
 
 def load_checkpoint(src: str) -> tuple[torch.nn.Module, Path, int]:
     """(our GPT with the checkpoint's weights, its run's tokenizer.json, its seq_len)."""
-    ckpt = resolve_checkpoint(src)
-    meta = read_meta(ckpt)
-    if "config" not in meta:
-        raise CheckpointError(f"{ckpt}/meta.json has no config; cannot rebuild the model")
-    cfg: ModelConfig = OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(ModelConfig), meta["config"].get("model", {})))
-    model = GPT(cfg)
-    load_model_weights(model, ckpt)
+    model, cfg, ckpt, meta = model_from_checkpoint(src)
     tok = find_tokenizer(ckpt, meta["config"].get("data", {}))
     if tok is None:
         raise CheckpointError(f"no tokenizer.json beside the run of {ckpt} nor in its data "

@@ -34,19 +34,26 @@ def find_tokenizer(ckpt: Path, data: dict) -> Path | None:
     return None
 
 
-def export(src: str, out: Path, dtype: str = "float32") -> Path:
+def model_from_checkpoint(src: str) -> tuple[GPT, ModelConfig, Path, dict]:
+    """(our GPT with the checkpoint's weights, its model config, the step folder, its
+    meta.json) of a run, a step folder or a checkpoints folder. Only the model and data
+    sections of the saved config are read: the rest may hold keys an older schema had (and
+    this one dropped), which a reader of the weights does not need."""
     ckpt = resolve_checkpoint(src)
     meta = read_meta(ckpt)
     if "config" not in meta:
         raise CheckpointError(f"{ckpt}/meta.json has no config; cannot rebuild the model")
-    # Only the model and data sections are read: the rest of a saved config may hold keys
-    # an older schema had (and this one dropped), which export does not need.
     model_cfg: ModelConfig = OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(ModelConfig), meta["config"].get("model", {})))
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty; choose a new output directory")
     model = GPT(model_cfg)
     load_model_weights(model, ckpt)
+    return model, model_cfg, ckpt, meta
+
+
+def export(src: str, out: Path, dtype: str = "float32") -> Path:
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; choose a new output directory")
+    model, model_cfg, ckpt, meta = model_from_checkpoint(src)
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
     hcfg = hf_config(model_cfg)
