@@ -67,11 +67,49 @@ def _sweep_name(_root_) -> str:
     return OmegaConf.select(_root_, "hydra.runtime.choices.recipe", default=None) or "default"
 
 
+def heads(d_model: int, min_head_width: int) -> int:
+    """``model.n_head: ${pretrain_heads:${model.d_model},16}``: as many heads as fit at
+    least ``min_head_width`` wide (d_model // 16), so a width sweep (a ladder's sizes) never
+    makes a head narrower than the rule; the width must split evenly into them."""
+    d_model, min_head_width = int(d_model), int(min_head_width)
+    n_head = d_model // min_head_width if min_head_width > 0 else 0
+    if n_head < 1 or d_model % n_head:
+        ok = [d for d in range(max(min_head_width, 1), 2 * d_model + 1)
+              if d % max(d // max(min_head_width, 1), 1) == 0]
+        near = sorted(ok, key=lambda d: abs(d - d_model))[:2]
+        raise ValueError(f"model.d_model={d_model} does not split into heads at least "
+                         f"{min_head_width} wide (d_model // {min_head_width} heads must "
+                         f"divide it): use a width such as {' or '.join(map(str, sorted(near)))}")
+    return n_head
+
+
+def sweep_source(sweep_dir: str, fallback: str) -> str:
+    """``checkpoint.branch_from: ${pretrain_sweep_source:<source sweep dir>,<fallback>}``:
+    the run of the source sweep that this cooldown branch continues, the point of that sweep
+    with this job's overrides less its budget (``model.d_model=16,train.seed=7`` for the
+    branch ``budget.tokens_per_param=3,model.d_model=16,train.seed=7``), so branches find
+    their source whatever else the sweep varies (sizes, seeds, LRs). Outside a Hydra job (a
+    composed config, a dry run) it is ``<sweep dir>/<fallback>``."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:  # HydraConfig was not set: not inside a job
+        return f"{sweep_dir}/{fallback}"
+    keep = sorted(o.lstrip("+~") for o in overrides
+                  if not is_neutral(o) and not o.lstrip("+~").startswith("budget.")
+                  and not o.lstrip("+~").startswith("checkpoint.branch_from"))
+    return f"{sweep_dir}/{','.join(keep) or fallback}"
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("pretrain_run_name"):
         OmegaConf.register_new_resolver("pretrain_run_name", lambda: _from_hydra())
         OmegaConf.register_new_resolver("pretrain_sweep_name", _sweep_name)
         OmegaConf.register_new_resolver("pretrain_neutral_keys", neutral_keys)
+    if not OmegaConf.has_resolver("pretrain_heads"):
+        OmegaConf.register_new_resolver("pretrain_heads", heads)
+        OmegaConf.register_new_resolver("pretrain_sweep_source", sweep_source)
 
 
 class RecipeNameError(ValueError):
