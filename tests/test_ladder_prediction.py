@@ -190,8 +190,8 @@ def test_predict_point_parsing():
 def test_ladder_tool_plans_streams_and_fits(tmp_path, capsys):
     """tools/ladder.py: the recipe's branch budgets, sizes dealt into balanced streams,
     the same overrides for every run; --fit-only fits what is on disk, with the prediction."""
-    assert ladder.main(["--sizes", "12,16,20,24", "--jobs", "2", "--dry-run", "--",
-                        "data.root=/data", f"runs_dir={tmp_path}"]) == 0
+    assert ladder.main(["--recipe", "ladder-mix", "--sizes", "12,16,20,24", "--jobs", "2",
+                        "--dry-run", "--", "data.root=/data", f"runs_dir={tmp_path}"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split("model.d_model=")[1].split()[0] for ln in lines[:4]] == \
         ["24,12", "24,12", "20,16", "20,16"]
@@ -203,7 +203,8 @@ def test_ladder_tool_plans_streams_and_fits(tmp_path, capsys):
     points = write_ladder(tmp_path, [12, 16, 20, 24])
     target = 30 * largest_compute(points)
     out = tmp_path / "out"
-    assert ladder.main(["--sizes", "12,16,20,24", "--fit-only", "--target-flops", f"{target}",
+    assert ladder.main(["--recipe", "ladder-mix", "--sizes", "12,16,20,24", "--fit-only",
+                        "--target-flops", f"{target}",
                         "--bootstrap", "20", "--predict", "4e5,8e6", "--out", str(out),
                         "--no-plots", "--", f"runs_dir={tmp_path}"]) == 0
     fitted = json.loads((out / "fit.json").read_text())

@@ -53,15 +53,17 @@ def _cooled(root: Path, key: str) -> tuple[dict[str, dict | None], list[str]]:
     return keep, stable
 
 
-def collect_cooldowns(roots: Sequence[Path | str], key: str = "final_val_loss") -> Collected:
+def collect_cooldowns(roots: Sequence[Path | str], key: str = "final_val_loss",
+                      count: str = "total") -> Collected:
     """Every finished run under ``roots`` that cooled down, as an (N, D) point (N the plan's
-    active parameters, D the tokens it trained, counted from the start of its source for a
-    branch), and which of them are branches; ``key``: the result.json metric fitted."""
+    parameters in ``count``, scaling.COUNTS, D the tokens it trained, counted from the start
+    of its source for a branch), and which of them are branches; ``key``: the result.json
+    metric fitted."""
     points, branches, stable = [], {}, []
     for root in map(Path, roots):
         keep, left_out = _cooled(root, key)
         stable += left_out
-        points += [p for p in collect_runs(root, key) if p.name in keep]
+        points += [p for p in collect_runs(root, key, count) if p.name in keep]
         branches.update({name: b for name, b in keep.items() if b})
     return Collected(points, branches, stable)
 

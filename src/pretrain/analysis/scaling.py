@@ -11,7 +11,12 @@ the runs themselves are the samples.
 
 Units: N is ``plan.json``'s ``n_params_active`` (every parameter, as Hoffmann et al., for a
 dense model; those one token uses for a mixture of experts), D the
-tokens trained, C = 6 N D (``budget.run_compute``).
+tokens trained, C = 6 N D (``budget.run_compute``). Other counts of N (``COUNTS``): the
+non-embedding parameters (Kaplan et al. 2020), or the per-token training FLOPs over 6
+(``flops``: PaLM's 6 N_matmul + 12 L d T, attention and the output matmul included, so
+C = 6 N D is the FLOPs the run did; DeepSeek's M is the same idea without the output layer).
+At widths of tens, attention is half of a token's FLOPs and the embedding a quarter of the
+parameters, and the counts disagree on how much bigger one size is than the next.
 
 Needs scipy (the ``analysis`` extra): ``pip install -e '.[analysis]'``.
 """
@@ -49,6 +54,8 @@ class RunPoint:
     loss: float
     # fresh tokens of the corpus the run read (analysis/corpus.py); None: unknown
     data_tokens: float | None = None
+    # optimizer steps from the start (a branch's include its source's); None: unknown
+    steps: int | None = None
 
 
 # -- collecting runs ------------------------------------------------------------------------
@@ -86,6 +93,19 @@ def read_points(path: Path | str) -> list[RunPoint]:
             for i, r in enumerate(rows)]
 
 
+def without_short_runs(points: list[RunPoint], min_steps: int) -> tuple[list[RunPoint],
+                                                                         list[RunPoint]]:
+    """(kept, left out): runs of fewer than ``min_steps`` optimizer steps are left out. A run
+    of a few dozen steps is still in its warm-up transient, not on the power law that the
+    long runs follow: in the byte ladder (docs/benchmarks.md) the smallest width's 26-step
+    point sat 16% below L(N, D) and pulled the fit's data term; published ladders run
+    thousands of steps even at their smallest size."""
+    if min_steps <= 0:
+        return list(points), []
+    short = [p for p in points if p.steps is not None and p.steps < min_steps]
+    return [p for p in points if p not in short], short
+
+
 def without_highest_losses(points: list[RunPoint], k: int) -> list[RunPoint]:
     """``points`` less the ``k`` with the highest loss (Besiroglu et al. 2024 leave out
     Chinchilla's 5 highest before fitting)."""
@@ -95,19 +115,38 @@ def without_highest_losses(points: list[RunPoint], k: int) -> list[RunPoint]:
     return [p for p in points if p.loss < cut]
 
 
-def collect_runs(root: Path | str, key: str = "final_val_loss") -> list[RunPoint]:
+COUNTS = ("total", "non_embedding", "flops")
+
+
+def plan_params(plan: dict, count: str = "total") -> float:
+    """N of a run's plan.json in one of ``COUNTS``: ``total`` the active parameters (every
+    one for a dense model), ``non_embedding`` those less the embedding tables, ``flops`` the
+    per-token training FLOPs over 6."""
+    if count == "total":
+        return float(plan.get("n_params_active", plan["n_params"]))  # = n_params when dense
+    if count == "non_embedding":
+        inactive = plan["n_params"] - plan.get("n_params_active", plan["n_params"])
+        return float(plan["n_params_non_embedding"] - inactive)
+    if count == "flops":
+        return plan["flops_per_token"] / FLOPS_PER_PARAM_TOKEN
+    raise ValueError(f"count {count!r}: use one of {', '.join(COUNTS)}")
+
+
+def collect_runs(root: Path | str, key: str = "final_val_loss",
+                 count: str = "total") -> list[RunPoint]:
     """Every finished run under ``root``: a directory holding ``result.json`` (written only
     when a run finished its budget) with ``key`` (the loss: the metric fitted; or
-    ``final_val_bpb``) and a ``plan.json`` beside it.
-    C is ``run_compute`` of the plan's N and the tokens trained: the plan's own ``compute``."""
+    ``final_val_bpb``) and a ``plan.json`` beside it; N in ``count`` (``plan_params``).
+    C is ``run_compute`` of that N and the tokens trained (the plan's own ``compute`` for
+    the total count)."""
     root, points = Path(root), []
     for run_dir, plan, result in finished_runs(root, key):
-        n = float(plan.get("n_params_active", plan["n_params"]))  # = n_params when dense
+        n = plan_params(plan, count)
         d = float(result.get("tokens") or plan["tokens"])
         name = str(run_dir.relative_to(root)) if run_dir != root else root.name
         points.append(RunPoint(name=name, n_params=n, tokens=d, flops=run_compute(n, d),
                                loss=float(result[key]),
-                               data_tokens=corpus_tokens(plan)))
+                               data_tokens=corpus_tokens(plan), steps=plan.get("steps")))
     return points
 
 
@@ -498,3 +537,76 @@ def isoflop_minimum(group: Sequence[RunPoint]) -> tuple[float, float] | None:
         return None
     xv = -k1 / (2 * k2)
     return float(np.exp(xv)), float(k0 - k1 * k1 / (4 * k2))
+
+
+# -- diagnostics: seeds, residuals, sizes left out -----------------------------------------
+
+
+def _same(a: float, b: float, rel: float = 1e-9) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def seed_groups(points: Sequence[RunPoint]) -> list[list[RunPoint]]:
+    """Runs of the same (N, D): the same size and budget trained again at another seed."""
+    groups: list[list[RunPoint]] = []
+    for p in points:
+        for g in groups:
+            if _same(g[0].n_params, p.n_params) and _same(g[0].tokens, p.tokens):
+                g.append(p)
+                break
+        else:
+            groups.append([p])
+    return [g for g in groups if len(g) > 1]
+
+
+def seed_spread(points: Sequence[RunPoint]) -> tuple[float, int]:
+    """The seed-to-seed spread of the loss: the pooled standard deviation of log loss within
+    runs of the same (N, D) (a relative spread, 0.01 = 1%), and how many such groups. NaN
+    when no run was repeated. No fit of these runs can predict a run more closely than this:
+    the run itself would land elsewhere at another seed."""
+    groups = seed_groups(points)
+    if not groups:
+        return math.nan, 0
+    ss = sum(float(np.sum((np.log([p.loss for p in g]) - np.mean(np.log([p.loss for p in g])))
+                          ** 2)) for g in groups)
+    dof = sum(len(g) - 1 for g in groups)
+    return math.sqrt(ss / dof), len(groups)
+
+
+def with_seed_spread(est: Estimate, rel: float) -> Estimate:
+    """A prediction's interval widened by the seed spread (in quadrature with the bootstrap
+    std, the 95% interval at 1.96 of the combined std around the value where it is wider
+    than the bootstrap's percentile interval)."""
+    if not math.isfinite(rel) or rel <= 0:
+        return est
+    seed_std = rel * est.value
+    std = math.hypot(est.std if math.isfinite(est.std) else 0.0, seed_std)
+    low = min(est.low, est.value - 1.96 * std) if math.isfinite(est.low) else est.value - 1.96 * std
+    high = max(est.high, est.value + 1.96 * std) if math.isfinite(est.high) else est.value + 1.96 * std
+    return Estimate(est.value, std, low, high)
+
+
+def residuals(law: ChinchillaLaw, points: Sequence[RunPoint]) -> list[tuple[RunPoint, float]]:
+    """Each run and its relative residual, measured / fitted - 1."""
+    return [(p, p.loss / float(law.predict(p.n_params, p.tokens)) - 1.0) for p in points]
+
+
+def sizes_of(points: Sequence[RunPoint]) -> list[float]:
+    """The distinct N of the runs, ascending."""
+    out: list[float] = []
+    for n in sorted(p.n_params for p in points):
+        if not out or not _same(out[-1], n):
+            out.append(n)
+    return out
+
+
+def leave_size_out(points: Sequence[RunPoint], size: float
+                   ) -> tuple[ChinchillaLaw, list[tuple[RunPoint, float]]]:
+    """L(N, D) fitted without the runs of one size, and that size's runs with their relative
+    errors (predicted / measured - 1): the largest size left out is the ladder's own
+    extrapolation test, one size further than the fit has seen."""
+    rest = [p for p in points if not _same(p.n_params, size)]
+    out = [p for p in points if _same(p.n_params, size)]
+    law = fit_chinchilla_law([p.n_params for p in rest], [p.tokens for p in rest],
+                             [p.loss for p in rest])
+    return law, [(p, float(law.predict(p.n_params, p.tokens)) / p.loss - 1.0) for p in out]

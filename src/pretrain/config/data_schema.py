@@ -57,6 +57,8 @@ class DataConfig:
     max_documents: int | None = None
     # Tokenizer: a Hugging Face tokenizer name (e.g. "gpt2") or "bpe" to train a byte-level
     # BPE of tokenizer_vocab_size on the corpus, saved beside the shards as tokenizer.json.
+    # tokenizer_vocab_size=257 is bytes: the 256 bytes and the end-of-document token, no
+    # merges (a ladder's small widths keep their parameters in the body; recipes/ladder-bytes).
     tokenizer: str = "bpe"
     tokenizer_vocab_size: int = 4096
     validation_fraction: float = 0.02

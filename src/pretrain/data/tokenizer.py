@@ -21,6 +21,9 @@ from pretrain.data.split import ValidationRule
 log = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
+# The smallest byte-level BPE: the 256 bytes and EOS, no merges. ``tokenizer_vocab_size=257``
+# tokenizes bytes (recipes/ladder-bytes.yaml: small widths keep their parameters in the body).
+BYTE_VOCAB = 257
 
 
 def sample_documents(cfg: DataConfig, pieces: list[dict]) -> tuple[list[str], int]:
@@ -69,6 +72,11 @@ def make_tokenizer(cfg: DataConfig, pieces: list[dict]) -> tuple[object, int, in
     if cfg.tokenizer == "bpe":
         if cfg.tokenizer_sample_bytes <= 0:
             raise DataError("data.tokenizer_sample_bytes must be positive")
+        if cfg.tokenizer_vocab_size < BYTE_VOCAB:
+            raise DataError(f"data.tokenizer_vocab_size={cfg.tokenizer_vocab_size}: a byte-level "
+                            "BPE holds at least the 256 bytes and the end-of-document token; "
+                            f"{BYTE_VOCAB} is bytes (no merges): data.tokenizer_vocab_size="
+                            f"{BYTE_VOCAB} model.vocab_size={BYTE_VOCAB}")
         t0 = time.time()
         texts, size = sample_documents(cfg, pieces)
         if not texts:

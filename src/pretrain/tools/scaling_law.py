@@ -43,6 +43,7 @@ from pathlib import Path
 
 from pretrain.analysis.scaling import (
     CHINCHILLA,
+    COUNTS,
     FitReport,
     RunPoint,
     compute_frontier,
@@ -52,7 +53,10 @@ from pretrain.analysis.scaling import (
     read_points,
     report_chinchilla_law,
     report_compute_law,
+    seed_spread,
+    with_seed_spread,
     without_highest_losses,
+    without_short_runs,
 )
 
 
@@ -221,6 +225,7 @@ def report_extrapolation(points: list[RunPoint], target: float,
         for w in why:
             print(f"      - {w}")
     chinchilla = reports.get("L(N, D)")
+    spread = fit.get("seed_spread", {}).get("relative", float("nan"))
     if args.predict and chinchilla is not None:
         fit["predict"] = []
         print("\nL(N, D) at the given points (± bootstrap std [95% interval]):")
@@ -228,10 +233,17 @@ def report_extrapolation(points: list[RunPoint], target: float,
             est = predict_at(chinchilla, n, d)
             fit["predict"].append({"n_params": n, "tokens": d, "flops": 6 * n * d,
                                    "loss": vars(est)})
+            if spread == spread:  # measured: the interval a run at another seed falls in
+                wide = with_seed_spread(est, spread)
+                fit["predict"][-1]["loss_with_seeds"] = vars(wide)
             why = point_warnings(points, n, d, est, bounds)
             fit["predict"][-1]["extrapolation"] = why
             print(f"  N = {n:.4g}, D = {d:.4g} (C = {6 * n * d:.4g}): loss {est}"
                   + (" -- EXTRAPOLATED:" if why else " -- supported"))
+            if "loss_with_seeds" in fit["predict"][-1]:
+                w = fit["predict"][-1]["loss_with_seeds"]
+                print(f"      with the seed spread ({100 * spread:.2g}%): ± {w['std']:.2g} "
+                      f"[{w['low']:.4g}, {w['high']:.4g}]")
             for w in why:
                 print(f"      - {w}")
 
@@ -319,16 +331,97 @@ def metric_problem(dirs: list[Path], metric: str, csv_points: bool) -> str | Non
             f"({runs}): {why}")
 
 
-def cooldown_points(dirs: list[Path], key: str = METRICS["val_loss"]) -> list[RunPoint]:
+def cooldown_points(dirs: list[Path], key: str = METRICS["val_loss"], count: str = "total",
+                    quiet: bool = False) -> list[RunPoint]:
     """The finished runs under ``dirs`` that cooled down, cooldown branches included, each
-    an (N, D) point (analysis/branches.py); a run that never decayed is named and left out.
-    ``key``: the result.json metric that is the point's loss."""
+    an (N, D) point (analysis/branches.py; N in ``count``); a run that never decayed is
+    named and left out. ``key``: the result.json metric that is the point's loss."""
     from pretrain.analysis.branches import collect_cooldowns, describe
 
-    collected = collect_cooldowns(dirs, key)
-    if collected.branches or collected.stable:
+    collected = collect_cooldowns(dirs, key, count)
+    if (collected.branches or collected.stable) and not quiet:
         print("\n".join(describe(collected)))
     return collected.points
+
+
+def run_point(run: Path, count: str) -> tuple[float, float]:
+    """(N, D) of a run from its plan.json (it may still be training): N in ``count``."""
+    from pretrain.analysis.scaling import plan_params
+
+    path = run / "plan.json"
+    if not path.exists():
+        raise SystemExit(f"--predict-run {run}: no plan.json there (a run writes it at start)")
+    plan = json.loads(path.read_text())
+    return plan_params(plan, count), float(plan["tokens"])
+
+
+def report_seed_spread(points: list[RunPoint], fit: dict) -> None:
+    """The seed-to-seed spread of the runs repeated at another seed: the noise floor."""
+    from pretrain.analysis.scaling import seed_groups
+
+    rel, groups = seed_spread(points)
+    if not groups:
+        return
+    fit["seed_spread"] = {"relative": rel, "groups": groups}
+    pairs = seed_groups(points)
+    sizes = sorted({g[0].n_params for g in pairs})
+    print(f"\nseed spread: {100 * rel:.2f}% (pooled std of log loss over {groups} (N, D) points "
+          f"run at {max(len(g) for g in pairs)} seeds, sizes N = "
+          + ", ".join(f"{n:.4g}" for n in sizes) + "): the noise floor; no prediction of one "
+          f"run can claim to be closer than about {100 * rel:.2g}%, and the intervals below "
+          "include it")
+
+
+def report_diagnosis(dirs: list[Path], points: list[RunPoint], chinchilla: FitReport | None,
+                     key: str, count: str, fit: dict, min_steps: int = 0) -> None:
+    """``--diagnose``: where the fit misses (residuals by size and by tokens/param), how
+    each size is predicted by the others, and which count of N predicts the largest size
+    best when it is left out (the ladder's own one-step extrapolation)."""
+    from pretrain.analysis.scaling import leave_size_out, residuals, sizes_of
+
+    if chinchilla is None:
+        return
+    res = residuals(chinchilla.law, points)
+    print("\ndiagnosis: residuals of L(N, D), measured / fitted - 1, mean by size and by "
+          "tokens/param:")
+    for n in sizes_of(points):
+        r = [x for p, x in res if abs(p.n_params - n) <= 1e-9 * n]
+        print(f"  N = {n:>10.4g}: {100 * sum(r) / len(r):+6.2f}%  ({len(r)} runs)")
+    by_tpp: dict[float, list[float]] = {}
+    for p, x in res:
+        by_tpp.setdefault(round(p.tokens / p.n_params, 1), []).append(x)
+    for t in sorted(by_tpp):
+        print(f"  D/N = {t:>6g}: {100 * sum(by_tpp[t]) / len(by_tpp[t]):+6.2f}%  "
+              f"({len(by_tpp[t])} runs)")
+    print("each size left out of the fit and predicted by the rest (predicted / measured - 1):")
+    loso = []
+    for n in sizes_of(points):
+        try:
+            _, errs = leave_size_out(points, n)
+        except ValueError as e:
+            print(f"  N = {n:>10.4g}: not fitted ({e})")
+            continue
+        mean = sum(e for _, e in errs) / len(errs)
+        worst = max(errs, key=lambda pe: abs(pe[1]))
+        loso.append({"n_params": n, "mean": mean, "worst": worst[1]})
+        print(f"  N = {n:>10.4g}: mean {100 * mean:+6.2f}%, worst {100 * worst[1]:+6.2f}% "
+              f"(D = {worst[0].tokens:.3g})")
+    fit["leave_size_out"] = loso
+    print("the largest size left out, by count of N (mean |error| of its runs):")
+    fit["count_check"] = {}
+    for c in COUNTS:
+        pts = without_short_runs(cooldown_points(dirs, key, c, quiet=True), min_steps)[0] \
+            if dirs else []
+        if not pts:
+            continue
+        try:
+            _, errs = leave_size_out(pts, sizes_of(pts)[-1])
+        except ValueError as e:
+            print(f"  {c:>13}: not fitted ({e})")
+            continue
+        mae = sum(abs(e) for _, e in errs) / len(errs)
+        fit["count_check"][c] = mae
+        print(f"  {c:>13}: {100 * mae:.2f}%" + ("  <- --count" if c == count else ""))
 
 
 def _point(text: str) -> tuple[float, float]:
@@ -338,6 +431,11 @@ def _point(text: str) -> tuple[float, float]:
         return parse_point(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# What N counts in the fits unless --count says otherwise (docs/benchmarks.md, "A ladder
+# that predicts": the count that predicted the byte ladder's largest size best).
+DEFAULT_COUNT = "total"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -365,6 +463,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "bits per byte of the correct answer (task/<name>/bpb)")
     ap.add_argument("--predict", type=_point, action="append", default=[], metavar="N,D",
                     help="also print L(N, D) at this point with its interval, repeatable")
+    ap.add_argument("--predict-run", type=Path, action="append", default=[], metavar="DIR",
+                    help="also predict the run in DIR (its plan.json's N in --count and "
+                         "tokens), e.g. a held-out run still training; repeatable")
+    ap.add_argument("--count", choices=COUNTS, default=DEFAULT_COUNT,
+                    help="what N counts: every parameter (total), the non-embedding ones, or "
+                         f"the per-token training FLOPs / 6 (flops); default {DEFAULT_COUNT}")
+    ap.add_argument("--min-steps", type=int, default=0, metavar="S",
+                    help="leave out runs of fewer than S optimizer steps (still in their "
+                         "warm-up transient; the byte ladder uses 10x its warmup, 200)")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="residuals by size and tokens/param, each size left out of the fit "
+                         "and predicted, and every count compared on the largest size")
     ap.add_argument("--max-interval", type=float, default=0.05, metavar="FRACTION",
                     help="call a prediction extrapolated when its 95%% bootstrap interval is "
                          "wider than this fraction of the loss (default 0.05)")
@@ -392,7 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    points = cooldown_points(args.dirs, metric_key(args.metric))
+    points = cooldown_points(args.dirs, metric_key(args.metric), args.count)
+    points, short = without_short_runs(points, args.min_steps)
+    for p in short:
+        print(f"left out (--min-steps {args.min_steps}): {p.name}, {p.steps} steps")
+    args.predict = list(args.predict) + [run_point(r, args.count) for r in args.predict_run]
     points = without_highest_losses(points + [p for f in args.points for p in read_points(f)],
                                     args.exclude_highest_loss)
     if not points:
@@ -402,16 +516,21 @@ def main(argv: list[str] | None = None) -> int:
     target = args.target_flops or 10 * max(p.flops for p in points)
     out = args.out or (args.dirs[0] if args.dirs else Path("runs")) / "scaling_law"
     out.mkdir(parents=True, exist_ok=True)
-    print(f"{len(points)} finished runs (C = 6ND, the plan's 'compute'), fitting "
-          f"{metric_key(args.metric)}")
+    print(f"{len(points)} finished runs (C = 6ND with N = {args.count}"
+          + (", the plan's 'compute'" if args.count == "total" else "")
+          + f"), fitting {metric_key(args.metric)}")
     print_runs(points, args.metric)
 
-    fit: dict = {"metric": metric_key(args.metric), "runs": [vars(p) for p in points],
-                 "target_flops": target}
+    fit: dict = {"metric": metric_key(args.metric), "count": args.count,
+                 "runs": [vars(p) for p in points], "target_flops": target}
+    report_seed_spread(points, fit)
     compute, chinchilla = fit_laws(points, target, args.bootstrap, args.seed, fit)
     report_target_data(points, target, chinchilla, fit)
     report_extrapolation(points, target, {"L(C)": compute, "L(N, D)": chinchilla}, fit, args)
     report_isoflop(points, fit)
+    if args.diagnose:
+        report_diagnosis(args.dirs, points, chinchilla, metric_key(args.metric), args.count, fit,
+                         args.min_steps)
 
     # the numbers first: a plot that cannot be drawn must not lose them
     (out / "fit.json").write_text(json.dumps(fit, indent=2))
