@@ -233,6 +233,9 @@ def test_the_fit_reports_seeds_counts_and_sizes_left_out(tmp_path, capsys):
     assert set(fitted["count_check"]) == {"total", "non_embedding", "flops"}
     assert len(fitted["leave_size_out"]) == 5
     assert "each size left out of the fit" in text and "<- --count" in text
+    assert [round(e["E"] / min(r["loss"] for r in fitted["runs"]), 2)
+            for e in fitted["e_profile"]] == [0.0, 0.25, 0.5, 0.75]
+    assert all(len(e["predict"]) == 1 for e in fitted["e_profile"])
 
 
 def test_bytes_are_the_smallest_bpe(tmp_path):

@@ -96,7 +96,8 @@ def sweep_source(sweep_dir: str, fallback: str) -> str:
         overrides = list(HydraConfig.get().overrides.task)
     except ValueError:  # HydraConfig was not set: not inside a job
         return f"{sweep_dir}/{fallback}"
-    keep = sorted(o.lstrip("+~") for o in overrides
+    # Hydra's override_dirname: the raw override lines, sorted (its get_overrides_dirname)
+    keep = sorted(o for o in overrides
                   if not is_neutral(o) and not o.lstrip("+~").startswith("budget.")
                   and not o.lstrip("+~").startswith("checkpoint.branch_from"))
     return f"{sweep_dir}/{','.join(keep) or fallback}"

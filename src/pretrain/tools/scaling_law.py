@@ -372,6 +372,22 @@ def report_seed_spread(points: list[RunPoint], fit: dict) -> None:
           "include it")
 
 
+def report_e_profile(points: list[RunPoint], predict: list[tuple[float, float]],
+                     fit: dict) -> None:
+    """How much the fit, and each ``--predict`` point, moves when E is held fixed."""
+    from pretrain.analysis.scaling import e_profile
+
+    print("L(N, D) with E held fixed (a fraction of the lowest loss): the fit's rms residual, "
+          "and the --predict points")
+    fit["e_profile"] = []
+    for e, law, rms in e_profile(points):
+        preds = [float(law.predict(n, d)) for n, d in predict]
+        fit["e_profile"].append({"E": e, "alpha": law.alpha, "beta": law.beta, "rms": rms,
+                                 "predict": preds})
+        print(f"  E = {e:.4g}: alpha {law.alpha:.3f}, beta {law.beta:.3f}, rms {100 * rms:.2f}%"
+              + "".join(f", {x:.4g}" for x in preds))
+
+
 def report_diagnosis(dirs: list[Path], points: list[RunPoint], chinchilla: FitReport | None,
                      key: str, count: str, fit: dict, min_steps: int = 0) -> None:
     """``--diagnose``: where the fit misses (residuals by size and by tokens/param), how
@@ -531,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.diagnose:
         report_diagnosis(args.dirs, points, chinchilla, metric_key(args.metric), args.count, fit,
                          args.min_steps)
+        report_e_profile(points, args.predict, fit)
 
     # the numbers first: a plot that cannot be drawn must not lose them
     (out / "fit.json").write_text(json.dumps(fit, indent=2))
