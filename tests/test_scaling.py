@@ -17,13 +17,12 @@ import pytest
 
 pytest.importorskip("scipy", reason="the analysis extra: pip install -e '.[analysis]'")
 
+from pretrain.analysis.runs import RunPoint, collect_runs  # noqa: E402
 from pretrain.analysis.scaling import (  # noqa: E402
     CHINCHILLA,
     ChinchillaLaw,
     ComputeLaw,
     NotIdentifiable,
-    RunPoint,
-    collect_runs,
     compute_frontier,
     fit_chinchilla_law,
     fit_compute_law,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.analysis.scaling import RunPoint, collect_runs, finished_runs
+from pretrain.analysis.runs import RunPoint, collect_runs, finished_runs
 
 # A run whose last LR is within this fraction of its peak ended at the peak: it did not
 # cool down. Anything lower decayed, or ended inside its warmup (a run too short to leave

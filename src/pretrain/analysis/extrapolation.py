@@ -28,13 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pretrain.analysis.scaling import (
-    ChinchillaLaw,
-    Estimate,
-    FitReport,
-    RunPoint,
-    _estimate,
-)
+from pretrain.analysis.runs import RunPoint
+from pretrain.analysis.scaling import ChinchillaLaw, Estimate, FitReport, _estimate
 
 MIN_DISTINCT = 3
 MAX_INTERVAL = 0.05  # relative width of the loss's 95% bootstrap interval

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain.analysis.scaling import finished_runs
+from pretrain.analysis.runs import finished_runs
 from pretrain.budget.hparams import HparamLaws, PowerLaw
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrain.analysis.runs import RunPoint
 from pretrain.analysis.scaling import (
     ChinchillaLaw,
     FitReport,
-    RunPoint,
     compute_frontier,
     isoflop_groups,
     isoflop_minimum,

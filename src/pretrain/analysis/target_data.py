@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pretrain.analysis.scaling import RunPoint, compute_frontier
+from pretrain.analysis.runs import RunPoint
+from pretrain.analysis.scaling import compute_frontier
 
 
 def ladder_tokens_per_param(points: Sequence[RunPoint]) -> float:

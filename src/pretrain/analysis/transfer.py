@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain.analysis.scaling import finished_runs
+from pretrain.analysis.runs import finished_runs
 
 
 @dataclass(frozen=True)

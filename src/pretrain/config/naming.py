@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -83,24 +84,39 @@ def heads(d_model: int, min_head_width: int) -> int:
     return n_head
 
 
+# One item of a sweep point's directory name: a split before every "key=" (values such as
+# [1,4] or [{name:a,weight:1.0}] hold commas, never a "key=").
+_ITEM = re.compile(r",(?=[+~]?[A-Za-z_][\w.]*=)")
+
+
+def _source_items(items) -> list[str]:
+    """A sweep point's overrides less those a branch sets for itself (its budget, its own
+    branch points, where it branches from), sorted as Hydra's override_dirname sorts them."""
+    skip = ("budget.", "checkpoint.branch_")
+    return sorted(o for o in items if not is_neutral(o) and not o.lstrip("+~").startswith(skip))
+
+
 def sweep_source(sweep_dir: str, fallback: str) -> str:
     """``checkpoint.branch_from: ${pretrain_sweep_source:<source sweep dir>,<fallback>}``:
-    the run of the source sweep that this cooldown branch continues, the point of that sweep
-    with this job's overrides less its budget (``model.d_model=16,train.seed=7`` for the
-    branch ``budget.tokens_per_param=3,model.d_model=16,train.seed=7``), so branches find
-    their source whatever else the sweep varies (sizes, seeds, LRs). Outside a Hydra job (a
-    composed config, a dry run) it is ``<sweep dir>/<fallback>``."""
+    the run of the source sweep that this cooldown branch continues: the point of that sweep
+    with this job's overrides, less what the source and its branches set apart (budgets and
+    branch points). So ``model.d_model=16,train.seed=7`` is the source of the branch
+    ``budget.tokens_per_param=3,model.d_model=16,train.seed=7``: branches find their source
+    whatever else the sweep varies (sizes, seeds, LRs, branch points). Outside a Hydra job
+    (a composed config, a dry run) it is ``<sweep dir>/<fallback>``."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
         overrides = list(HydraConfig.get().overrides.task)
     except ValueError:  # HydraConfig was not set: not inside a job
         return f"{sweep_dir}/{fallback}"
-    # Hydra's override_dirname: the raw override lines, sorted (its get_overrides_dirname)
-    keep = sorted(o for o in overrides
-                  if not is_neutral(o) and not o.lstrip("+~").startswith("budget.")
-                  and not o.lstrip("+~").startswith("checkpoint.branch_from"))
-    return f"{sweep_dir}/{','.join(keep) or fallback}"
+    want = _source_items(overrides)
+    root = Path(sweep_dir)
+    if root.is_dir():
+        for point in sorted(root.iterdir()):
+            if point.is_dir() and _source_items(_ITEM.split(point.name)) == want:
+                return str(point)
+    return f"{sweep_dir}/{','.join(want) or fallback}"
 
 
 def register_resolvers() -> None:

@@ -94,9 +94,13 @@ def stream_commands(recipe: str, sizes: list[int], budgets: list[float],
     """The two train.py commands of one stream: its sources, then their branches."""
     d = "model.d_model=" + ",".join(map(str, sizes))
     train = [sys.executable, str(REPO / "train.py"), "-m"]
+    # a branch's budget and branch points are its own: the sources' overrides of them stay
+    # with the sources (the cooldown recipe still finds its source: pretrain_sweep_source)
+    own = ("budget.tokens_per_param=", "checkpoint.branch_tokens_per_param=")
+    cool = [o for o in overrides if not o.lstrip("+~").startswith(own)]
     return [train + [f"+recipe={recipe}", d, *overrides],
             train + [f"+recipe={recipe}-cooldown", d,
-                     "budget.tokens_per_param=" + ",".join(map(_fmt, budgets)), *overrides]]
+                     "budget.tokens_per_param=" + ",".join(map(_fmt, budgets)), *cool]]
 
 
 def run_streams(plan: list[list[list[str]]], env: dict) -> int:

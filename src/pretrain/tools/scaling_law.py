@@ -41,23 +41,25 @@ import re
 import sys
 from pathlib import Path
 
+from pretrain.analysis.fit_checks import with_seed_spread
+from pretrain.analysis.runs import (
+    COUNTS,
+    RunPoint,
+    read_points,
+    without_highest_losses,
+    without_short_runs,
+)
 from pretrain.analysis.scaling import (
     CHINCHILLA,
-    COUNTS,
     FitReport,
-    RunPoint,
     compute_frontier,
     isoflop_bracketed,
     isoflop_groups,
     isoflop_minimum,
-    read_points,
     report_chinchilla_law,
     report_compute_law,
-    seed_spread,
-    with_seed_spread,
-    without_highest_losses,
-    without_short_runs,
 )
+from pretrain.tools.fit_reports import report_diagnosis, report_e_profile, report_seed_spread
 
 
 def print_chinchilla(budgets: list[float]) -> list[dict]:
@@ -307,7 +309,7 @@ def metric_problem(dirs: list[Path], metric: str, csv_points: bool) -> str | Non
     """Why the runs under ``dirs`` cannot be fitted on ``metric``: finished runs whose
     result.json lacks it (all must have it: a fit on the rest would quietly drop runs), or
     --points (losses in nats per token) with bits per byte; None when they can."""
-    from pretrain.analysis.scaling import finished_runs
+    from pretrain.analysis.runs import finished_runs
 
     key = metric_key(metric)
     if key == METRICS["val_loss"]:
@@ -344,100 +346,26 @@ def cooldown_points(dirs: list[Path], key: str = METRICS["val_loss"], count: str
     return collected.points
 
 
+def collect_points(args: argparse.Namespace, count: str, quiet: bool = False
+                   ) -> list[RunPoint]:
+    """The cooled-down runs of ``args.dirs`` with N in ``count``, less those shorter than
+    ``--min-steps`` (each named unless ``quiet``)."""
+    points = cooldown_points(args.dirs, metric_key(args.metric), count, quiet)
+    points, short = without_short_runs(points, args.min_steps)
+    for p in short if not quiet else ():
+        print(f"left out (--min-steps {args.min_steps}): {p.name}, {p.steps} steps")
+    return points
+
+
 def run_point(run: Path, count: str) -> tuple[float, float]:
     """(N, D) of a run from its plan.json (it may still be training): N in ``count``."""
-    from pretrain.analysis.scaling import plan_params
+    from pretrain.analysis.runs import plan_params
 
     path = run / "plan.json"
     if not path.exists():
         raise SystemExit(f"--predict-run {run}: no plan.json there (a run writes it at start)")
     plan = json.loads(path.read_text())
     return plan_params(plan, count), float(plan["tokens"])
-
-
-def report_seed_spread(points: list[RunPoint], fit: dict) -> None:
-    """The seed-to-seed spread of the runs repeated at another seed: the noise floor."""
-    from pretrain.analysis.scaling import seed_groups
-
-    rel, groups = seed_spread(points)
-    if not groups:
-        return
-    fit["seed_spread"] = {"relative": rel, "groups": groups}
-    pairs = seed_groups(points)
-    sizes = sorted({g[0].n_params for g in pairs})
-    print(f"\nseed spread: {100 * rel:.2f}% (pooled std of log loss over {groups} (N, D) points "
-          f"run at {max(len(g) for g in pairs)} seeds, sizes N = "
-          + ", ".join(f"{n:.4g}" for n in sizes) + "): the noise floor; no prediction of one "
-          f"run can claim to be closer than about {100 * rel:.2g}%, and the intervals below "
-          "include it")
-
-
-def report_e_profile(points: list[RunPoint], predict: list[tuple[float, float]],
-                     fit: dict) -> None:
-    """How much the fit, and each ``--predict`` point, moves when E is held fixed."""
-    from pretrain.analysis.scaling import e_profile
-
-    print("L(N, D) with E held fixed (a fraction of the lowest loss): the fit's rms residual, "
-          "and the --predict points")
-    fit["e_profile"] = []
-    for e, law, rms in e_profile(points):
-        preds = [float(law.predict(n, d)) for n, d in predict]
-        fit["e_profile"].append({"E": e, "alpha": law.alpha, "beta": law.beta, "rms": rms,
-                                 "predict": preds})
-        print(f"  E = {e:.4g}: alpha {law.alpha:.3f}, beta {law.beta:.3f}, rms {100 * rms:.2f}%"
-              + "".join(f", {x:.4g}" for x in preds))
-
-
-def report_diagnosis(dirs: list[Path], points: list[RunPoint], chinchilla: FitReport | None,
-                     key: str, count: str, fit: dict, min_steps: int = 0) -> None:
-    """``--diagnose``: where the fit misses (residuals by size and by tokens/param), how
-    each size is predicted by the others, and which count of N predicts the largest size
-    best when it is left out (the ladder's own one-step extrapolation)."""
-    from pretrain.analysis.scaling import leave_size_out, residuals, sizes_of
-
-    if chinchilla is None:
-        return
-    res = residuals(chinchilla.law, points)
-    print("\ndiagnosis: residuals of L(N, D), measured / fitted - 1, mean by size and by "
-          "tokens/param:")
-    for n in sizes_of(points):
-        r = [x for p, x in res if abs(p.n_params - n) <= 1e-9 * n]
-        print(f"  N = {n:>10.4g}: {100 * sum(r) / len(r):+6.2f}%  ({len(r)} runs)")
-    by_tpp: dict[float, list[float]] = {}
-    for p, x in res:
-        by_tpp.setdefault(round(p.tokens / p.n_params, 1), []).append(x)
-    for t in sorted(by_tpp):
-        print(f"  D/N = {t:>6g}: {100 * sum(by_tpp[t]) / len(by_tpp[t]):+6.2f}%  "
-              f"({len(by_tpp[t])} runs)")
-    print("each size left out of the fit and predicted by the rest (predicted / measured - 1):")
-    loso = []
-    for n in sizes_of(points):
-        try:
-            _, errs = leave_size_out(points, n)
-        except ValueError as e:
-            print(f"  N = {n:>10.4g}: not fitted ({e})")
-            continue
-        mean = sum(e for _, e in errs) / len(errs)
-        worst = max(errs, key=lambda pe: abs(pe[1]))
-        loso.append({"n_params": n, "mean": mean, "worst": worst[1]})
-        print(f"  N = {n:>10.4g}: mean {100 * mean:+6.2f}%, worst {100 * worst[1]:+6.2f}% "
-              f"(D = {worst[0].tokens:.3g})")
-    fit["leave_size_out"] = loso
-    print("the largest size left out, by count of N (mean |error| of its runs):")
-    fit["count_check"] = {}
-    for c in COUNTS:
-        pts = without_short_runs(cooldown_points(dirs, key, c, quiet=True), min_steps)[0] \
-            if dirs else []
-        if not pts:
-            continue
-        try:
-            _, errs = leave_size_out(pts, sizes_of(pts)[-1])
-        except ValueError as e:
-            print(f"  {c:>13}: not fitted ({e})")
-            continue
-        mae = sum(abs(e) for _, e in errs) / len(errs)
-        fit["count_check"][c] = mae
-        print(f"  {c:>13}: {100 * mae:.2f}%" + ("  <- --count" if c == count else ""))
 
 
 def _point(text: str) -> tuple[float, float]:
@@ -518,10 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    points = cooldown_points(args.dirs, metric_key(args.metric), args.count)
-    points, short = without_short_runs(points, args.min_steps)
-    for p in short:
-        print(f"left out (--min-steps {args.min_steps}): {p.name}, {p.steps} steps")
+    points = collect_points(args, args.count)
     args.predict = list(args.predict) + [run_point(r, args.count) for r in args.predict_run]
     points = without_highest_losses(points + [p for f in args.points for p in read_points(f)],
                                     args.exclude_highest_loss)
@@ -545,8 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     report_extrapolation(points, target, {"L(C)": compute, "L(N, D)": chinchilla}, fit, args)
     report_isoflop(points, fit)
     if args.diagnose:
-        report_diagnosis(args.dirs, points, chinchilla, metric_key(args.metric), args.count, fit,
-                         args.min_steps)
+        report_diagnosis(points, chinchilla, args.count, fit,
+                         lambda count: collect_points(args, count, quiet=True))
         report_e_profile(points, args.predict, fit)
 
     # the numbers first: a plot that cannot be drawn must not lose them

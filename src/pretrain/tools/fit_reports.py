@@ -1,0 +1,97 @@
+"""``tools/scaling_law.py``'s reports on what a fit can be trusted for: the seed spread (the
+noise floor), ``--diagnose`` (residuals, each size left out, the counts of N compared) and the
+fit with E held fixed (pretrain/analysis/fit_checks.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pretrain.analysis.fit_checks import (
+    e_profile,
+    leave_size_out,
+    residuals,
+    seed_groups,
+    seed_spread,
+    sizes_of,
+)
+from pretrain.analysis.runs import COUNTS, RunPoint
+from pretrain.analysis.scaling import FitReport
+
+
+def report_seed_spread(points: list[RunPoint], fit: dict) -> None:
+    """The seed-to-seed spread of the runs repeated at another seed: the noise floor."""
+    rel, groups = seed_spread(points)
+    if not groups:
+        return
+    fit["seed_spread"] = {"relative": rel, "groups": groups}
+    pairs = seed_groups(points)
+    sizes = sorted({g[0].n_params for g in pairs})
+    print(f"\nseed spread: {100 * rel:.2f}% (pooled std of log loss over {groups} (N, D) points "
+          f"run at {max(len(g) for g in pairs)} seeds, sizes N = "
+          + ", ".join(f"{n:.4g}" for n in sizes) + "): the noise floor; no prediction of one "
+          f"run can claim to be closer than about {100 * rel:.2g}%, and the intervals below "
+          "include it")
+
+
+def report_e_profile(points: list[RunPoint], predict: list[tuple[float, float]],
+                     fit: dict) -> None:
+    """How much the fit, and each ``--predict`` point, moves when E is held fixed."""
+    print("L(N, D) with E held fixed (a fraction of the lowest loss): the fit's rms residual, "
+          "and the --predict points")
+    fit["e_profile"] = []
+    for e, law, rms in e_profile(points):
+        preds = [float(law.predict(n, d)) for n, d in predict]
+        fit["e_profile"].append({"E": e, "alpha": law.alpha, "beta": law.beta, "rms": rms,
+                                 "predict": preds})
+        print(f"  E = {e:.4g}: alpha {law.alpha:.3f}, beta {law.beta:.3f}, rms {100 * rms:.2f}%"
+              + "".join(f", {x:.4g}" for x in preds))
+
+
+def report_diagnosis(points: list[RunPoint], chinchilla: FitReport | None, count: str,
+                     fit: dict, collect: Callable[[str], list[RunPoint]]) -> None:
+    """``--diagnose``: where the fit misses (residuals by size and by tokens/param), how
+    each size is predicted by the others, and which count of N predicts the largest size
+    best when it is left out (the ladder's own one-step extrapolation); ``collect(count)``:
+    the same runs with N in another count."""
+    if chinchilla is None:
+        return
+    res = residuals(chinchilla.law, points)
+    print("\ndiagnosis: residuals of L(N, D), measured / fitted - 1, mean by size and by "
+          "tokens/param:")
+    for n in sizes_of(points):
+        r = [x for p, x in res if abs(p.n_params - n) <= 1e-9 * n]
+        print(f"  N = {n:>10.4g}: {100 * sum(r) / len(r):+6.2f}%  ({len(r)} runs)")
+    by_tpp: dict[float, list[float]] = {}
+    for p, x in res:
+        by_tpp.setdefault(round(p.tokens / p.n_params, 1), []).append(x)
+    for t in sorted(by_tpp):
+        print(f"  D/N = {t:>6g}: {100 * sum(by_tpp[t]) / len(by_tpp[t]):+6.2f}%  "
+              f"({len(by_tpp[t])} runs)")
+    print("each size left out of the fit and predicted by the rest (predicted / measured - 1):")
+    loso = []
+    for n in sizes_of(points):
+        try:
+            _, errs = leave_size_out(points, n)
+        except ValueError as e:
+            print(f"  N = {n:>10.4g}: not fitted ({e})")
+            continue
+        mean = sum(e for _, e in errs) / len(errs)
+        worst = max(errs, key=lambda pe: abs(pe[1]))
+        loso.append({"n_params": n, "mean": mean, "worst": worst[1]})
+        print(f"  N = {n:>10.4g}: mean {100 * mean:+6.2f}%, worst {100 * worst[1]:+6.2f}% "
+              f"(D = {worst[0].tokens:.3g})")
+    fit["leave_size_out"] = loso
+    print("the largest size left out, by count of N (mean |error| of its runs):")
+    fit["count_check"] = {}
+    for c in COUNTS:
+        pts = collect(c)
+        if not pts:
+            continue
+        try:
+            _, errs = leave_size_out(pts, sizes_of(pts)[-1])
+        except ValueError as e:
+            print(f"  {c:>13}: not fitted ({e})")
+            continue
+        mae = sum(abs(e) for _, e in errs) / len(errs)
+        fit["count_check"][c] = mae
+        print(f"  {c:>13}: {100 * mae:.2f}%" + ("  <- --count" if c == count else ""))
