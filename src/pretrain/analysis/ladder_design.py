@@ -216,7 +216,8 @@ def _multiple_problems(d: Design) -> list[str]:
         out.append(f"{len(d.multiples)} token multiple(s) per size ({_list(d.multiples)}): at "
                    f"least {MIN_MULTIPLES} separate the D term from the N term; add branch points "
                    "(checkpoint.branch_tokens_per_param)")
-    long = {r.tokens_per_param for r in d.runs if r not in d.short_runs()}
+    short = d.short_runs()
+    long = {r.tokens_per_param for r in d.runs if r not in short}
     if len(d.multiples) >= MIN_MULTIPLES and len(long) < MIN_MULTIPLES:
         out.append(f"only {len(long)} multiple(s) have runs of at least {d.min_steps} steps "
                    "(the rest are in their warm-up transient and left out of the fit): raise the "
