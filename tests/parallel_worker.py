@@ -147,7 +147,7 @@ def run_layout(cfg: Config, out: Path, name: str, spec_eval_also: list[int]) -> 
         torch.save({"losses": losses, "grad_norms": norms, "val_loss": val,
                     "val_batches": trainer.evaluator.batch_count(), "extra_eval": extra_eval,
                     "init": init,
-                    "final": final, "memory": per_rank, "layout": trainer.plan["layout"],
+                    "final": final, "memory": per_rank, "layout": trainer.layout.as_dict(),
                     "linears": linear_kinds(trainer)},
                    out / f"{name}.pt")
 

@@ -1,4 +1,5 @@
-"""Weighted mixtures of prepared corpora (src/pretrain/data/mixture.py, docs/mixtures.md):
+"""Weighted mixtures of prepared corpora (src/pretrain/data/: weights.py, mixer.py,
+mixture_windows.py, mixture_checks.py, source_checks.py; docs/mixtures.md):
 every global batch holds each source's share to within one sample, the draw is a pure
 function of the batch index (layouts and resumes agree), stages change the counts at their
 step, the plan accounts per source, bad input is refused naming the key, and a run killed
@@ -17,10 +18,14 @@ import numpy as np
 import pytest
 from helpers import REPO, VOCAB, by_step, compose_config, write_corpus, write_markov_data
 
+from pretrain.config.decision import SourceShare, WeightStage
 from pretrain.config.schema import ConfigError
 from pretrain.data.errors import DataError
 from pretrain.data.loader import TokenWindows
-from pretrain.data.mixture import BatchMixer, MixtureWindows, check_sources, mixture_sources
+from pretrain.data.mixer import BatchMixer
+from pretrain.data.mixture_windows import MixtureWindows
+from pretrain.data.source_checks import check_sources
+from pretrain.data.weights import mixture_sources
 from pretrain.decision.checks import check
 from pretrain.decision.resolve import resolve_plan
 from pretrain.optim.factory import wsd_decay_start
@@ -43,7 +48,8 @@ def markov3(tmp_path_factory) -> Path:
 def windows(root: Path, batch: int, stages=((0, WEIGHTS),), seq_len: int = 16) -> MixtureWindows:
     sources = [TokenWindows(root / n, "train", seq_len, seed=7, stream=k + 1)
                for k, n in enumerate(NAMES)]
-    return MixtureWindows(sources, BatchMixer(list(stages), batch, 7))
+    typed = [WeightStage(step, tuple(w)) for step, w in stages]
+    return MixtureWindows(sources, BatchMixer(typed, batch, 7))
 
 
 @pytest.mark.parametrize("batch", [16, 10, 7])
@@ -97,7 +103,12 @@ def mixture_cfg(*extra: str):
 def test_the_plan_accounts_per_source(markov3):
     cfg = mixture_cfg(f"data.root={markov3}", "budget=steps", "budget.steps=50",
                       "train.global_batch_size=10", "parallel.micro_batch_size=10")
-    plan = resolve_plan(cfg)[0]
+    run = resolve_plan(cfg)
+    plan = run.plan
+    # what the run reads back is typed; plan.json is its serialised form
+    assert run.decision.mixture_stages == (WeightStage(0, WEIGHTS),)
+    assert run.decision.sources[0] == SourceShare("web", (0.5,), 250 * cfg.model.seq_len,
+                                                  60_000)
     rows = {e["name"]: e for e in plan["data_sources"]}
     seq = cfg.model.seq_len
     assert [rows[n]["tokens"] for n in NAMES] == [250 * seq, 150 * seq, 100 * seq]
@@ -112,7 +123,7 @@ def test_the_plan_accounts_per_source(markov3):
 def test_a_cooldown_mix_applies_from_the_decay_start(markov3):
     cfg = mixture_cfg(f"data.root={markov3}", "budget=steps", "budget.steps=50", "schedule=wsd",
                       "++data.cooldown_weights={books: 1.0}")
-    assert resolve_plan(cfg)[0]["mixture_stages"] == [[0, list(WEIGHTS)], [40, [0.0, 0.0, 1.0]]]
+    assert resolve_plan(cfg).plan["mixture_stages"] == [[0, list(WEIGHTS)], [40, [0.0, 0.0, 1.0]]]
 
 
 @pytest.mark.parametrize("override, needle", [

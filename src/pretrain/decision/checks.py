@@ -7,7 +7,7 @@ reported together, so a user fixes a recipe in one pass.
 from __future__ import annotations
 
 from pretrain.config.schema import Config, ConfigError
-from pretrain.data.mixture import mixture_problems
+from pretrain.data.mixture_checks import mixture_problems
 from pretrain.data.sources import LOCAL_FORMATS
 from pretrain.model.parametrization import problems as parametrization_problems
 from pretrain.optim.specs import (

@@ -23,10 +23,8 @@ from omegaconf import OmegaConf
 
 from pretrain.checkpoint.folder import on_rank0
 from pretrain.config.schema import Config
-from pretrain.data.loader import training_data
-from pretrain.data.mixture import open_mixture
 from pretrain.data.prefetch import Prefetcher
-from pretrain.data.prepare import require_prepared
+from pretrain.data.run_data import mixture_training_data, require_prepared, training_data
 from pretrain.decision.resolve import announce, dry_run, resolve_run
 from pretrain.hardware.device import keep_freed_memory
 from pretrain.train.checkpointing import Checkpointing
@@ -64,7 +62,9 @@ class Trainer:
         self.stop_request = StopRequest(cfg.train.time_limit_minutes)
         self.run_dir = Path(run_dir)
         self.run = run = resolve_run(cfg)
-        self.cfg, self.plan, self.budget = run.cfg, run.plan, run.budget
+        # what the run reads (typed) and what it reports (plan.json)
+        self.cfg, self.decision, self.budget = run.cfg, run.decision, run.budget
+        self.plan = run.plan
         self.device, self.policy, self.layout = run.device, run.policy, run.layout
         self.world_size = run.world_size
         self.step = self.samples_seen = 0
@@ -101,14 +101,15 @@ class Trainer:
     def _load_data(self) -> None:
         """The training and (when prepared) validation windows, read ahead on a thread."""
         cfg = self.cfg
-        if cfg.data.mixture:  # data/mixture.py; the plan says what each source gives
+        if cfg.data.mixture:  # data/mixture_windows.py, for the decided weights over steps
             # each source's validation: evaluation.SourceValidation (services.build_hooks)
-            self.train_data = open_mixture(cfg, self.plan, self.world_size == 1)
+            self.train_data, epochs = mixture_training_data(cfg, self.decision, self.world_size,
+                                                            self.budget.steps)
             self.val_data = None
         else:
             self.train_data, self.val_data, epochs = training_data(cfg, self.world_size,
                                                                    self.budget.tokens)
-            self.plan.update(epochs)
+        self.plan.update(epochs)  # the report: the data's size once it exists
         # the next batches read on a thread while a step runs, pinned for async copies
         self.prefetch = Prefetcher(self.train_data, self.layout.local_batch_size,
                                    cfg.train.global_batch_size, pin=self.device.type == "cuda")
@@ -119,11 +120,11 @@ class Trainer:
         """The train module, the evaluator and the MFU denominator."""
         cfg, layout = self.cfg, self.layout
         self.checkpoints = Checkpointing(cfg, self.run_dir, self.device,
-                                         keep_steps=self.plan.get("branch_points", ()))
+                                         keep_steps=self.decision.branch_points)
         self.ckpt, self.branch = self.checkpoints.manager, self.checkpoints.branch
         self.module = TrainModule(
-            cfg, layout, self.place, self.policy, attention=self.plan["attention"],
-            lr=self.plan["lr"], steps=self.budget.steps,
+            cfg, layout, self.place, self.policy, attention=self.decision.attention,
+            lr=self.decision.lr, steps=self.budget.steps,
             batch_tokens=self.budget.global_batch_tokens,
             initialise=self.checkpoints.resume_from is None, small_seqs=self.noise.small_seqs,
             last_good=lambda: self.ckpt.latest() if cfg.checkpoint.enabled else None)
