@@ -41,7 +41,7 @@ def lint(cwd: Path) -> subprocess.CompletedProcess:
 def test_the_layer_contract_is_kept():
     out = lint(REPO)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "2 kept, 0 broken" in out.stdout
+    assert "3 kept, 0 broken" in out.stdout
 
 
 def test_every_module_has_a_layer():
@@ -58,6 +58,10 @@ def test_every_module_has_a_layer():
     assert wing["containers"] == ["pretrain.train"]
     inner = {m.strip() for layer in wing["layers"] for m in layer.split("|")}
     assert inner == {p.stem for p in (SRC / "train").glob("*.py") if p.name != "__init__.py"}
+    data = layers["tool"]["importlinter"]["contracts"][2]
+    assert data["containers"] == ["pretrain.data"]
+    inner = {m.strip() for layer in data["layers"] for m in layer.split("|")}
+    assert inner == {p.stem for p in (SRC / "data").glob("*.py") if p.name != "__init__.py"}
 
 
 def test_the_package_is_wings_not_a_flat_list():
@@ -88,6 +92,45 @@ def test_an_upward_import_inside_the_training_wing_breaks_its_contract(tmp_path)
     out = lint(tmp_path)
     assert out.returncode == 1, out.stdout
     assert "pretrain.train.train_module -> pretrain.train.trainer" in out.stdout
+
+
+def test_an_upward_import_inside_the_data_wing_breaks_its_contract(tmp_path):
+    """The data wing's contract bites: the mixer (the counting, below the windows) reaching
+    up to the windows that read it fails lint-imports, naming the contract and the import;
+    the real tree keeps it (test_the_layer_contract_is_kept)."""
+    shutil.copytree(SRC, tmp_path / "src" / "pretrain")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    module = tmp_path / "src" / "pretrain" / "data" / "mixer.py"
+    module.write_text(module.read_text()
+                      + "\nfrom pretrain.data.mixture_windows import MixtureWindows  # noqa\n")
+    out = lint(tmp_path)
+    assert out.returncode == 1, out.stdout
+    assert "Data wing" in out.stdout and "BROKEN" in out.stdout
+    assert "pretrain.data.mixer -> pretrain.data.mixture_windows" in out.stdout
+
+
+def test_the_data_wing_has_no_import_circle_and_no_hidden_import():
+    """No module of data/ imports another of data/ inside a function (the way an import
+    circle is kept from failing at import time): every one is at the top of its module,
+    where the contract sees it."""
+    hidden = []
+    for path in (SRC / "data").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        top = set(map(id, tree.body))
+        hidden += [f"{path.name}: {node.module}" for node in ast.walk(tree)
+                   if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                       "pretrain.data") and id(node) not in top]
+    assert hidden == []
+
+
+def test_no_module_imports_a_private_name_of_the_data_wing():
+    """data/'s private (underscore) names stay in their module: what another module needs
+    is public (prepare.config_dict, not _config_dict)."""
+    private = [f"{path.relative_to(SRC)}: {node.module}.{a.name}"
+               for path in SRC.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                   "pretrain.data") for a in node.names if a.name.startswith("_")]
+    assert private == []
 
 
 def test_the_loop_imports_nothing_from_parallel():

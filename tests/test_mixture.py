@@ -147,6 +147,66 @@ def test_a_mixture_with_the_default_data_group_is_refused():
         check(cfg)
 
 
+EMPTY = "data.mixture is empty: data=mixture trains on the sources data.mixture lists"
+
+
+def test_an_empty_mixture_is_refused_by_the_real_run_before_any_work(tmp_path):
+    """Issue 51: ``data=mixture`` with no source used to try the Hugging Face hub for a
+    dataset called "mixture" for half a minute. The real command (not a dry run) refuses
+    at its decision step, naming data.mixture and the fix; no hub, no run directory."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    out = subprocess.run([sys.executable, "train.py", "data=mixture", "train.device=cpu",
+                          f"runs_dir={tmp_path / 'runs'}", "logging=quiet"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode != 0
+    assert EMPTY in out.stderr and "'data.mixture=[{name: stdlib" in out.stderr
+    assert "127.0.0.1" not in out.stdout + out.stderr  # the hub was never called
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.json"))
+
+
+def test_an_emptied_recipe_mixture_says_it_is_empty():
+    """``+recipe=mixture-tiny 'data.mixture=[]'``: the mixture is empty, not
+    "data.cooldown_weights needs data.mixture" (the recipe's cooldown mix is not the
+    problem)."""
+    from pretrain.train.trainer import run
+
+    cfg = compose_config(["+recipe=mixture-tiny", "data.mixture=[]", "dry_run=true"])
+    with pytest.raises(ConfigError) as e:
+        run(cfg, Path("unused"))
+    assert e.value.problems == [e.value.problems[0]] and EMPTY in e.value.problems[0]
+    assert "needs data.mixture" not in str(e.value)
+
+
+def test_an_empty_mixture_is_refused_by_the_preparation(capsys):
+    """tools/prepare_data.py data=mixture: the same line, exit 2, no hub."""
+    from pretrain.tools import prepare_data
+
+    assert prepare_data.main(["data=mixture"]) == 2
+    assert EMPTY in capsys.readouterr().err
+
+
+def test_a_missing_mixture_path_is_named_as_its_entry(tmp_path, capsys):
+    """Issue 51: a mixture entry's local files that are not there are reported as
+    ``data.mixture[i].data_files`` with the path (not ``data.data_files``), by the dry run
+    and by the preparation, before any work."""
+    from pretrain.tools import prepare_data
+    from pretrain.train.trainer import run
+
+    missing = str(tmp_path / "nowhere" / "*.txt")
+    entries = (f"data.mixture=[{{name: web, weight: 1, source: text, "
+               f"data_files: ['{missing}']}}]")
+    cfg = compose_config(["model=nano", "data=mixture", entries, f"data.root={tmp_path}",
+                          "dry_run=true"])
+    with pytest.raises(ConfigError) as e:
+        run(cfg, tmp_path / "dry")
+    assert f"data.mixture[0].data_files (web) matches no file: ['{missing}']" in str(e.value)
+    assert "data.data_files" not in str(e.value)
+    assert prepare_data.main(["data=mixture", entries, f"data.root={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert f"data.mixture[0].data_files (web) matches no file: ['{missing}']" in err
+    assert "data.data_files" not in err and not (tmp_path / "web").exists()
+
+
 def test_bad_sources_are_listed_in_one_error(markov3, tmp_path):
     root = tmp_path / "data"
     write_markov_data(root / "web")

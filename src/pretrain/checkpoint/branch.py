@@ -43,7 +43,7 @@ MUST_MATCH = ("optim", "train.global_batch_size", "schedule.warmup_steps",
 # Data keys that change neither the tokens nor their order.
 DATA_NEUTRAL = ("num_proc", "root", "auto_prepare", "max_epochs", "tokens", "shard_tokens")
 OPTIM_NEUTRAL = ("fused",)
-# A mixture's weights from the decay start on (data/mixture.py): the branch's own cooldown
+# A mixture's weights from the decay start on (data/weights.py): the branch's own cooldown
 # mix. The branch point is at or before both runs' decay starts, so the source never used them.
 BRANCH_MAY_CHANGE = ("data.cooldown_weights",)
 

@@ -58,7 +58,7 @@ def _problems(cfg: DataConfig, prepared: list[bool]) -> list[str]:
          if not done and s.source is None]
     done = [(s.name, Path(cfg.root) / s.name) for s, ok in zip(cfg.mixture, prepared,
                                                               strict=True) if ok]
-    p += missing_file_problems(cfg, [not ok for ok in prepared])
+    p += missing_file_problems(cfg)
     problem = tokenizer_problem([(n, path, load_index(path)) for n, path in done])
     return p + ([problem] if problem else [])
 

@@ -69,14 +69,17 @@ def check_sources(cfg: DataConfig) -> list[dict]:
     return indexes
 
 
-def missing_file_problems(cfg: DataConfig, todo: list[bool]) -> list[str]:
-    """The entries still to prepare (``todo``) whose ``data_files`` match no file, named
+def missing_file_problems(cfg: DataConfig) -> list[str]:
+    """The entries not prepared yet whose local ``data_files`` match no file, named
     ``data.mixture[i]`` with the paths (the single-source preparation would name only
-    ``data.data_files``)."""
+    ``data.data_files``): the dry run and the one-job preparation refuse them before any
+    work."""
     out = []
-    for i, (s, pending) in enumerate(zip(cfg.mixture, todo, strict=True)):
+    for i, (s, (_, path, _)) in enumerate(zip(cfg.mixture, mixture_sources(cfg), strict=True)):
+        if s.source not in LOCAL_FORMATS or (path / INDEX).exists():
+            continue
         missing = [f for f in s.data_files if not expand_files([f])]
-        if pending and s.source in LOCAL_FORMATS and missing:
+        if missing:
             out.append(f"data.mixture[{i}].data_files ({s.name}) matches no file: {missing}; "
                        f"correct the paths (globs allowed), or remove data.mixture[{i}]")
     return out

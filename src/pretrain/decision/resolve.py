@@ -25,6 +25,7 @@ from pretrain.checkpoint.manager import describe_policy
 from pretrain.config.decision import RunDecision, SourceShare, WeightStage
 from pretrain.config.schema import Config, ConfigError
 from pretrain.data.epochs import check_epochs, check_mixture_epochs
+from pretrain.data.source_checks import missing_file_problems
 from pretrain.data.weights import source_shares, weight_stages
 from pretrain.decision.checks import check
 from pretrain.hardware.device import pick_device
@@ -98,7 +99,11 @@ def decide(cfg: Config, budget: Budget, attention: str | None = None,
     """The values a run reads back (config/decision.RunDecision): the LR its rule gives for
     the batch, and for a mixture its weights over the run's steps and what the budget
     takes from each source; ``attention``: the backend resolved for the device (None: no
-    device, the planner's facts); ``branch``: check_branch_config's answer."""
+    device, the planner's facts); ``branch``: check_branch_config's answer. ConfigError,
+    before any work, when a mixture source still to prepare names local files that are
+    not there."""
+    if missing := missing_file_problems(cfg.data):
+        raise ConfigError(missing)
     stages = mixture_stages(cfg, budget.steps) if cfg.data.mixture else ()
     shares = source_shares(cfg.data, stages, cfg.train.global_batch_size, budget.steps,
                            cfg.model.seq_len) if stages else ()
