@@ -149,6 +149,16 @@ def verify_checksums(path: Path) -> str | None:
     return f"{', '.join(sorted(bad))} do(es) not match the sha256 recorded in {META}"
 
 
+def require_intact(path: Path, fix: str) -> None:
+    """CheckpointError, naming the file and ``fix``, unless every file of checkpoint
+    ``path`` has the sha256 its meta.json records (``verify_checksums``: every rank calls
+    it together). What resume, a weights-only start and the tools reading a checkpoint
+    (tools/evaluate.py, tools/export_hf.py) all check before they read one."""
+    why = verify_checksums(path)
+    if why is not None:
+        raise CheckpointError(f"{path} is corrupt: {why}. {fix}")
+
+
 def read_meta(path: Path) -> dict:
     return json.loads((Path(path) / META).read_text())
 

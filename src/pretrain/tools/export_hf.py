@@ -18,7 +18,12 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from pretrain.checkpoint.folder import CheckpointError, read_meta, resolve_checkpoint
+from pretrain.checkpoint.folder import (
+    CheckpointError,
+    read_meta,
+    require_intact,
+    resolve_checkpoint,
+)
 from pretrain.checkpoint.manager import load_model_weights
 from pretrain.config.schema import ModelConfig
 from pretrain.model.gpt import GPT
@@ -38,8 +43,10 @@ def model_from_checkpoint(src: str) -> tuple[GPT, ModelConfig, Path, dict]:
     """(our GPT with the checkpoint's weights, its model config, the step folder, its
     meta.json) of a run, a step folder or a checkpoints folder. Only the model and data
     sections of the saved config are read: the rest may hold keys an older schema had (and
-    this one dropped), which a reader of the weights does not need."""
+    this one dropped), which a reader of the weights does not need. Its files' sha256 are
+    checked against its meta.json first, as resume checks them."""
     ckpt = resolve_checkpoint(src)
+    require_intact(ckpt, "Use another checkpoint (a step_XXXXXXX folder of the run).")
     meta = read_meta(ckpt)
     if "config" not in meta:
         raise CheckpointError(f"{ckpt}/meta.json has no config; cannot rebuild the model")
