@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -59,6 +58,7 @@ from pretrain.analysis.scaling import (
     report_chinchilla_law,
     report_compute_law,
 )
+from pretrain.tools.fit_metrics import METRICS, metric_arg, metric_key, metric_problem
 from pretrain.tools.fit_reports import report_diagnosis, report_e_profile, report_seed_spread
 
 
@@ -282,55 +282,6 @@ def sweep_report(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int |
 
         return transfer_report(args.dirs, args.out, not args.no_plots)
     return hparam_report(args.dirs, args.out)
-
-
-# --metric: the result.json key each fits (bits per byte: docs/bits-per-byte.md), or a
-# downstream task's bits per byte of the correct answer, task/<name>/bpb (docs/evaluation.md:
-# the task metric that moves smoothly at small scale; accuracy is not a power law in compute)
-METRICS = {"val_loss": "final_val_loss", "val_bpb": "final_val_bpb"}
-TASK_BPB = re.compile(r"^task/[\w.:-]+/bpb$")
-
-
-def metric_key(metric: str) -> str:
-    """The result.json key ``--metric`` fits: METRICS's, or task/<name>/bpb itself."""
-    return METRICS.get(metric, metric)
-
-
-def metric_arg(text: str) -> str:
-    """--metric's value: a name of METRICS or task/<name>/bpb."""
-    if text in METRICS or TASK_BPB.match(text):
-        return text
-    raise argparse.ArgumentTypeError(
-        f"--metric {text}: use {', '.join(sorted(METRICS))} or task/<name>/bpb (a task of "
-        "eval.tasks, e.g. task/hellaswag/bpb)")
-
-
-def metric_problem(dirs: list[Path], metric: str, csv_points: bool) -> str | None:
-    """Why the runs under ``dirs`` cannot be fitted on ``metric``: finished runs whose
-    result.json lacks it (all must have it: a fit on the rest would quietly drop runs), or
-    --points (losses in nats per token) with bits per byte; None when they can."""
-    from pretrain.analysis.runs import finished_runs
-
-    key = metric_key(metric)
-    if key == METRICS["val_loss"]:
-        return None
-    if csv_points:
-        return (f"--points gives losses in nats per token; it does not mix with --metric "
-                f"{metric}: fit those on --metric val_loss")
-    lacking = [str(d) for root in dirs for d, _, r in finished_runs(root) if r.get(key) is None]
-    if not lacking:
-        return None
-    runs = f"{', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}"
-    if TASK_BPB.match(metric):
-        why = (f"they ran without eval.tasks naming that task: rerun them with "
-               f"'eval.tasks=[{metric.split('/')[1]}]', score their checkpoints with "
-               f"tools/evaluate.py, or fit on --metric val_loss")
-    else:
-        why = ("they trained before bits per byte were recorded, or on data prepared without "
-               "byte counts. Prepare their data again (move data/<name> aside, `python "
-               "tools/prepare_data.py data=...`) and rerun them, or fit on --metric val_loss")
-    return (f"--metric {metric}: {len(lacking)} finished run(s) have no {key} in result.json "
-            f"({runs}): {why}")
 
 
 def cooldown_points(dirs: list[Path], key: str = METRICS["val_loss"], count: str = "total",
