@@ -29,6 +29,7 @@ import torch
 from pretrain.checkpoint.folder import CheckpointError
 from pretrain.config.schema import EvalConfig
 from pretrain.data.tasks import TaskNotFound
+from pretrain.tools.cli_errors import cli, report
 from pretrain.tools.export_hf import find_tokenizer, model_from_checkpoint
 from pretrain.train.downstream import TaskSet, score
 
@@ -113,6 +114,7 @@ def evaluate(source: str, cfg: EvalConfig, seq_len: int | None = None,
     return out
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source", help="run directory, checkpoints folder, step_XXXXXXX "
@@ -137,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = evaluate(args.source, cfg, args.seq_len, args.tokenizer)
     except (CheckpointError, TaskNotFound) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:

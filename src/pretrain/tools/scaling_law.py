@@ -59,6 +59,7 @@ from pretrain.analysis.scaling import (
     report_chinchilla_law,
     report_compute_law,
 )
+from pretrain.tools.cli_errors import cli
 from pretrain.tools.fit_reports import report_diagnosis, report_e_profile, report_seed_spread
 
 
@@ -428,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
