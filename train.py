@@ -15,18 +15,16 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from pretrain.config.naming import (  # noqa: E402
-    RecipeNameError,
     check_recipe_overrides,
     register_resolvers,
 )
 from pretrain.config.schema import register_configs, to_config  # noqa: E402
+from pretrain.tools.cli_errors import exit_on_user_error  # noqa: E402
 
 register_configs()
 register_resolvers()
-try:
-    check_recipe_overrides(sys.argv[1:])  # before Hydra reads a file or makes a directory
-except RecipeNameError as e:
-    sys.exit(f"error: {e}")
+with exit_on_user_error():  # before Hydra reads a file or makes a directory
+    check_recipe_overrides(sys.argv[1:])
 
 if int(os.environ.get("RANK", "0")) > 0:
     # Under torchrun every rank composes the same config and the same run directory; only
@@ -41,7 +39,10 @@ def main(cfg: DictConfig) -> None:
 
     from pretrain.train.trainer import run
 
-    result = run(to_config(cfg), HydraConfig.get().runtime.output_dir)
+    # The project's own errors (ConfigError, DataError, ...): one line each, exit 2; the
+    # traceback with HYDRA_FULL_ERROR=1 (pretrain/tools/cli_errors.py).
+    with exit_on_user_error():
+        result = run(to_config(cfg), HydraConfig.get().runtime.output_dir)
     if result and result.get("exit_code"):
         # 75 (EX_TEMPFAIL): stopped by a signal or the time limit after saving a
         # checkpoint; slurm/train.sbatch requeues the job and the run resumes from it.

@@ -29,6 +29,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from pretrain.checkpoint.failures import SAVE_ERRORS, save_failure_message
+from pretrain.errors import UserError
 from pretrain.parallel.mesh import broadcast_from_rank0
 
 log = logging.getLogger("pretrain.checkpoint")
@@ -41,7 +42,7 @@ DELETING = ".deleting"
 T = TypeVar("T")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     pass
 
 

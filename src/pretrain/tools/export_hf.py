@@ -29,6 +29,7 @@ from pretrain.config.schema import ModelConfig
 from pretrain.model.gpt import GPT
 from pretrain.model.hf import ExportError, hf_config, to_hf_state_dict
 from pretrain.precision.policy import DTYPES
+from pretrain.tools.cli_errors import cli, report
 
 
 def find_tokenizer(ckpt: Path, data: dict) -> Path | None:
@@ -87,6 +88,7 @@ def export(src: str, out: Path, dtype: str = "float32") -> Path:
     return out
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source", help="run directory, checkpoints folder or step_XXXXXXX directory")
@@ -96,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export(args.source, args.out, args.dtype)
     except (CheckpointError, ExportError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     print(f"exported {args.source} -> {out}")
     return 0
 

@@ -50,6 +50,7 @@ import sys
 from pathlib import Path
 
 from pretrain.config.paths import REPO
+from pretrain.tools.cli_errors import cli
 
 
 def branch_budgets(recipe: str, overrides: list[str] = ()) -> list[float]:
@@ -181,6 +182,7 @@ def fit_arguments(args: argparse.Namespace) -> list[str]:
     return fit_args + (["--diagnose"] if args.diagnose else [])
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.plan:

@@ -32,6 +32,7 @@ from pretrain.hardware.gpus import GpuError, get_gpu
 from pretrain.parallel.layout import layout_world_size
 from pretrain.planning.autolayout import LayoutError
 from pretrain.planning.report import build_plan, format_plan
+from pretrain.tools.cli_errors import cli, report
 
 FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2
 
@@ -59,10 +60,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def fail(message: str) -> int:
-    print(f"plan: {message}", file=sys.stderr)
-    return BAD_INPUT
+    return report(message)  # BAD_INPUT
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     bad = [o for o in overrides if o.startswith("-")]

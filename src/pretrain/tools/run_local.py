@@ -39,8 +39,10 @@ from pretrain.launch.local import (
     run_tied,
     world_size,
 )
+from pretrain.tools.cli_errors import cli, report
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=None,
@@ -56,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             check(cfg, nproc)
         cmd = command(overrides, nproc)
     except (LaunchError, ConfigError) as e:
-        print(f"run_local: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     if args.print:
         print(shlex.join(cmd))
         return 0

@@ -58,6 +58,7 @@ from pretrain.analysis.scaling import (
     report_chinchilla_law,
     report_compute_law,
 )
+from pretrain.tools.cli_errors import cli, report
 from pretrain.tools.fit_metrics import METRICS, metric_arg, metric_key, metric_problem
 from pretrain.tools.fit_reports import report_diagnosis, report_e_profile, report_seed_spread
 
@@ -379,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -395,8 +397,7 @@ def main(argv: list[str] | None = None) -> int:
 
     problem = metric_problem(args.dirs, args.metric, bool(args.points))
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return report(problem)
     points = collect_points(args, args.count)
     args.predict = list(args.predict) + [run_point(r, args.count) for r in args.predict_run]
     points = without_highest_losses(points + [p for f in args.points for p in read_points(f)],
