@@ -58,7 +58,8 @@ from pretrain.analysis.scaling import (
     report_chinchilla_law,
     report_compute_law,
 )
-from pretrain.tools.cli_errors import cli, report
+from pretrain.tools.cli_errors import cli
+from pretrain.tools.cli_errors import report as report_error
 from pretrain.tools.fit_metrics import METRICS, metric_arg, metric_key, metric_problem
 from pretrain.tools.fit_reports import report_diagnosis, report_e_profile, report_seed_spread
 
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
 
     problem = metric_problem(args.dirs, args.metric, bool(args.points))
     if problem:
-        return report(problem)
+        return report_error(problem)
     points = collect_points(args, args.count)
     args.predict = list(args.predict) + [run_point(r, args.count) for r in args.predict_run]
     points = without_highest_losses(points + [p for f in args.points for p in read_points(f)],
