@@ -29,7 +29,7 @@ import torch
 from pretrain.checkpoint.folder import CheckpointError
 from pretrain.config.schema import EvalConfig
 from pretrain.data.tasks import TaskNotFound
-from pretrain.tools.cli_errors import cli, report
+from pretrain.errors import cli, report
 from pretrain.tools.export_hf import find_tokenizer, model_from_checkpoint
 from pretrain.train.downstream import TaskSet, score
 

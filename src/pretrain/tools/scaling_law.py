@@ -59,7 +59,7 @@ from pretrain.analysis.scaling import (
     report_chinchilla_law,
     report_compute_law,
 )
-from pretrain.tools.cli_errors import cli
+from pretrain.errors import cli
 from pretrain.tools.fit_reports import report_diagnosis, report_e_profile, report_seed_spread
 
 
