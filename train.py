@@ -19,7 +19,7 @@ from pretrain.config.naming import (  # noqa: E402
     register_resolvers,
 )
 from pretrain.config.schema import register_configs, to_config  # noqa: E402
-from pretrain.tools.cli_errors import exit_on_user_error  # noqa: E402
+from pretrain.errors import exit_on_user_error  # noqa: E402
 
 register_configs()
 register_resolvers()
@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> None:
     from pretrain.train.trainer import run
 
     # The project's own errors (ConfigError, DataError, ...): one line each, exit 2; the
-    # traceback with HYDRA_FULL_ERROR=1 (pretrain/tools/cli_errors.py).
+    # traceback with HYDRA_FULL_ERROR=1 (pretrain/errors.py).
     with exit_on_user_error():
         result = run(to_config(cfg), HydraConfig.get().runtime.output_dir)
     if result and result.get("exit_code"):

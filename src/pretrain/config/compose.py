@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
-from pretrain.config.naming import check_recipe_overrides, register_resolvers
+from pretrain.config.naming import check_recipe_overrides, check_runs_dir, register_resolvers
 from pretrain.config.paths import CONF_DIR
 from pretrain.config.schema import Config, register_configs, to_config
 
@@ -39,4 +39,6 @@ def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:
         with open_dict(cfg):
             cfg.run_name = str(cfg.run_name)
             del cfg["hydra"]
-    return to_config(cfg)
+    out = to_config(cfg)
+    check_runs_dir(out.runs_dir)  # before a tool makes or reads a run directory
+    return out

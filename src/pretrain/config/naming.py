@@ -6,11 +6,13 @@ import dataclasses
 import hashlib
 import re
 from pathlib import Path
+from typing import Any
 
-from omegaconf import OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 from pretrain.config.schema import Config
-from pretrain.errors import UserError
+from pretrain.errors import UserError, exit_on_user_error
 
 # Keys that do not change what is trained, and so name neither a run (run_name) nor a point
 # of a sweep (conf/config.yaml's hydra.job.config.override_dirname.exclude_keys reads them
@@ -143,3 +145,37 @@ def check_recipe_overrides(overrides: list[str]) -> None:
             raise RecipeNameError(
                 f"{override}: a recipe is a name from recipes/ (e.g. +recipe=tiny), not a "
                 f"path; copy the file into recipes/ and use its name")
+
+
+class RunsDirError(UserError, NotADirectoryError):
+    pass
+
+
+def check_runs_dir(runs_dir: str | Path) -> None:
+    """``runs_dir`` must be a directory or a path that can become one: the first of it and
+    its parents that exists is a directory. Checked before Hydra makes the run directory
+    (RunsDirCheck) and by every tool that composes a config (compose.compose_config)."""
+    path = Path(runs_dir)
+    for part in (path, *path.parents):
+        if not part.exists():
+            continue
+        if part.is_dir():
+            return
+        where = "is a file" if part == path else f"is under {part}, which is a file"
+        raise RunsDirError(
+            f"runs_dir={runs_dir} {where}, not a directory: each run writes "
+            "runs_dir/<run_name>/ (train.log, checkpoints, result.json); set runs_dir to a "
+            f"directory (e.g. runs_dir=runs), or move {part} out of the way")
+
+
+class RunsDirCheck(Callback):
+    """A Hydra callback (conf/config.yaml ``hydra.callbacks``): ``runs_dir`` checked before
+    Hydra makes ``runs_dir/<run_name>`` (it does so before train.py's task function runs,
+    where a file would fail as a bare NotADirectoryError). One line, exit 2."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with exit_on_user_error():
+            check_runs_dir(config.runs_dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.on_run_start(config)

@@ -434,7 +434,7 @@ class ConfigError(UserError, ValueError):
         super().__init__(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")
 
     def lines(self) -> list[str]:
-        """One line per problem (the entry points print them, pretrain.tools.cli_errors)."""
+        """One line per problem (the entry points print them, pretrain.errors)."""
         return [" ".join(p.split()) for p in self.problems]
 
 

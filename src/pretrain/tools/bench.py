@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.config.compose import compose_config
+from pretrain.errors import cli
 from pretrain.hardware.device import peak_memory_bytes
-from pretrain.tools.cli_errors import cli
 
 MODES = ("trainer", "plain", "hf")
 

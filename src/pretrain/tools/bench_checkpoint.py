@@ -25,8 +25,8 @@ import torch.distributed.checkpoint as dcp
 from pretrain.checkpoint.folder import own_checksums, verify_checksums
 from pretrain.checkpoint.model_state import ModelOptimizer
 from pretrain.config.compose import compose_config
+from pretrain.errors import cli
 from pretrain.model.gpt import build_model
-from pretrain.tools.cli_errors import cli
 
 
 def best_of(repeat: int, fn) -> float:

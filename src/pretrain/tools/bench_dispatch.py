@@ -16,11 +16,11 @@ import json
 
 from pretrain.budget.compute import resolve_budget
 from pretrain.config.compose import compose_config
+from pretrain.errors import cli
 from pretrain.hardware.gpus import get_gpu
 from pretrain.parallel.layout import resolve_layout
 from pretrain.planning.cost import step_cost
 from pretrain.planning.dispatch import count_ops, loss_chunks
-from pretrain.tools.cli_errors import cli
 
 
 @cli

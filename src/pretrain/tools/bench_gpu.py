@@ -29,7 +29,7 @@ from importlib import metadata
 from pathlib import Path
 
 from pretrain.config.paths import REPO
-from pretrain.tools.cli_errors import cli
+from pretrain.errors import cli
 
 # Models at a batch of micro x accumulation that fits an 80 GB GPU without activation
 # checkpointing (tools/plan.py: 62 GiB for gpt3-1.3b at micro batch 8) and gives steps short

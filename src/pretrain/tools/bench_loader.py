@@ -25,7 +25,7 @@ import time
 
 from pretrain.config.compose import compose_config
 from pretrain.data.errors import DataError
-from pretrain.tools.cli_errors import cli, report
+from pretrain.errors import cli, report
 
 
 def memory() -> dict[str, float]:

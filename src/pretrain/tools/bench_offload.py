@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from pretrain.tools.cli_errors import cli
+from pretrain.errors import cli
 
 
 def _timed(fn, repeats: int) -> float:

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pretrain.config.paths import REPO
-from pretrain.tools.cli_errors import cli
+from pretrain.errors import cli
 
 SUFFIXES = {".py", ".pyi", ".md", ".rst", ".txt", ".h"}
 CORPUS_VERSION = 1

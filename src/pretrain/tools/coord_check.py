@@ -25,7 +25,7 @@ from pretrain.analysis.coord_check import (
     plot,
     summary,
 )
-from pretrain.tools.cli_errors import cli
+from pretrain.errors import cli
 
 PASS_SLOPE = 0.1  # muP/CompleteP: every layer below this
 

@@ -35,8 +35,7 @@ import torch
 from pretrain.checkpoint.folder import CheckpointError, read_meta, resolve_checkpoint
 from pretrain.config.schema import EvalConfig
 from pretrain.data.encode import write_json_atomic
-from pretrain.errors import UserError
-from pretrain.tools.cli_errors import cli
+from pretrain.errors import UserError, cli
 from pretrain.tools.export_hf import find_tokenizer, model_from_checkpoint
 from pretrain.train.downstream import TaskSet, score
 

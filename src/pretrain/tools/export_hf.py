@@ -26,10 +26,10 @@ from pretrain.checkpoint.folder import (
 )
 from pretrain.checkpoint.manager import load_model_weights
 from pretrain.config.schema import ModelConfig
+from pretrain.errors import cli, report
 from pretrain.model.gpt import GPT
 from pretrain.model.hf import ExportError, hf_config, to_hf_state_dict
 from pretrain.precision.policy import DTYPES
-from pretrain.tools.cli_errors import cli, report
 
 
 def find_tokenizer(ckpt: Path, data: dict) -> Path | None:

@@ -50,7 +50,7 @@ import sys
 from pathlib import Path
 
 from pretrain.config.paths import REPO
-from pretrain.tools.cli_errors import cli
+from pretrain.errors import cli
 
 
 def branch_budgets(recipe: str, overrides: list[str] = ()) -> list[float]:

@@ -39,6 +39,7 @@ from pathlib import Path
 from pretrain.config.compose import compose_config
 from pretrain.config.schema import ConfigError
 from pretrain.decision.checks import check
+from pretrain.errors import cli, report
 from pretrain.launch.slurm import (
     Container,
     LaunchError,
@@ -51,7 +52,6 @@ from pretrain.launch.slurm import (
     submit,
 )
 from pretrain.parallel.layout import derived_dp
-from pretrain.tools.cli_errors import cli, report
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

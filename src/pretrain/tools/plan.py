@@ -28,11 +28,11 @@ from pretrain.config.compose import compose_config
 from pretrain.config.schema import ConfigError
 from pretrain.decision.checks import check
 from pretrain.decision.resolve import describe_run, resolve_auto
+from pretrain.errors import cli, report
 from pretrain.hardware.gpus import GpuError, get_gpu
 from pretrain.parallel.layout import layout_world_size
 from pretrain.planning.autolayout import LayoutError
 from pretrain.planning.report import build_plan, format_plan
-from pretrain.tools.cli_errors import cli, report
 
 FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2
 

@@ -43,7 +43,7 @@ from pretrain.data.prepare import (
     plan,
     prepare,
 )
-from pretrain.tools.cli_errors import cli, report
+from pretrain.errors import cli, report
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -30,6 +30,7 @@ from pretrain.config.schema import ConfigError
 from pretrain.data.mixture_prepare import needs_mixture_preparation
 from pretrain.data.prepare import needs_preparation
 from pretrain.decision.checks import check
+from pretrain.errors import cli, report
 from pretrain.launch import LaunchError
 from pretrain.launch.local import (
     command,
@@ -39,7 +40,6 @@ from pretrain.launch.local import (
     run_tied,
     world_size,
 )
-from pretrain.tools.cli_errors import cli, report
 
 
 @cli

@@ -58,8 +58,8 @@ from pretrain.analysis.scaling import (
     report_chinchilla_law,
     report_compute_law,
 )
-from pretrain.tools.cli_errors import cli
-from pretrain.tools.cli_errors import report as report_error
+from pretrain.errors import cli
+from pretrain.errors import report as report_error
 from pretrain.tools.fit_metrics import METRICS, metric_arg, metric_key, metric_problem
 from pretrain.tools.fit_reports import report_diagnosis, report_e_profile, report_seed_spread
 

@@ -20,7 +20,7 @@ import logging
 import torch
 
 from pretrain.config.compose import compose_config
-from pretrain.tools.cli_errors import cli
+from pretrain.errors import cli
 from pretrain.train.trainer import Trainer
 
 
