@@ -35,9 +35,10 @@ import torch
 from pretrain.checkpoint.folder import CheckpointError, read_meta, resolve_checkpoint
 from pretrain.config.schema import EvalConfig
 from pretrain.data.encode import write_json_atomic
+from pretrain.data.task_scoring import TaskSet
 from pretrain.errors import UserError, cli
 from pretrain.tools.export_hf import find_tokenizer, model_from_checkpoint
-from pretrain.train.downstream import TaskSet, score
+from pretrain.train.downstream import score
 
 
 def load_checkpoint(src: str) -> tuple[torch.nn.Module, Path, int]:
