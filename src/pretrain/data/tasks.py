@@ -90,9 +90,8 @@ def request_source(task: str, tasks_dir: str | None) -> Path:
     name, variant = split_name(task)
     for root in task_roots(tasks_dir):
         if root.suffix == ".whl" and root.is_file():
-            with zipfile.ZipFile(root) as z:
-                if f"{WHEEL_TASKS}{name}/{variant}/requests.jsonl.gz" in z.namelist():
-                    return root
+            if f"{name}:{variant}" in available_tasks(root):
+                return root
             break
         path = _request_file(root / name / variant)
         if path is not None:
