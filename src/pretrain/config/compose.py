@@ -13,7 +13,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
-from pretrain.config.naming import check_recipe_overrides, check_runs_dir, register_resolvers
+from pretrain.config.naming import (
+    check_override_keys,
+    check_recipe_overrides,
+    check_runs_dir,
+    register_resolvers,
+)
 from pretrain.config.paths import CONF_DIR
 from pretrain.config.schema import Config, register_configs, to_config
 
@@ -23,6 +28,7 @@ def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:
     register_configs()
     register_resolvers()
     check_recipe_overrides(list(overrides))
+    check_override_keys(list(overrides))
     if not conf_dir.is_dir():
         raise FileNotFoundError(
             f"no Hydra config directory at {conf_dir}; run the tools from a checkout of the repo"

@@ -28,6 +28,7 @@ from pretrain.config.compose import compose_config
 from pretrain.config.schema import ConfigError
 from pretrain.decision.checks import check
 from pretrain.decision.resolve import describe_run, resolve_auto
+from pretrain.decision.schedule_checks import check_schedule
 from pretrain.errors import cli, report
 from pretrain.hardware.gpus import GpuError, get_gpu
 from pretrain.parallel.layout import layout_world_size
@@ -96,9 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg, notes = resolve_auto(cfg, n, gpu, top=args.top)
         check(cfg, n)
         budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
+        warnings = check_schedule(cfg, budget)  # as the run's resolve_plan
         plan = {**build_plan(cfg, n, gpu, describe_run(cfg, n, budget), args.mfu), **notes}
     except (LayoutError, ConfigError, BudgetError) as e:
         return fail(str(e))
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.simulate:
         return run_simulation(cfg, n, args.rank, args.step, plan)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
