@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -182,9 +183,23 @@ class RunsDirCheck(Callback):
         self.on_run_start(config)
 
 
-class UnknownOverrideError(UserError, KeyError):
-    def __str__(self) -> str:  # KeyError would print the message quoted
-        return str(self.args[0])
+class OverrideError(UserError, ConfigCompositionException):
+    """An override Hydra cannot apply (a bad value, a key the schema lacks), still the
+    ConfigCompositionException Hydra raises; its line leaves out Hydra's indented details
+    (full_key, reference_type), which repeat the key the first line names."""
+
+    def lines(self) -> list[str]:
+        text = str(self).splitlines()
+        return [" ".join(" ".join(s for s in text if s and not s[0].isspace()).split())]
+
+
+class MissingOptionError(OverrideError, MissingConfigException):
+    """A group option or recipe that does not exist (Hydra's MissingConfigException, whose
+    message lists the options one a line): one line with the options."""
+
+    def lines(self) -> list[str]:
+        first = str(self).splitlines()[0]
+        return [f"{first}; the options: {', '.join(self.options or [])}"]
 
 
 _PLAIN_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -236,6 +251,6 @@ def check_override_keys(overrides: list[str]) -> None:
         hint = (f"did you mean {' or '.join(near[:3])}?" if near else
                 f"the keys{' of ' + where if where else ''} are: {', '.join(known)}")
         extra = " (a recipe is added: +recipe=NAME)" if key == "recipe" else ""
-        raise UnknownOverrideError(
+        raise OverrideError(
             f"{override}: {key} is not a config key{extra}; {hint} (python train.py --cfg "
             "job prints every key; src/pretrain/config/schema.py defines them)")

@@ -29,8 +29,8 @@ from pretrain.config.schema import ConfigError
 from pretrain.decision.checks import check
 from pretrain.decision.resolve import describe_run, resolve_auto
 from pretrain.decision.schedule_checks import check_schedule
-from pretrain.errors import cli, report
-from pretrain.hardware.gpus import GpuError, get_gpu
+from pretrain.errors import UserError, cli, report
+from pretrain.hardware.gpus import get_gpu
 from pretrain.parallel.layout import layout_world_size
 from pretrain.planning.autolayout import LayoutError
 from pretrain.planning.report import build_plan, format_plan
@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gpu = get_gpu(args.gpu, tuple(args.gpu_file))
         cfg = compose_config(overrides)
-    except GpuError as e:
-        return fail(str(e))
-    except Exception as e:  # Hydra composition errors: unknown recipe, key or group
+    except UserError:  # a GPU, recipe, key or value that is not there: @cli's line
+        raise
+    except Exception as e:  # anything else Hydra's composition raises
         return fail(f"{type(e).__name__}: {e}")
     par = cfg.parallel
     if par.name == "auto":
