@@ -15,6 +15,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from pretrain.config.naming import (  # noqa: E402
+    check_override_keys,
     check_recipe_overrides,
     register_resolvers,
 )
@@ -25,6 +26,7 @@ register_configs()
 register_resolvers()
 with exit_on_user_error():  # before Hydra reads a file or makes a directory
     check_recipe_overrides(sys.argv[1:])
+    check_override_keys(sys.argv[1:])
 
 if int(os.environ.get("RANK", "0")) > 0:
     # Under torchrun every rank composes the same config and the same run directory; only

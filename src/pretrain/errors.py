@@ -21,7 +21,9 @@ the switch Hydra reads for its own errors. Three ways to use it, one mechanism:
 Under torchrun every rank fails the same way on the same config, so only rank 0 prints;
 each rank writes its line to the error file torchrun's agent names
 (``TORCHELASTIC_ERROR_FILE``, the JSON that torch.distributed.elastic's ``@record`` writes),
-so the agent's failure summary shows the line of a rank that failed alone.
+so the agent's failure summary shows the line of a rank that failed alone. Under
+``tools/run_local.py`` (pretrain.launch.torchrun) no rank prints: the launcher prints each
+distinct line once, and exits with the first failed rank's status.
 
 The bottom of the layer contract: it imports nothing from the package.
 """
@@ -38,6 +40,9 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 EXIT_USAGE = 2  # as argparse's and Hydra's own command-line mistakes
+# Set by pretrain.launch.torchrun (tools/run_local.py's launcher), which prints the ranks'
+# lines itself, once: a rank then only writes its torchrun error file.
+AGENT_REPORTS = "PRETRAIN_AGENT_REPORTS"
 
 F = TypeVar("F", bound=Callable[..., int])
 
@@ -83,7 +88,8 @@ def report(error: BaseException | str) -> int:
     lines = error.lines() if isinstance(error, UserError) else [" ".join(str(error).split())]
     lines = [f"error: {line}" for line in lines]
     _record_for_torchrun(lines)
-    if _rank() == 0 or not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    under_agent = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
+    if not under_agent or (_rank() == 0 and not os.environ.get(AGENT_REPORTS)):
         print("\n".join(lines), file=sys.stderr, flush=True)
     return EXIT_USAGE
 

@@ -41,21 +41,22 @@ def schedule_problems(cfg: Config, budget: Budget) -> list[str]:
 
 def _warmup_warnings(cfg: Config, budget: Budget) -> list[str]:
     warmup = warmup_steps(cfg.schedule, budget.global_batch_tokens)
+    w = []
     if warmup >= budget.steps:
-        return [f"{_warmup_key(cfg)} ({warmup} steps) is not shorter than this run, "
-                f"{_steps_text(budget)}: the LR never reaches its peak optim.lr and never "
-                f"decays; set schedule.warmup_steps={max(1, budget.steps // 10)} (a tenth "
-                "of the run) or raise the budget"]
-    if cfg.schedule.decay != "wsd":
-        return []
+        w.append(f"{_warmup_key(cfg)} ({warmup} steps) is not shorter than this run, "
+                 f"{_steps_text(budget)}: the LR never reaches its peak optim.lr and never "
+                 f"decays; set schedule.warmup_steps={max(1, budget.steps // 10)} (a tenth "
+                 "of the run) or raise the budget")
     start = wsd_decay_start(budget.steps, cfg.schedule)
-    if warmup <= start:
-        return []
-    mix = " and data.cooldown_weights (the cooldown mix)" if cfg.data.cooldown_weights else ""
-    return [f"the WSD decay{mix} starts at step {start} of {budget.steps} (schedule."
-            f"decay_fraction={cfg.schedule.decay_fraction}), while {_warmup_key(cfg)} still "
-            f"warms the LR up until step {warmup}: the decay starts before the peak; set "
-            f"schedule.warmup_steps={max(1, start // 2)} or lower, or raise the budget"]
+    if cfg.schedule.decay == "wsd" and warmup > start:
+        mix = (" and data.cooldown_weights (the cooldown mix)" if cfg.data.cooldown_weights
+               else "")
+        w.append(f"the WSD decay{mix} start{'' if mix else 's'} at step {start} of {budget.steps} (schedule."
+                 f"decay_fraction={cfg.schedule.decay_fraction}), while {_warmup_key(cfg)} "
+                 f"still warms the LR up until step {warmup}: it starts before the LR's peak; "
+                 f"set schedule.warmup_steps={max(1, start // 2)} or lower, or raise the "
+                 "budget")
+    return w
 
 
 def schedule_warnings(cfg: Config, budget: Budget) -> list[str]:
