@@ -8,10 +8,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 from helpers import REPO, launch_env
 
 from pretrain.config.schema import EvalConfig
 from pretrain.data.task_scoring import TaskSet
+from pretrain.data.tasks import TaskNotFound
 from pretrain.decision.resolve import dry_run
 
 TASKS_DIR = REPO / "tests" / "data" / "tasks"
@@ -58,17 +60,18 @@ def test_without_a_tokenizer_the_plan_says_when_the_cost_is_counted(compose, tmp
         "(the data prepared)"
 
 
-def test_a_missing_task_stops_the_dry_run_and_the_run_alike(tmp_path):
-    """The same line from both, exit 2; the real run stopped before preparing its data
-    (auto_prepare would have written data/tinytext) or building anything."""
+def test_a_missing_task_stops_the_dry_run_and_the_run_alike(compose, tmp_path):
+    """The real run's one line (exit 2) is the dry run's error, word for word; the run
+    stopped before preparing its data (auto_prepare would have written data/tinytext) or
+    building anything."""
     common = [*SMALL, "eval.tasks=[hellaswag,piqa]", f"eval.tasks_dir={TASKS_DIR}",
               f"data.root={tmp_path / 'data'}", "checkpoint.enabled=false", "logging=quiet"]
-    dry = train(*common, "dry_run=true", cwd=tmp_path)
+    with pytest.raises(TaskNotFound) as dry:
+        dry_run(compose(common))
     real = train(*common, cwd=tmp_path)
-    for proc in (dry, real):
-        assert proc.returncode == 2, proc.stderr
-        (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
-        assert line.startswith("error: task 'piqa': no piqa/rc_0shot/requests.jsonl[.gz] in ")
-        assert "tasks there: arc_easy:rc_0shot, hellaswag:rc_0shot" in line
-    assert dry.stderr.splitlines()[-1] == real.stderr.splitlines()[-1]
+    assert real.returncode == 2, real.stderr
+    (line,) = [ln for ln in real.stderr.splitlines() if ln.startswith("error: ")]
+    assert line == f"error: {dry.value}"
+    assert line.startswith("error: task 'piqa': no piqa/rc_0shot/requests.jsonl[.gz] in ")
+    assert "tasks there: arc_easy:rc_0shot, hellaswag:rc_0shot" in line
     assert not (tmp_path / "data").exists()
