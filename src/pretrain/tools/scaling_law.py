@@ -60,6 +60,7 @@ from pretrain.analysis.scaling import (
     report_compute_law,
 )
 from pretrain.errors import cli
+from pretrain.errors import report as report_error  # `report` is a local name here
 from pretrain.tools.fit_reports import report_diagnosis, report_e_profile, report_seed_spread
 
 
@@ -446,8 +447,7 @@ def main(argv: list[str] | None = None) -> int:
 
     problem = metric_problem(args.dirs, args.metric, bool(args.points))
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return report_error(problem)
     points = collect_points(args, args.count)
     args.predict = list(args.predict) + [run_point(r, args.count) for r in args.predict_run]
     points = without_highest_losses(points + [p for f in args.points for p in read_points(f)],
