@@ -6,6 +6,7 @@ Several processes: ``torchrun --nproc_per_node=N train.py +recipe=NAME`` (N = tp
 
 import os
 import sys
+from contextlib import nullcontext
 
 from pretrain.launch.lifeline import tie_rank_to_agent
 
@@ -38,12 +39,15 @@ if int(os.environ.get("RANK", "0")) > 0:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from pretrain.train.trainer import run
 
     # The project's own errors (ConfigError, DataError, ...): one line each, exit 2; the
-    # traceback with HYDRA_FULL_ERROR=1 (pretrain/errors.py).
-    with exit_on_user_error():
+    # traceback with HYDRA_FULL_ERROR=1 (pretrain/errors.py). A sweep (-m) leaves a failed
+    # point to Hydra, which runs the others of the batch and then names the failed job.
+    single = HydraConfig.get().mode != RunMode.MULTIRUN
+    with exit_on_user_error() if single else nullcontext():
         result = run(to_config(cfg), HydraConfig.get().runtime.output_dir)
     if result and result.get("exit_code"):
         # 75 (EX_TEMPFAIL): stopped by a signal or the time limit after saving a

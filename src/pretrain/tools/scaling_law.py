@@ -59,7 +59,7 @@ from pretrain.analysis.scaling import (
     report_compute_law,
 )
 from pretrain.errors import cli
-from pretrain.errors import report as report_error
+from pretrain.errors import report as report_error  # `report` is a local name here
 from pretrain.tools.fit_metrics import METRICS, metric_arg, metric_key, metric_problem
 from pretrain.tools.fit_reports import report_diagnosis, report_e_profile, report_seed_spread
 
