@@ -260,6 +260,32 @@ def test_one_plan_for_the_run_the_dry_run_and_the_planner(compose, prepared, tmp
     assert planned["lr"] == dry["lr"] != facts["lr"]
 
 
+def test_the_run_reads_a_typed_decision_and_the_plan_is_its_serialised_form(compose):
+    """decision/resolve returns a frozen RunDecision (config/decision.py) that the trainer
+    and data/ read; plan.json holds its serialised form (as_plan) among the report's
+    extras, and nothing in the package reads a plan dict back as input (issue 50)."""
+    import dataclasses
+
+    from pretrain.config.decision import RunDecision
+    from pretrain.decision.resolve import resolve_run
+
+    run = resolve_run(compose(["model=nano", "checkpoint.branch_tokens_per_param=[0.5]",
+                               "schedule=wsd", "budget=steps", "budget.steps=400"]))
+    assert isinstance(run.decision, RunDecision)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.decision.lr = 1.0  # type: ignore[misc]
+    own = run.decision.as_plan()
+    assert {"lr", "attention", "precision", "branch_points"} <= own.keys()
+    assert {k: run.plan[k] for k in own} == json.loads(json.dumps(own))
+    assert own["branch_points"] == list(run.decision.branch_points) != []
+    readers = re.compile(r"\b(self|trainer|run)\.plan(\[|\.get\()|plan\[\"(lr|attention|"
+                         r"layout|branch_points|mixture_stages|data_sources)\"\]")
+    found = [f"{p.relative_to(SRC)}: {m.group(0)}" for p in SRC.rglob("*.py")
+             if p.parent.name in ("train", "data", "checkpoint", "decision")
+             for m in readers.finditer(p.read_text())]
+    assert found == []
+
+
 def test_every_module_is_named_in_the_docs():
     """docs/architecture.md names every module of the package, and its map of the files
     every top-level module and wing (package)."""

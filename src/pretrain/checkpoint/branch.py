@@ -104,16 +104,14 @@ def _branch_from_problems(cfg: Config) -> list[str]:
     return p
 
 
-def check_branch_config(cfg: Config) -> dict:
+def check_branch_config(cfg: Config) -> tuple[int, ...]:
     """ConfigError naming every problem of the branch keys (before any data or process
-    group exists: resolve_plan calls it); else what the plan states of them."""
+    group exists: resolve_plan calls it); else the branch points the run keeps (none
+    without checkpoint.branch_tokens_per_param), for its RunDecision."""
     problems = _branch_from_problems(cfg) + _branch_point_problems(cfg)
     if problems:
         raise ConfigError(problems)
-    plan = {"branch_points": branch_points(cfg)} if cfg.checkpoint.branch_tokens_per_param \
-        else {}
-    return {**plan, **({"branch_from": cfg.checkpoint.branch_from}
-                       if cfg.checkpoint.branch_from else {})}
+    return tuple(branch_points(cfg)) if cfg.checkpoint.branch_tokens_per_param else ()
 
 
 def _flat(node: dict, prefix: str = "") -> dict:

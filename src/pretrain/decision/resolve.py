@@ -99,11 +99,11 @@ def _auto_layout(cfg: Config, world_size: int, device: torch.device | GpuSpec, t
 
 
 def decide(cfg: Config, budget: Budget, attention: str | None = None,
-           branch: dict | None = None) -> RunDecision:
+           branch_points: tuple[int, ...] = ()) -> RunDecision:
     """The values a run reads back (config/decision.RunDecision): the LR its rule gives for
     the batch, and for a mixture its weights over the run's steps and what the budget
     takes from each source; ``attention``: the backend resolved for the device (None: no
-    device, the planner's facts); ``branch``: check_branch_config's answer. ConfigError,
+    device, the planner's facts); ``branch_points``: check_branch_config's. ConfigError,
     before any work, when a mixture source still to prepare names local files that are
     not there."""
     if missing := missing_file_problems(cfg.data):
@@ -111,11 +111,10 @@ def decide(cfg: Config, budget: Budget, attention: str | None = None,
     stages = mixture_stages(cfg, budget.steps) if cfg.data.mixture else ()
     shares = source_shares(cfg.data, stages, cfg.train.global_batch_size, budget.steps,
                            cfg.model.seq_len) if stages else ()
-    branch = branch or {}
     return RunDecision(
         lr=scaled_lr(cfg.optim, budget.global_batch_tokens), attention=attention,
-        precision=cfg.precision.name, branch_points=tuple(branch.get("branch_points", ())),
-        branch_from=branch.get("branch_from"), mixture_stages=stages, sources=shares)
+        precision=cfg.precision.name, branch_points=branch_points,
+        branch_from=cfg.checkpoint.branch_from or None, mixture_stages=stages, sources=shares)
 
 
 def describe_run(cfg: Config, world_size: int, budget: Budget,
@@ -178,7 +177,7 @@ def resolve_plan(cfg: Config, world_size: int | None = None) -> Resolved:
     if world_size is None:
         world_size = declared_world_size(cfg)
     check(cfg, world_size)
-    branch = check_branch_config(cfg)  # cooldown branches: their keys, their steps
+    branch_points = check_branch_config(cfg)  # cooldown branches: their keys, their steps
     device = pick_device(cfg.train.device)
     cfg, auto_precision = resolve_auto_precision(cfg, device)
     policy = resolve_policy(cfg.precision, device)
@@ -186,7 +185,7 @@ def resolve_plan(cfg: Config, world_size: int | None = None) -> Resolved:
     schedule_warnings = check_schedule(cfg, budget)  # the schedule against the steps
     decision = decide(cfg, budget, resolve_backend(
         cfg.model.attention, device, policy.compute_dtype, cfg.model.attention_mask == "document"),
-        branch)
+        branch_points)
     plan = {**describe_run(cfg, world_size, budget, decision), "device": str(device)}
     documents = describe_documents(cfg, cfg.parallel.micro_batch_size, device.type)
     if documents:  # model.attention_mask=document: what the planner counts for it
