@@ -426,7 +426,7 @@ def register_configs() -> None:
 
 
 class ConfigError(ValueError):
-    """Values that are each allowed but do not go together (config_checks.check lists them)."""
+    """Values that are each allowed but do not go together (decision/checks.py lists them)."""
 
     def __init__(self, problems: list[str]):
         self.problems = problems
