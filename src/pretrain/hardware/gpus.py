@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretrain.config.paths import CONF_DIR
+from pretrain.errors import UserError
 
 GIB = 1024**3
 CONF_GPU_DIR = CONF_DIR / "gpu"
@@ -27,7 +28,7 @@ KEYS = ("name", "match", "memory_gib", "peak_tflops", "nvlink_gbps", "network_gb
         "gpus_per_node", "default_mfu", "kernel_efficiency", "pcie_gbps")
 
 
-class GpuError(ValueError):
+class GpuError(UserError, ValueError):
     pass
 
 
