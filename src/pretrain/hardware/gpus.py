@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretrain.config.paths import CONF_DIR
+from pretrain.errors import UserError
 
 GIB = 1024**3
 CONF_GPU_DIR = CONF_DIR / "gpu"
@@ -28,7 +29,7 @@ KEYS = ("name", "match", "memory_gib", "peak_tflops", "nvlink_gbps", "network_gb
         "host_speed")
 
 
-class GpuError(ValueError):
+class GpuError(UserError, ValueError):
     pass
 
 

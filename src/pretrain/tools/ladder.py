@@ -25,7 +25,7 @@ data root, ``runs_dir``, a seed); a cooldown recipe whose ``branch_from`` is
 they change; one that names the source by its size alone (ladder-mix-cooldown) needs
 overrides that leave what is trained unchanged. The flags of the
 fit (``--target-flops``, ``--predict``, ``--predict-run``, ``--bootstrap``, ``--max-interval``,
-``--max-ratio``, ``--out``, ``--count``, ``--metric``, ``--min-steps``, ``--diagnose``,
+``--max-ratio``, ``--max-size-ratio``, ``--out``, ``--count``, ``--metric``, ``--min-steps``, ``--diagnose``,
 ``--no-plots``) go to
 tools/scaling_law.py. ``--dry-run`` prints the commands and
 runs nothing; ``--fit-only`` fits the runs already there. ``--seed-sizes 16,72`` adds a second
@@ -53,6 +53,7 @@ import sys
 from pathlib import Path
 
 from pretrain.config.paths import REPO
+from pretrain.errors import cli
 
 
 def branch_budgets(recipe: str, overrides: list[str] = ()) -> list[float]:
@@ -167,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "every stream sees every GPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
     ap.add_argument("--fit-only", action="store_true", help="fit the finished runs only")
-    for flag in ("--target-flops", "--bootstrap", "--max-interval", "--max-ratio", "--out",
-                 "--count", "--metric", "--min-steps"):
+    for flag in ("--target-flops", "--bootstrap", "--max-interval", "--max-ratio",
+                 "--max-size-ratio", "--out", "--count", "--metric", "--min-steps"):
         ap.add_argument(flag, help=f"tools/scaling_law.py {flag}")
     ap.add_argument("--predict", action="append", default=[], metavar="N,D",
                     help="tools/scaling_law.py --predict, repeatable")
@@ -197,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def fit_arguments(args: argparse.Namespace) -> list[str]:
     """The flags that go on to tools/scaling_law.py."""
-    fit_args = [x for flag in ("target_flops", "bootstrap", "max_interval", "max_ratio", "out",
-                               "count", "metric", "min_steps")
+    fit_args = [x for flag in ("target_flops", "bootstrap", "max_interval", "max_ratio",
+                               "max_size_ratio", "out", "count", "metric", "min_steps")
                 if getattr(args, flag) is not None
                 for x in (f"--{flag.replace('_', '-')}", getattr(args, flag))]
     fit_args += [x for p in args.predict for x in ("--predict", p)]
@@ -207,6 +208,7 @@ def fit_arguments(args: argparse.Namespace) -> list[str]:
     return fit_args + (["--diagnose"] if args.diagnose else [])
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.plan:
