@@ -311,6 +311,10 @@ class TrainConfig:
     # On CUDA, fp32 matmuls on TF32 tensor cores (torch.set_float32_matmul_precision("high")).
     tf32: bool = True
     compile: bool = False
+    # One device's forward, loss and backward replayed as a CUDA graph (torch.compile's
+    # reduce-overhead; planning/graphs.py): auto (where the planner says the step is
+    # host-bound), true, false. Off by default until measured on a GPU (docs/benchmarks.md).
+    cuda_graphs: str = "false"
     # Stop (save, exit 75 = requeue me) after this many minutes, like a SLURM time limit.
     time_limit_minutes: float | None = None
     # Stop the same way every this many steps (Megatron's --exit-interval): a job that
