@@ -29,6 +29,7 @@ import zipfile
 from pathlib import Path
 
 from pretrain.checkpoint.folder import CheckpointError
+from pretrain.config.paths import SRC
 from pretrain.config.schema import EvalConfig
 from pretrain.data import task_scoring
 from pretrain.data.tasks import TaskNotFound, package_dir, split_name
@@ -37,7 +38,7 @@ from pretrain.tools.evaluate import load, plain_logprobs
 from pretrain.tools.export_hf import export
 from pretrain.train.downstream import TaskSet
 
-YAML_DIR = Path(__file__).resolve().parents[1] / "data" / "lm_eval_tasks"
+YAML_DIR = SRC / "pretrain" / "data" / "lm_eval_tasks"
 INSTALL = "pip install -e '.[eval]' (lm-eval[hf] 0.4.13)"
 
 
