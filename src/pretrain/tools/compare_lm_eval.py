@@ -54,8 +54,8 @@ def check_tasks(tasks: list[str]) -> None:
         name, variant = split_name(task)
         if name not in lm_eval_tasks() or variant != "rc_0shot":
             raise TaskNotFound(f"task {task!r}: lm-eval task YAMLs exist for "
-                               f"{lm_eval_tasks()} (rc_0shot) in {YAML_DIR}; add "
-                               f"pretrain_{name}.yaml for another")
+                               f"{lm_eval_tasks()} (rc_0shot only) in {YAML_DIR}; another "
+                               "needs its own pretrain_<task>.yaml there")
 
 
 def request_file(task: str, tasks_dir: str | None, scratch: Path) -> Path:
