@@ -173,7 +173,7 @@ def describe_data(cfg: Config, budget: Budget, shares: tuple[SourceShare, ...]) 
 def resolve_plan(cfg: Config, world_size: int | None = None) -> Resolved:
     """Everything a run on this machine decides before it starts: its decision, plan (the
     report), budget, device, precision policy and layout. ``world_size`` None: the layout
-    as declared (see decision/checks.check)."""
+    as declared (see decision/checks.py's check)."""
     if world_size is None:
         world_size = declared_world_size(cfg)
     check(cfg, world_size)

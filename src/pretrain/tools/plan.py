@@ -31,8 +31,9 @@ from pretrain.decision.resolve import describe_run, resolve_auto
 from pretrain.decision.schedule_checks import check_schedule
 from pretrain.errors import UserError, cli, report
 from pretrain.hardware.gpus import get_gpu
-from pretrain.parallel.layout import layout_world_size
+from pretrain.parallel.layout import layout_world_size, resolve_layout
 from pretrain.planning.autolayout import LayoutError
+from pretrain.planning.graphs import graph_verdict
 from pretrain.planning.report import build_plan, format_plan
 
 FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2
@@ -105,7 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     if args.simulate:
         return run_simulation(cfg, n, args.rank, args.step, plan)
+    layout = resolve_layout(cfg, n)
+    if layout.one_device:  # the host-bound verdict and what a CUDA graph would save
+        plan["cuda_graphs"] = graph_verdict(cfg, layout, gpu, budget).line()
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    if "cuda_graphs" in plan and not args.json:
+        print(plan["cuda_graphs"])
     return FITS if plan["fits"] else DOES_NOT_FIT
 
 
