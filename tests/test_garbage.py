@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from pretrain.train.garbage import GarbageCollection
+from pretrain.train.services.garbage import GarbageCollection
 
 
 def test_gc_off_during_training_collected_every_interval_restored_after(monkeypatch):

@@ -298,6 +298,10 @@ class TrainConfig:
     noise_scale: bool = True
     # EMA factor over the logging steps' estimates of |G|^2 and tr(Sigma).
     noise_scale_ema: float = 0.9
+    # Update-to-weight ratio ||ΔW|| / ||W|| per block (and embedding, final norm, head),
+    # logged as update_ratio/<group> on the logging steps that are multiples of this
+    # (src/pretrain/train/services/update_ratio.py); 0: off.
+    update_ratio_interval: int = 0
     eval_interval: int = 100
     # Validation batches (of parallel.micro_batch_size sequences) per evaluation, the first
     # ones of the split, each counted once. With pp > 1 rounded up to whole pipeline steps
