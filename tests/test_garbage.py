@@ -1,4 +1,4 @@
-"""GC control in the training loop (src/pretrain/train/garbage.py)."""
+"""GC control in the training loop (src/pretrain/train/services/garbage.py)."""
 
 from __future__ import annotations
 

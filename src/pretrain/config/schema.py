@@ -294,7 +294,7 @@ class TrainConfig:
     batch_law: list[float] | None = None
     # Gradient noise scale B_simple (McCandlish et al. 2018, app. A), in tokens, measured on
     # logging steps from the first micro batch's gradient and the whole step's
-    # (src/pretrain/train/noise_scale.py); logged as noise_scale.
+    # (src/pretrain/train/services/noise_probe.py); logged as noise_scale.
     noise_scale: bool = True
     # EMA factor over the logging steps' estimates of |G|^2 and tr(Sigma).
     noise_scale_ema: float = 0.9

@@ -291,8 +291,8 @@ def check_sources(cfg: DataConfig) -> list[dict]:
 
 def open_mixture(cfg: Config, plan: dict, prepare: bool = False) -> MixtureWindows:
     """The mixture's training windows (each source's validation split is evaluated on its
-    own, train/evaluation.SourceValidation: the run's val_loss is their training-weighted
-    mean); ``plan``: the run's, with ``mixture_stages`` and ``data_sources`` (decision/resolve.py).
+    own, train/evaluation.Validation: the run's val_loss is their mean weighted by
+    data.mixture, evaluation.mixture_mean); ``plan``: the run's, with ``mixture_stages`` and ``data_sources`` (decision/resolve.py).
     ``prepare`` (a one-process run): first prepare the sources that say how they are built
     and are not prepared yet, when data.auto_prepare (mixture_prepare.py)."""
     if prepare:

@@ -10,12 +10,10 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from pretrain.train.checkpointing import META_KEYS
 from pretrain.train.hooks import Hook, LoopContext, registered
 
-# meta.json's own keys (train/checkpointing.Checkpointing.save): a hook's state may not
-# take one of them
-RESERVED = frozenset({"step", "tokens", "samples_seen", "layout", "world_size", "branch",
-                      "config"})
+RESERVED = META_KEYS  # meta.json's own keys: a hook's state may not take one of them
 
 
 def discover() -> None:

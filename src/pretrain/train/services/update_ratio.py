@@ -3,8 +3,8 @@
 (``layers.<i>``) and of each other top-level module (``tok_emb``, ``norm``, ``lm_head``...),
 where ΔW = W_after - W_before is what the optimizer step changed (lr x its update, weight
 decay included) and ||.|| the Frobenius norm over every parameter of the group. Recorded as
-``update_ratio/<group>``. A healthy AdamW run sits around 1e-3 per step; far above means
-the LR is too high for that layer, far below that it barely learns.
+``update_ratio/<group>``. The rule of thumb (Karpathy's CS231n notes) is about 1e-3 per
+step; far above, the steps are too large for that layer's weights; far below, it barely moves.
 
 It copies this rank's parameters before a measured step (one model's worth of memory, on
 those steps only) and reads the norms in one host sync after it. Sharded parameters (FSDP,
