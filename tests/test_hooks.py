@@ -78,9 +78,9 @@ def registered(monkeypatch) -> list[Recorder]:
     """A Recorder appended to the registry's hooks; the list holds each run's."""
     made: list[Recorder] = []
 
-    def build(trainer):
+    def build(ctx):
         made.append(Recorder())
-        return check_names([*build_hooks(trainer), made[-1]])
+        return check_names([*build_hooks(ctx), made[-1]])
 
     monkeypatch.setattr(trainer_module, "build_hooks", build)
     return made
@@ -132,9 +132,9 @@ def test_a_hook_newer_than_the_checkpoint_starts_fresh(compose, prepared, tmp_pa
     trainer_module.run(cfg, tmp_path / "run")  # the registry as it is: no Recorder
     made = []
 
-    def build(trainer):
+    def build(ctx):
         made.append(Recorder())
-        return [*build_hooks(trainer), made[-1]]
+        return [*build_hooks(ctx), made[-1]]
 
     monkeypatch.setattr(trainer_module, "build_hooks", build)
     assert trainer_module.run(cfg, tmp_path / "run")["recorder_steps"] == 2  # steps 3, 4

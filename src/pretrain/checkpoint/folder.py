@@ -29,6 +29,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from pretrain.checkpoint.failures import SAVE_ERRORS, save_failure_message
+from pretrain.errors import UserError
 from pretrain.parallel.mesh import broadcast_from_rank0
 
 log = logging.getLogger("pretrain.checkpoint")
@@ -41,7 +42,7 @@ DELETING = ".deleting"
 T = TypeVar("T")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     pass
 
 
@@ -147,6 +148,16 @@ def verify_checksums(path: Path) -> str | None:
     if not bad:
         return None
     return f"{', '.join(sorted(bad))} do(es) not match the sha256 recorded in {META}"
+
+
+def require_intact(path: Path, fix: str) -> None:
+    """CheckpointError, naming the file and ``fix``, unless every file of checkpoint
+    ``path`` has the sha256 its meta.json records (``verify_checksums``: every rank calls
+    it together). What resume, a weights-only start and the tools reading a checkpoint
+    (tools/evaluate.py, tools/export_hf.py) all check before they read one."""
+    why = verify_checksums(path)
+    if why is not None:
+        raise CheckpointError(f"{path} is corrupt: {why}. {fix}")
 
 
 def read_meta(path: Path) -> dict:

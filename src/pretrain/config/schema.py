@@ -41,6 +41,7 @@ from pretrain.config.choices import (  # re-exported: schema is where users impo
 )
 from pretrain.config.choices import Choice as Choice  # noqa: I001 re-exported
 from pretrain.config.data_schema import DataConfig, MixtureSource, MixtureStage  # noqa: F401 re-exported
+from pretrain.errors import UserError
 
 
 @dataclass
@@ -313,6 +314,10 @@ class TrainConfig:
     # On CUDA, fp32 matmuls on TF32 tensor cores (torch.set_float32_matmul_precision("high")).
     tf32: bool = True
     compile: bool = False
+    # One device's forward, loss and backward replayed as a CUDA graph (torch.compile's
+    # reduce-overhead; planning/graphs.py): auto (where the planner says the step is
+    # host-bound), true, false. Off by default until measured on a GPU (docs/benchmarks.md).
+    cuda_graphs: str = "false"
     # Stop (save, exit 75 = requeue me) after this many minutes, like a SLURM time limit.
     time_limit_minutes: float | None = None
     # Stop the same way every this many steps (Megatron's --exit-interval): a job that
@@ -428,7 +433,7 @@ def register_configs() -> None:
     cs.store(name="base_config", node=Config)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """Values that are each allowed but do not go together (config_checks.check lists them)."""
 
     def __init__(self, problems: list[str]):
@@ -436,8 +441,12 @@ class ConfigError(ValueError):
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")
 
+    def lines(self) -> list[str]:
+        """One line per problem (the entry points print them, pretrain.errors)."""
+        return [" ".join(p.split()) for p in self.problems]
 
-class UnknownKeyError(KeyError):
+
+class UnknownKeyError(UserError, KeyError):
     def __str__(self) -> str:  # KeyError would print the message quoted
         return str(self.args[0])
 

@@ -6,6 +6,8 @@ reported together, so a user fixes a recipe in one pass.
 
 from __future__ import annotations
 
+import math
+
 from pretrain.config.schema import Config, ConfigError
 from pretrain.data.mixture import mixture_problems
 from pretrain.data.sources import LOCAL_FORMATS
@@ -171,6 +173,7 @@ def _check_stability(cfg: Config, p: list[str]) -> None:
     z, o = cfg.train.z_loss, cfg.optim
     if z < 0:
         p.append(f"train.z_loss={z} must be >= 0 (0: off; OLMo-3 uses 1e-5, PaLM 1e-4)")
+    p.extend(z_loss_bound_problems(cfg))
     if z > 0 and cfg.parallel.tp > 1:
         p.append(f"train.z_loss={z} is not computed on vocabulary-sharded logits "
                  f"(parallel.tp={cfg.parallel.tp}, loss_parallel): set train.z_loss=0, or "
@@ -189,6 +192,24 @@ def _check_stability(cfg: Config, p: list[str]) -> None:
     if cfg.precision.loss_scaling:
         p.append("optim.spike_guard=true with fp16 loss scaling: the scaler skips steps "
                  "itself; use precision=bf16 (no loss scaling), or optim.spike_guard=false")
+
+
+# 100x PaLM's 1e-4: z_loss x logsumexp^2 with logsumexp ~ ln(vocab) (about 10.8 for 50k
+# tokens) at init already adds 1.2 nats here, as much as the cross-entropy late in training.
+Z_LOSS_MAX = 1e-2
+
+
+def z_loss_bound_problems(cfg: Config) -> list[str]:
+    """train.z_loss above Z_LOSS_MAX: the penalty on log Z would outweigh the loss itself."""
+    z = cfg.train.z_loss
+    if z <= Z_LOSS_MAX:
+        return []
+    at_init = z * math.log(max(2, cfg.model.vocab_size)) ** 2
+    return [f"train.z_loss={z:g} is above {Z_LOSS_MAX:g} (100x PaLM's 1e-4): z_loss x "
+            f"logsumexp(logits)^2 is about {at_init:.3g} at init with model.vocab_size="
+            f"{cfg.model.vocab_size}, outweighing the cross-entropy (~"
+            f"{math.log(max(2, cfg.model.vocab_size)):.1f}); use train.z_loss=1e-4 (PaLM) or "
+            "1e-5 (OLMo-3)"]
 
 
 def _check_layout(cfg: Config, world_size: int, p: list[str]) -> None:

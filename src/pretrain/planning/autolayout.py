@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 
 from pretrain.budget.compute import Budget, resolve_budget
 from pretrain.config.schema import Config, ParallelConfig
+from pretrain.errors import UserError
 from pretrain.hardware.gpus import GpuSpec, get_gpu
 from pretrain.model.gpt import padded_vocab_size
 from pretrain.parallel.dp_modes import DP_MODES, LEAST_MEMORY, SHARDED
@@ -47,7 +48,7 @@ MAX_GPUS = 16384
 HEADROOM = 0.10  # the share of each GPU's memory a chosen layout leaves free
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """No layout exists (impossible GPU count) or none fits in memory."""
 
 

@@ -8,8 +8,9 @@ import logging
 import time
 
 from pretrain.config.schema import EvalConfig
+from pretrain.data.task_scoring import TaskSet
 from pretrain.data.tasks import describe_source
-from pretrain.train.downstream import TaskSet, score
+from pretrain.train.downstream import score
 from pretrain.train.hooks import Hook, LoopContext, register
 
 log = logging.getLogger("pretrain")
