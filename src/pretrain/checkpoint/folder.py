@@ -37,6 +37,14 @@ log = logging.getLogger("pretrain.checkpoint")
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 META = "meta.json"
 CHECKSUMS = "sha256"  # meta.json's {file: sha256 hex digest}, written with the save
+FILES = "files"  # meta.json's {file: size in bytes}, written with the save
+SAVED_AT = "saved_at"  # meta.json's time of the save (seconds since the epoch)
+# meta.json's own keys, the one list: what a run writes (train/checkpointing.py's save) and
+# what the manager adds (FILES, CHECKSUMS, SAVED_AT). Each hook's state sits under the
+# hook's name, which may be none of these (train/services.py); tests/test_meta_keys.py
+# compares a real save's meta.json with this list.
+RUN_META_KEYS = ("step", "tokens", "samples_seen", "layout", "world_size", "branch", "config")
+META_KEYS = frozenset({*RUN_META_KEYS, FILES, CHECKSUMS, SAVED_AT})
 # A checkpoint retention condemned: renamed first (the scanner ignores it), then deleted.
 DELETING = ".deleting"
 T = TypeVar("T")
@@ -106,7 +114,7 @@ def checkpoint_status(path: Path) -> str | None:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         return f"{META} is unreadable ({e})"
-    for name, size in meta.get("files", {}).items():
+    for name, size in meta.get(FILES, {}).items():
         f = path / name
         if not f.exists():
             return f"{name} is missing"

@@ -183,8 +183,9 @@ class OptimConfig:
     sets ``name`` and its hyperparameters."""
 
     # optim.name: a key of src/pretrain/optim/specs.py's OPTIMIZERS, the one list of the
-    # optimizers (one spec each: how it is built, its LR rules, its state bytes, ...); the
-    # config checks refuse any other name, listing them.
+    # optimizers (one module each in optim/optimizers/: how it is built, the keys below it
+    # reads, its LR rules, its state bytes, ...); the config checks refuse any other name,
+    # listing them, and warn about a key changed here that the chosen optimizer ignores.
     name: str = "adamw"
     lr: float = 6e-4
     # The global batch (in tokens) that lr was tuned for; lr_scaling adapts lr to the
@@ -214,7 +215,7 @@ class OptimConfig:
     # and Moonlight's) or float32 (as exact as the fp32 momentum it orthogonalises; twice the
     # working set, and slower on GPUs' bf16 tensor cores).
     muon_ns_dtype: NsDtype = NsDtype.bfloat16
-    # An LR more than 100x outside the optimizer's usual range (optim/factory.py LR_RANGES)
+    # An LR more than 100x outside the optimizer's usual range (its spec's lr_range)
     # is refused: an LR meant for another optimizer, or a typo. true: run it anyway.
     allow_lr_out_of_range: bool = False
     # Skip a step whose loss or grad norm is an outlier (> mean + spike_sigmas x std of the
@@ -434,7 +435,7 @@ def register_configs() -> None:
 
 
 class ConfigError(UserError, ValueError):
-    """Values that are each allowed but do not go together (config_checks.check lists them)."""
+    """Values that are each allowed but do not go together (decision/checks.py lists them)."""
 
     def __init__(self, problems: list[str]):
         self.problems = problems

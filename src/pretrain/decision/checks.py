@@ -6,6 +6,7 @@ reported together, so a user fixes a recipe in one pass.
 
 from __future__ import annotations
 
+import logging
 import math
 
 from pretrain.config.schema import Config, ConfigError
@@ -13,6 +14,7 @@ from pretrain.data.mixture import mixture_problems
 from pretrain.data.sources import LOCAL_FORMATS
 from pretrain.model.parametrization import problems as parametrization_problems
 from pretrain.optim.specs import (
+    ignored_key_warnings,
     lr_out_of_range_problem,
     lr_rule_problems,
     mup_problems,
@@ -20,6 +22,8 @@ from pretrain.optim.specs import (
 )
 from pretrain.parallel.layout import declared_world_size
 from pretrain.parallel.rules import layout_problems
+
+log = logging.getLogger("pretrain")
 
 POSITIVE = (
     "model.n_layer", "model.n_head", "model.d_model", "model.vocab_size", "model.seq_len",
@@ -47,6 +51,7 @@ def check(cfg: Config, world_size: int | None = None) -> None:
     (tp * pp * dp), which is what a dry run checks."""
     if unknown := name_problems(cfg.optim.name):  # everything below reads its spec
         raise ConfigError(unknown)
+    warn_ignored_optim_keys(cfg)
     if world_size is None:
         world_size = declared_world_size(cfg)
     p: list[str] = []
@@ -166,6 +171,16 @@ def _check_optim(cfg: Config, p: list[str]) -> None:
     if cfg.optim.lr_scaling != "none" and not cfg.optim.ref_batch_tokens:
         p.append(f"optim.lr_scaling={cfg.optim.lr_scaling} needs optim.ref_batch_tokens, the "
                  "global batch (in tokens) that optim.lr was tuned for")
+
+
+def warn_ignored_optim_keys(cfg: Config) -> list[str]:
+    """A warning (one line naming the key and the optimizer) for each optim.* key the user
+    changed that the chosen optimizer does not read (its spec's ``reads``): the run goes
+    on, but the value does nothing. Returned too, for the callers that show them."""
+    found = ignored_key_warnings(cfg.optim)
+    for line in found:
+        log.warning(line)
+    return found
 
 
 def _check_stability(cfg: Config, p: list[str]) -> None:

@@ -156,7 +156,7 @@ def resolve_plan(cfg: Config, world_size: int | None = None
                  ) -> tuple[dict, Budget, torch.device, Policy]:
     """Everything a run on this machine decides before it starts: its plan, budget, device
     and precision policy. ``world_size`` None: the layout as declared (see
-    config_checks.check)."""
+    decision/checks.py's check)."""
     if world_size is None:
         world_size = declared_world_size(cfg)
     check(cfg, world_size)

@@ -19,8 +19,8 @@ Llama 3.1 8B reserved 82.4 GiB where it predicts 71.1; docs/benchmarks.md), and 
 still reports whether it fits at all.
 
 ``parallel=auto`` is resolved before validation (resolve.py, the one decision path): the
-config gets ``parallel`` replaced by ``choose_layout``'s winner, which ``config_checks.check``
-then checks like any layout.
+config gets ``parallel`` replaced by ``choose_layout``'s winner, which
+decision/checks.py's ``check`` then checks like any layout.
 """
 
 from __future__ import annotations

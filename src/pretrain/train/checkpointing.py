@@ -19,11 +19,6 @@ from pretrain.planning.memory import checkpoint_bytes
 
 log = logging.getLogger("pretrain")
 
-# meta.json's own keys (``Checkpointing.save``); a hook's state may not take one of them
-# (services.check_names)
-META_KEYS = frozenset({"step", "tokens", "samples_seen", "layout", "world_size", "branch",
-                       "config"})
-
 
 class Checkpointing:
     """Found before the model exists: a resumed run skips initialising it."""
@@ -71,8 +66,6 @@ class Checkpointing:
         meta = {"step": trainer.step, "tokens": trainer.step * trainer.budget.global_batch_tokens,
                 "samples_seen": trainer.samples_seen, "layout": trainer.plan["layout"],
                 "world_size": trainer.world_size, "branch": self.branch,
-                "config": OmegaConf.to_container(OmegaConf.structured(self.cfg))}
-        if set(meta) != META_KEYS:
-            raise RuntimeError(f"meta.json's keys {sorted(meta)} are not META_KEYS: keep them one list")
-        meta.update({h.name: state for h in trainer.hooks if (state := h.state_dict())})
+                "config": OmegaConf.to_container(OmegaConf.structured(self.cfg)),
+                **{h.name: state for h in trainer.hooks if (state := h.state_dict())}}
         self.manager.save(trainer.step, self.state(trainer), meta, block=block)

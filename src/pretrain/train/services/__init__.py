@@ -10,10 +10,11 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from pretrain.train.checkpointing import META_KEYS
+from pretrain.checkpoint.folder import META_KEYS
 from pretrain.train.hooks import Hook, LoopContext, registered
 
-RESERVED = META_KEYS  # meta.json's own keys: a hook's state may not take one of them
+# meta.json's own keys (checkpoint/folder.py META_KEYS): a hook's state may not take one
+RESERVED = META_KEYS
 
 
 def discover() -> None:
