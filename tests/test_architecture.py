@@ -57,7 +57,9 @@ def test_every_module_has_a_layer():
     wing = layers["tool"]["importlinter"]["contracts"][1]
     assert wing["containers"] == ["pretrain.train"]
     inner = {m.strip() for layer in wing["layers"] for m in layer.split("|")}
-    assert inner == {p.stem for p in (SRC / "train").glob("*.py") if p.name != "__init__.py"}
+    assert inner == {p.stem for p in (SRC / "train").iterdir()
+                     if (p.suffix == ".py" and p.name != "__init__.py")
+                     or (p / "__init__.py").exists()}
     data = layers["tool"]["importlinter"]["contracts"][2]
     assert data["containers"] == ["pretrain.data"]
     inner = {m.strip() for layer in data["layers"] for m in layer.split("|")}
@@ -133,6 +135,18 @@ def test_no_module_imports_a_private_name_of_the_data_wing():
     assert private == []
 
 
+def test_a_hook_module_reaching_up_to_the_loop_breaks_the_contract(tmp_path):
+    """The services package is one layer as a whole: a hook module (any, a new one too)
+    importing the loop fails lint-imports with no edit to pyproject.toml."""
+    shutil.copytree(SRC, tmp_path / "src" / "pretrain")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    hook = tmp_path / "src" / "pretrain" / "train" / "services" / "brand_new.py"
+    hook.write_text("from pretrain.train.trainer import Trainer  # noqa\n")
+    out = lint(tmp_path)
+    assert out.returncode == 1, out.stdout
+    assert "pretrain.train.services.brand_new -> pretrain.train.trainer" in out.stdout
+
+
 def test_the_loop_imports_nothing_from_parallel():
     """trainer.py reaches the layout only through the train module's interface."""
     assert not {m for m in imports_of(SRC / "train" / "trainer.py") if m.startswith("pretrain.parallel")}
@@ -146,7 +160,7 @@ def test_the_loop_asks_nothing_about_the_layout(name):
 
 
 def test_the_loop_is_short():
-    """Services attach on the hook seam (train/hooks.py, train/services.py), not inside
+    """Services attach on the hook seam (train/hooks.py, train/services/), not inside
     the loop (issue 41)."""
     assert len((SRC / "train" / "trainer.py").read_text().splitlines()) <= 400
 
@@ -281,7 +295,7 @@ def test_the_run_reads_a_typed_decision_and_the_plan_is_its_serialised_form(comp
     readers = re.compile(r"\b(self|trainer|run)\.plan(\[|\.get\()|plan\[\"(lr|attention|"
                          r"layout|branch_points|mixture_stages|data_sources)\"\]")
     found = [f"{p.relative_to(SRC)}: {m.group(0)}" for p in SRC.rglob("*.py")
-             if p.parent.name in ("train", "data", "checkpoint", "decision")
+             if p.relative_to(SRC).parts[0] in ("train", "data", "checkpoint", "decision")
              for m in readers.finditer(p.read_text())]
     assert found == []
 

@@ -277,6 +277,16 @@ def test_the_recipe_trains_and_a_killed_run_resumes_exactly(prepared3):
     cfg = compose_config(command(work, "straight")[2:])
     start = wsd_decay_start(12, cfg.schedule)  # the cooldown mix from the decay start
     assert plan["mixture_stages"] == [[0, [0.5, 0.3, 0.2]], [start, [0.2, 0.3, 0.5]]]
+    # final_val_loss, by hand: the sources' last losses weighted by data.mixture's weights
+    # (0.5/0.3/0.2), not by the cooldown stage's (0.2/0.3/0.5) the run ended on
+    result = json.loads((work / "runs" / "straight" / "result.json").read_text())
+    losses = [result[f"val/{n}"]["loss"] for n in ("stdlib", "site-code", "site-docs")]
+    assert [result[f"val/{n}"]["weight"] for n in ("stdlib", "site-code", "site-docs")] == \
+        [0.5, 0.3, 0.2]
+    assert result["final_val_loss"] == pytest.approx(
+        (0.5 * losses[0] + 0.3 * losses[1] + 0.2 * losses[2]) / 1.0, rel=1e-15)
+    assert result["final_val_loss"] != pytest.approx(
+        0.2 * losses[0] + 0.3 * losses[1] + 0.5 * losses[2], rel=1e-6)
 
     cmd = command(work, "killed", "checkpoint.enabled=true", "checkpoint.interval_steps=5",
                   "checkpoint.async_save=false")
