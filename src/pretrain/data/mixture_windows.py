@@ -1,7 +1,8 @@
 """A mixture's training windows: global sample ``i`` is position ``i mod B`` of global
 batch ``i div B``, whose source and sample within it the mixer (mixer.py) gives, read from
 that source's own TokenWindows (loader.py, seeded by (data.seed, k + 1, epoch)). Each
-source's validation split is evaluated on its own (train/evaluation.SourceValidation)."""
+source's validation split is evaluated on its own (train/evaluation.Validation: the run's
+val_loss is their mean weighted by data.mixture, evaluation.mixture_mean)."""
 
 from __future__ import annotations
 
