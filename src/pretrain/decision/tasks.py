@@ -32,7 +32,7 @@ def run_tokenizer(cfg: Config) -> Path:
 
 def scoring_steps(steps: int, interval: int) -> int:
     """How many times a run of ``steps`` scores its tasks: at step 0, every ``interval``
-    steps, and at the last step (train/downstream.TaskEvaluation.due)."""
+    steps, and at the last step (train/services/tasks.TaskEvaluation.due)."""
     return 1 + steps // interval + (1 if steps % interval else 0)
 
 
