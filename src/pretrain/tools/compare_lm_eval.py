@@ -29,12 +29,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from pretrain.checkpoint.folder import CheckpointError
 from pretrain.config.paths import SRC
 from pretrain.config.schema import EvalConfig
 from pretrain.data import task_scoring
 from pretrain.data.tasks import WHEEL_TASKS, TaskNotFound, request_source, split_name
-from pretrain.model.hf import ExportError
+from pretrain.errors import UserError, cli
 from pretrain.tools.evaluate import load, plain_logprobs
 from pretrain.tools.export_hf import export
 from pretrain.train.downstream import TaskSet
@@ -180,6 +179,7 @@ def agrees(report: dict[str, dict], tolerance: float) -> bool:
                and not r["acc_norm_docs_differing"] for r in report.values())
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source", help="run directory, checkpoint, or Hugging Face directory")
@@ -195,19 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     if args.max_examples < 1:
-        print(f"error: --max-examples {args.max_examples}: give 1 or more", file=sys.stderr)
-        return 2
+        raise UserError(f"--max-examples {args.max_examples}: give 1 or more")
     cfg = EvalConfig(tasks=[t for t in args.tasks.split(",") if t],
                      max_examples=args.max_examples, tasks_dir=args.tasks_dir,
                      batch_size=args.batch_size)
-    try:
-        check_tasks(cfg.tasks)
-        if importlib.util.find_spec("lm_eval") is None:
-            raise TaskNotFound(f"lm-eval is not installed: {INSTALL}")
-        report = run(args.source, cfg)
-    except (CheckpointError, ExportError, TaskNotFound) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    check_tasks(cfg.tasks)
+    if importlib.util.find_spec("lm_eval") is None:
+        raise TaskNotFound(f"lm-eval is not installed: {INSTALL}")
+    report = run(args.source, cfg)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:
