@@ -6,6 +6,7 @@ Several processes: ``torchrun --nproc_per_node=N train.py +recipe=NAME`` (N = tp
 
 import os
 import sys
+from contextlib import nullcontext
 
 from pretrain.launch.lifeline import tie_rank_to_agent
 
@@ -15,18 +16,18 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from pretrain.config.naming import (  # noqa: E402
-    RecipeNameError,
+    check_override_keys,
     check_recipe_overrides,
     register_resolvers,
 )
 from pretrain.config.schema import register_configs, to_config  # noqa: E402
+from pretrain.errors import exit_on_user_error  # noqa: E402
 
 register_configs()
 register_resolvers()
-try:
-    check_recipe_overrides(sys.argv[1:])  # before Hydra reads a file or makes a directory
-except RecipeNameError as e:
-    sys.exit(f"error: {e}")
+with exit_on_user_error():  # before Hydra reads a file or makes a directory
+    check_recipe_overrides(sys.argv[1:])
+    check_override_keys(sys.argv[1:])
 
 if int(os.environ.get("RANK", "0")) > 0:
     # Under torchrun every rank composes the same config and the same run directory; only
@@ -38,10 +39,16 @@ if int(os.environ.get("RANK", "0")) > 0:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from pretrain.train.trainer import run
 
-    result = run(to_config(cfg), HydraConfig.get().runtime.output_dir)
+    # The project's own errors (ConfigError, DataError, ...): one line each, exit 2; the
+    # traceback with HYDRA_FULL_ERROR=1 (pretrain/errors.py). A sweep (-m) leaves a failed
+    # point to Hydra, which runs the others of the batch and then names the failed job.
+    single = HydraConfig.get().mode != RunMode.MULTIRUN
+    with exit_on_user_error() if single else nullcontext():
+        result = run(to_config(cfg), HydraConfig.get().runtime.output_dir)
     if result and result.get("exit_code"):
         # 75 (EX_TEMPFAIL): stopped by a signal or the time limit after saving a
         # checkpoint; slurm/train.sbatch requeues the job and the run resumes from it.

@@ -222,7 +222,10 @@ def test_every_module_is_named_in_the_docs():
     every top-level module and wing (package)."""
     arch = (REPO / "docs" / "architecture.md").read_text()
     layout = arch[arch.index("## The files"):arch.index("## Who decides what")]
-    files = [p.relative_to(SRC) for p in SRC.rglob("*.py") if p.name != "__init__.py"]
+    # optim/optimizers/ holds one module per optimizer, named there as a folder; each
+    # optimizer is named in docs/optimizers.md instead (tests/test_optimizer_docs.py)
+    files = [p.relative_to(SRC) for p in SRC.rglob("*.py") if p.name != "__init__.py"
+             and p.parent != SRC / "optim" / "optimizers"]
     unnamed = [str(f) for f in files if not re.search(rf"\b{f.stem}\b", arch)]
     assert unnamed == [], "name these in docs/architecture.md"
     tops = {f.parts[0].removesuffix(".py") for f in files}

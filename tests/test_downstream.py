@@ -17,10 +17,11 @@ from helpers import TOKENIZER_VOCAB, problems
 
 from pretrain.config.schema import EvalConfig, ModelConfig
 from pretrain.data import task_scoring
+from pretrain.data.task_scoring import TaskSet, text_encoder
 from pretrain.data.tasks import TaskNotFound, load_task
 from pretrain.decision.checks import check
 from pretrain.model.gpt import GPT
-from pretrain.train.downstream import TaskEvaluation, TaskSet, score, text_encoder
+from pretrain.train.downstream import TaskEvaluation, score
 
 TASKS_DIR = Path(__file__).parent / "data" / "tasks"
 TASKS = ["hellaswag", "arc_easy"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pretrain.config.compose import compose_config
-from pretrain.model.gpt import build_model
+from pretrain.model.gpt import GPT, build_model
 from pretrain.model.initialization import TILE, Init, fill_normal_, init_parameters
 
 PROBE = Path(__file__).with_name("init_probe.py")
@@ -113,3 +113,24 @@ def test_every_layout_shard_equals_the_one_process_weights():
         assert "error" not in got, (name, got)
         assert got["wrong"] == [], (name, got)
         assert 0 < got["elements"] < got["full_elements"], (name, got)  # a shard, not all
+
+
+def test_init_under_a_device_context_draws_the_same_weights():
+    """Issue 49: ``init_weights()`` inside ``with torch.device("cuda")`` refused the CPU
+    generator ("Expected a 'cuda' device type for generator"). The same mismatch on the CPU:
+    a model built and initialised inside ``with torch.device("meta")``, materialised, then
+    initialised again inside the meta context (before the fix: the tiles were drawn on the
+    meta device, "Cannot copy out of meta tensor"): every weight equals a CPU build's."""
+    cfg = compose_config(NANO)
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+        model.init_weights(0)  # meta parameters: nothing to write, and no error
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    with torch.device("meta"):  # the context's device differs from the generator's
+        model.init_weights(0)
+    reference = build_model(cfg, torch.device("cpu"), "sdpa", 0)
+    got, expect = model.state_dict(), reference.state_dict()
+    assert got.keys() == expect.keys()
+    for name, value in expect.items():
+        assert torch.equal(got[name], value), name

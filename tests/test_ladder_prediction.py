@@ -88,13 +88,14 @@ def largest_compute(points: list[tuple[float, float]]) -> float:
 
 def test_a_ladder_predicts_a_run_30x_its_compute_with_an_interval(tmp_path, capsys):
     """Four sizes with three branches each: L(N, D) recovered, the held-out point's loss
-    predicted within 2% of the true law's, and the target's prediction called supported."""
+    predicted within 2% of the true law's, and the target's prediction called supported
+    (N_opt 3.3x the largest size, inside a --max-size-ratio of 4)."""
     points = write_ladder(tmp_path, [12, 16, 20, 24])
     target = 30 * largest_compute(points)
     n_h = 400_112.0
     d_h = target / (6 * n_h)
     fitted = fit(tmp_path, tmp_path, "--target-flops", f"{target:.17g}", "--bootstrap", "40",
-                    "--predict", f"{n_h},{d_h}")
+                 "--predict", f"{n_h},{d_h}", "--max-size-ratio", "4")
     text = capsys.readouterr().out
     assert "16 cooled-down runs, 12 of them cooldown branches (from 4 source runs)" in text
     (pred,) = fitted["predict"]
@@ -102,15 +103,33 @@ def test_a_ladder_predicts_a_run_30x_its_compute_with_an_interval(tmp_path, caps
     assert pred["loss"]["value"] == pytest.approx(true_loss, rel=0.02)
     assert pred["loss"]["low"] < pred["loss"]["value"] < pred["loss"]["high"]
     assert f"N = {n_h:.4g}, D = {d_h:.4g}" in text and "loss " in text
-    # the held-out point is 3.6x the largest size: its N term is extrapolated, and said so
-    (why,) = pred["extrapolation"]
-    assert why.startswith("N = 4.001e+05 is 3.57x the largest size run (1.121e+05)")
-    assert f"(C = {target:.4g}): loss" in text and "-- EXTRAPOLATED:" in text
-    assert fitted["extrapolation"]["L(N, D)"] == []
+    assert pred["extrapolation"] == [] and fitted["extrapolation"]["L(N, D)"] == []
     verdict = text.split(f"prediction at the target C = {target:.4g}:")[1]
     assert "L(N, D): loss" in verdict and "N_opt" in verdict and "D_opt" in verdict
     assert verdict.split("L(N, D): loss")[1].splitlines()[1].strip().startswith(
-        "supported (>= 3 sizes, 95% interval <= 5%, <= 100x the largest run, < 1 epoch)")
+        "supported (>= 3 sizes, 95% interval <= 5%, <= 100x the largest run, N <= 4x the "
+        "largest size, < 1 epoch)")
+
+
+def test_the_target_and_the_same_point_asked_by_predict_get_one_verdict(tmp_path):
+    """The target's (N_opt, D_opt) given again as --predict gets the same reasons, word for
+    word: at 30x the compute N_opt is 3.3x the largest size, past the default 3x bound, so
+    both are extrapolated; at 300x (N_opt about 9x) the size is flagged too."""
+    points = write_ladder(tmp_path, [12, 16, 20, 24])
+    largest = max(n for n, _ in points)
+    for times in (30, 300):
+        target = f"{times * largest_compute(points):.17g}"
+        first = fit(tmp_path, tmp_path, "--target-flops", target, "--bootstrap", "20")
+        opt = first["chinchilla_law"]["predictions"]
+        n, d = opt["n_opt"]["value"], opt["d_opt"]["value"]
+        again = fit(tmp_path, tmp_path, "--target-flops", target, "--bootstrap", "20",
+                    "--predict", f"{n!r},{d!r}")
+        (pred,) = again["predict"]
+        target_why = again["extrapolation"]["L(N, D)"]
+        assert pred["extrapolation"] == target_why
+        (size,) = [w for w in target_why if "--max-size-ratio" in w]
+        assert size.startswith(f"N = {n:.4g} is {n / largest:.3g}x the largest size run")
+        assert n / largest > (8 if times == 300 else 3)
 
 
 def test_two_sizes_are_too_few(tmp_path, capsys):

@@ -36,7 +36,7 @@ def run_local(*args: str, cwd=REPO, check: bool = True) -> subprocess.CompletedP
 
 def test_run_local_counts_the_processes_a_layout_needs():
     out = run_local("--print", "+recipe=nano-3d").stdout
-    assert "torch.distributed.run --standalone --nproc_per_node=8" in out
+    assert "pretrain.launch.torchrun --standalone --nproc_per_node=8" in out  # torchrun
     assert out.strip().endswith("train.py +recipe=nano-3d")
     out = run_local("--print", "--nproc", "4", "+recipe=tiny", "parallel=zero3",
                     "parallel.dp=null", "parallel.micro_batch_size=2").stdout

@@ -1,4 +1,5 @@
-"""One spec per choice (issue 41): each optimizer is one OptimizerSpec (optim/specs.py) and
+"""One spec per choice (issue 41): each optimizer is one OptimizerSpec (a module of
+optim/optimizers/, registered where it is defined; optim/specs.py holds them all) and
 each data-parallel mode one DpModeSpec (parallel/dp_modes.py); every user reads the spec,
 and no module outside the spec modules and the config schema compares a name."""
 
@@ -63,9 +64,9 @@ def test_every_optimizer_has_its_recipe(name):
 
 def test_an_unknown_optimizer_name_is_refused_naming_the_choices():
     cfg = Config()
-    cfg.optim.name = "sgd"
+    cfg.optim.name = "adam"
     with pytest.raises(ConfigError) as e:
         check(cfg, world_size=1)
     assert e.value.problems == [
-        f"optim.name=sgd is no optimizer here: use optim={'|'.join(OPTIMIZERS)} "
+        f"optim.name=adam is no optimizer here: use optim={'|'.join(OPTIMIZERS)} "
         "(src/pretrain/optim/specs.py OPTIMIZERS)"]

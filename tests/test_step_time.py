@@ -53,12 +53,13 @@ def test_the_wrapped_eager_step_of_ec9a543_was_host_bound():
 def test_one_graph_compiled_step_is_not_host_bound():
     """One process compiled (model and loss one graph): a few thousand kernel launches a
     step, far below the kernels' time, at both shapes; the dispatch counted eager would be
-    over 2x the GPU time at 124M."""
+    over 1.5x the GPU time at 124M (0.278 s against 0.146 on the H100 since the one-GPU
+    recalibration on the H200, planning/calibration.py; 2.4x before it)."""
     for shape in (GPT2_124M, GPT3_13B):
         _, _, compiled = _cost([*shape, *BENCH, "train.compile=true"])
         assert not compiled.host_bound and compiled.host < 0.2 * compiled.device
     _, _, eager = _cost([*GPT2_124M, *BENCH, "train.compile=false"])
-    assert eager.host > 2 * eager.device
+    assert eager.host > 1.5 * eager.device
 
 
 def test_the_small_model_is_host_bound_and_the_plan_says_so(capsys):
@@ -132,3 +133,34 @@ def test_an_offloaded_step_on_this_gpu_is_within_30_percent_of_the_plan():
     allocated = sum(v for k, v in parts.items()
                     if k not in ("CUDA context + NCCL", "allocator fragmentation"))
     assert got["peak_memory_gb"] * 1e9 == pytest.approx(allocated, rel=0.30)
+
+
+@pytest.mark.parametrize(("shape", "measured_s"), [
+    (GPT2_124M, 0.1362),  # 481,226 tokens/s
+    (GPT3_13B, 1.0379),  # 63,142 tokens/s
+])
+def test_step_time_is_within_10_percent_of_the_h200_measurement(shape, measured_s):
+    """The trainer at bcb5f89, compiled, on one H200 (issue 49, /work/shared/gpu/README.md):
+    before the H200 had its own memory bandwidth the plan said 0.1155 s and 1.225 s."""
+    cfg = compose_config([*shape, *BENCH, "train.compile=true"])
+    budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
+    layout = resolve_layout(cfg, 1)
+    h200, h100 = get_gpu("h200-141gb"), get_gpu("h100-80gb")
+    assert h200.memory_gbps == 4800 and h100.memory_gbps == 3350  # NVIDIA's datasheets
+    planned = step_cost(cfg, layout, h200, budget).total
+    assert planned == pytest.approx(measured_s, rel=0.10)
+    assert step_cost(cfg, layout, h100, budget).total > planned  # same peaks, slower memory
+
+
+def test_the_h200_nodes_host_runs_the_offloaded_step_as_measured():
+    """gpt2-1.5b offloaded on the H200 node: 15.96 s measured (23.41 planned with the H100's
+    figures); the node's CPU speed (host_speed) was fitted on it, the H100's left at 1."""
+    offload = ["+recipe=gpt2-124m", "model=gpt2-1.5b", "precision=bf16",
+               "train.global_batch_size=4", "parallel.micro_batch_size=1",
+               "parallel.offload=params", "parallel.dp_mode=zero2",
+               "parallel.activation_checkpointing=full"]
+    cfg = compose_config(offload)
+    layout, budget = resolve_layout(cfg, 1), resolve_budget(cfg.model, cfg.budget, 4)
+    assert step_cost(cfg, layout, get_gpu("h200-141gb"), budget).total == pytest.approx(
+        15.96, rel=0.05)
+    assert get_gpu("h100-80gb").host_speed == 1.0

@@ -22,12 +22,14 @@ import importlib
 import logging
 from dataclasses import dataclass
 
+from pretrain.errors import UserError
+
 log = logging.getLogger("pretrain")
 
 TESTED = ("2.11", "2.13")  # the torch minor versions CI runs the suite on (.ci/run)
 
 
-class TorchCompatError(RuntimeError):
+class TorchCompatError(UserError, RuntimeError):
     pass
 
 

@@ -56,7 +56,7 @@ def _cooled(root: Path, key: str) -> tuple[dict[str, dict | None], list[str]]:
 def collect_cooldowns(roots: Sequence[Path | str], key: str = "final_val_loss",
                       count: str = "total") -> Collected:
     """Every finished run under ``roots`` that cooled down, as an (N, D) point (N the plan's
-    parameters in ``count``, scaling.COUNTS, D the tokens it trained, counted from the start
+    parameters in ``count``, runs.COUNTS, D the tokens it trained, counted from the start
     of its source for a branch), and which of them are branches; ``key``: the result.json
     metric fitted."""
     points, branches, stable = [], {}, []

@@ -14,10 +14,16 @@ prediction with any of these warnings is printed as *extrapolated*, not as a res
 - **Far in compute**: the target more than ``max_ratio`` (default 100x) the largest run's
   compute. Ladders predict reliably a few steps of scale out (OLMo's ladders: 7B/13B from
   runs up to 1B); how far is a judgement, stated as a flag.
-- **Tokens beyond the corpus** are pretrain/analysis/target_data.py's warnings.
+- **Far in size**: the point's N more than ``max_size_ratio`` (default 3x) the largest size
+  run: the N term is extrapolated (the byte ladder's held-out run at 4.7x its largest size
+  missed by 10%, docs/benchmarks.md).
+- **Tokens beyond the corpus**: more than one epoch of the smallest corpus a run read
+  (pretrain/analysis/target_data.py).
 
-Also the prediction at a given (N, D) (``--predict N,D``), with its bootstrap interval: a
-held-out run's point, which need not be the compute-optimal one.
+One function, ``verdict``, gives every point its verdict: the target (L(N, D)'s at its
+compute-optimal (N_opt, D_opt), with the loss's interval at that point) and each
+``--predict N,D`` (a held-out run's point, which need not be the compute-optimal one), so
+the same (N, D) gets the same verdict whichever way it was asked for.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ import numpy as np
 
 from pretrain.analysis.runs import RunPoint
 from pretrain.analysis.scaling import ChinchillaLaw, Estimate, FitReport, _estimate
+from pretrain.analysis.target_data import corpus_tokens
 
 MIN_DISTINCT = 3
 MAX_INTERVAL = 0.05  # relative width of the loss's 95% bootstrap interval
 MAX_RATIO = 100.0  # target compute / the largest run's compute
+MAX_SIZE_RATIO = 3.0  # a point's N / the largest size run's
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,13 @@ class Bounds:
     max_interval: float = MAX_INTERVAL
     max_ratio: float = MAX_RATIO
     min_distinct: int = MIN_DISTINCT
+    max_size_ratio: float = MAX_SIZE_RATIO
+
+    def describe(self) -> str:
+        """What a supported prediction met, for the verdict line."""
+        return (f">= {self.min_distinct} sizes, 95% interval <= {100 * self.max_interval:.3g}%, "
+                f"<= {self.max_ratio:.3g}x the largest run, N <= {self.max_size_ratio:.3g}x the "
+                "largest size, < 1 epoch")
 
 
 def _distinct(values: Sequence[float], rel_tol: float = 0.01) -> int:
@@ -100,24 +115,39 @@ def compute_ratio_warnings(points: Sequence[RunPoint], target_flops: float,
             "extrapolation no run of the ladder supports; add a larger size"]
 
 
-def extrapolation_warnings(points: Sequence[RunPoint], target_flops: float, law: str,
-                           rep: FitReport, bounds: Bounds = Bounds()) -> list[str]:
-    """Every reason the target's prediction by ``law`` is past what the fit supports."""
-    return (support_warnings(points, law, bounds)
-            + interval_bound_warnings(rep.predictions.get("loss"), law, bounds)
-            + compute_ratio_warnings(points, target_flops, bounds))
-
-
-def point_warnings(points: Sequence[RunPoint], n_params: float, tokens: float,
-                   est: Estimate, bounds: Bounds = Bounds()) -> list[str]:
-    """The reasons a ``--predict`` point's loss is an extrapolation: its interval (as the
-    target's), its compute against the largest run's, and its N beyond the sizes run."""
-    out = interval_bound_warnings(est, "L(N, D)", bounds)
-    out += compute_ratio_warnings(points, 6.0 * n_params * tokens, bounds)
+def size_ratio_warnings(points: Sequence[RunPoint], n_params: float,
+                        bounds: Bounds = Bounds()) -> list[str]:
+    """The point's N is more than ``max_size_ratio`` times the largest size run."""
     largest = max(p.n_params for p in points)
-    if n_params > largest:
-        out.append(f"N = {n_params:.4g} is {n_params / largest:.3g}x the largest size run "
-                   f"({largest:.4g}): the N term is extrapolated")
+    ratio = n_params / largest
+    if ratio <= bounds.max_size_ratio:
+        return []
+    return [f"N = {n_params:.4g} is {ratio:.3g}x the largest size run ({largest:.4g}), beyond "
+            f"the {bounds.max_size_ratio:.3g}x bound (--max-size-ratio): the N term is "
+            "extrapolated; add a larger size"]
+
+
+def epoch_warnings(points: Sequence[RunPoint], tokens: float, law: str) -> list[str]:
+    """The point's tokens are more than one epoch of the corpus the runs read."""
+    corpus = corpus_tokens(points)
+    if not corpus or tokens <= corpus:
+        return []
+    return [f"{law}: its {tokens:,.0f} tokens are {tokens / corpus:.3g} epochs of the corpus "
+            f"({corpus:,.0f} tokens; the fit predicts fresh data)"]
+
+
+def verdict(points: Sequence[RunPoint], law: str, est: Estimate | None, flops: float,
+            tokens: float | None = None, n_params: float | None = None,
+            bounds: Bounds = Bounds()) -> list[str]:
+    """Every reason the prediction ``est`` by ``law`` at compute ``flops`` (and, where the
+    law names them, ``tokens`` D and size ``n_params`` N) is past what the fit supports;
+    empty: supported. The one verdict of the target and of every ``--predict`` point."""
+    out = (support_warnings(points, law, bounds) + interval_bound_warnings(est, law, bounds)
+           + compute_ratio_warnings(points, flops, bounds))
+    if n_params is not None:
+        out += size_ratio_warnings(points, n_params, bounds)
+    if tokens is not None:
+        out += epoch_warnings(points, tokens, law)
     return out
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from pretrain.analysis.runs import RunPoint
 from pretrain.budget.compute import FLOPS_PER_PARAM_TOKEN
+from pretrain.errors import UserError
 
 HUBER_DELTA = 1e-3  # Hoffmann et al. 2022, section D.2
 
@@ -211,7 +212,7 @@ def _chinchilla_theta(law: ChinchillaLaw) -> np.ndarray:
     return np.array([math.log(law.A), math.log(law.B), math.log(law.E), law.alpha, law.beta])
 
 
-class NotIdentifiable(ValueError):
+class NotIdentifiable(UserError, ValueError):
     """The runs cannot separate the constants of L(N, D)."""
 
 

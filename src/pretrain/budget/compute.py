@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pretrain.config.schema import BudgetConfig, ModelConfig
+from pretrain.errors import UserError
 from pretrain.model.gpt import GPT
 from pretrain.model.moe import moe_layers
 
@@ -116,7 +117,7 @@ class Budget:
         return asdict(self)
 
 
-class BudgetError(ValueError):
+class BudgetError(UserError, ValueError):
     pass
 
 

@@ -29,6 +29,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from pretrain.checkpoint.failures import SAVE_ERRORS, save_failure_message
+from pretrain.errors import UserError
 from pretrain.parallel.mesh import broadcast_from_rank0
 
 log = logging.getLogger("pretrain.checkpoint")
@@ -36,12 +37,20 @@ log = logging.getLogger("pretrain.checkpoint")
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 META = "meta.json"
 CHECKSUMS = "sha256"  # meta.json's {file: sha256 hex digest}, written with the save
+FILES = "files"  # meta.json's {file: size in bytes}, written with the save
+SAVED_AT = "saved_at"  # meta.json's time of the save (seconds since the epoch)
+# meta.json's own keys, the one list: what a run writes (train/checkpointing.py's save) and
+# what the manager adds (FILES, CHECKSUMS, SAVED_AT). Each hook's state sits under the
+# hook's name, which may be none of these (train/services.py); tests/test_meta_keys.py
+# compares a real save's meta.json with this list.
+RUN_META_KEYS = ("step", "tokens", "samples_seen", "layout", "world_size", "branch", "config")
+META_KEYS = frozenset({*RUN_META_KEYS, FILES, CHECKSUMS, SAVED_AT})
 # A checkpoint retention condemned: renamed first (the scanner ignores it), then deleted.
 DELETING = ".deleting"
 T = TypeVar("T")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     pass
 
 
@@ -105,7 +114,7 @@ def checkpoint_status(path: Path) -> str | None:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         return f"{META} is unreadable ({e})"
-    for name, size in meta.get("files", {}).items():
+    for name, size in meta.get(FILES, {}).items():
         f = path / name
         if not f.exists():
             return f"{name} is missing"
@@ -147,6 +156,16 @@ def verify_checksums(path: Path) -> str | None:
     if not bad:
         return None
     return f"{', '.join(sorted(bad))} do(es) not match the sha256 recorded in {META}"
+
+
+def require_intact(path: Path, fix: str) -> None:
+    """CheckpointError, naming the file and ``fix``, unless every file of checkpoint
+    ``path`` has the sha256 its meta.json records (``verify_checksums``: every rank calls
+    it together). What resume, a weights-only start and the tools reading a checkpoint
+    (tools/evaluate.py, tools/export_hf.py) all check before they read one."""
+    why = verify_checksums(path)
+    if why is not None:
+        raise CheckpointError(f"{path} is corrupt: {why}. {fix}")
 
 
 def read_meta(path: Path) -> dict:

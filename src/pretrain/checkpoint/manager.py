@@ -31,7 +31,9 @@ from pretrain.checkpoint.failures import SAVE_ERRORS
 from pretrain.checkpoint.folder import (
     CHECKSUMS,
     DELETING,
+    FILES,
     META,
+    SAVED_AT,
     CheckpointError,
     as_save_failure,
     barrier,
@@ -297,8 +299,8 @@ class CheckpointManager:
         into place. A file no rank claimed (not named as DCP names them) is hashed here."""
         files = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
         sums = {**{n: file_sha256(tmp / n) for n in files if n not in sums}, **sums}
-        meta = {**meta, "files": files, CHECKSUMS: dict(sorted(sums.items())),
-                "saved_at": time.time()}
+        meta = {**meta, FILES: files, CHECKSUMS: dict(sorted(sums.items())),
+                SAVED_AT: time.time()}
         (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
         final = tmp.with_name(tmp.name.removesuffix(".tmp"))
         tmp.rename(final)

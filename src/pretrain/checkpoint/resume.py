@@ -27,6 +27,7 @@ from pretrain.checkpoint.folder import (
     newest_checkpoint,
     on_rank0,
     read_meta,
+    require_intact,
     resolve_checkpoint,
     verify_checksums,
 )
@@ -141,11 +142,12 @@ def resume_path(cfg: Config, run_dir: Path) -> Path | None:
     ``resume_from`` or branch source is an error. Every rank calls it, once the process group exists."""
     skip: list[Path] = []
     while (path := on_rank0(lambda: choose_resume(cfg, run_dir, skip))) is not None:
+        if cfg.checkpoint.resume_from or not is_inside(path, run_dir):
+            require_intact(path, "Resume from another checkpoint.")
+            return path
         why = verify_checksums(path)
         if why is None:
             return path
-        if cfg.checkpoint.resume_from or not is_inside(path, run_dir):
-            raise CheckpointError(f"{path} is corrupt: {why}. Resume from another checkpoint.")
         log.warning("checkpoint %s is corrupt (%s): skipping it, not deleting it; trying the "
                     "next newest", path, why)
         skip.append(path)
@@ -174,10 +176,8 @@ def load_weights(source: str, cfg: Config, parts: list[torch.nn.Module], attenti
     checkpoint of ours, or a transformers model directory."""
     src = Path(source)
     path = on_rank0(lambda: _weights_checkpoint(src, cfg))
-    why = verify_checksums(path) if path is not None else None
-    if why is not None:
-        raise CheckpointError(f"{path} is corrupt: {why}. Start from another checkpoint.")
     if path is not None:
+        require_intact(path, "Start from another checkpoint.")
         CheckpointManager.load(path, {"model_optim": ModelOptimizer(parts, None)})
         log.info("initialised from the weights of %s (new optimizer and schedule)", path)
         return

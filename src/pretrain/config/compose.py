@@ -10,10 +10,17 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import open_dict
 
-from pretrain.config.naming import check_recipe_overrides, register_resolvers
+from pretrain.config.naming import (
+    MissingOptionError,
+    OverrideError,
+    check_override_keys,
+    check_recipe_overrides,
+    check_runs_dir,
+    register_resolvers,
+)
 from pretrain.config.paths import CONF_DIR
 from pretrain.config.schema import Config, register_configs, to_config
 
@@ -23,6 +30,7 @@ def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:
     register_configs()
     register_resolvers()
     check_recipe_overrides(list(overrides))
+    check_override_keys(list(overrides))
     if not conf_dir.is_dir():
         raise FileNotFoundError(
             f"no Hydra config directory at {conf_dir}; run the tools from a checkout of the repo"
@@ -31,12 +39,16 @@ def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:
         try:
             cfg = compose(config_name="config", overrides=list(overrides),
                           return_hydra_config=True)
+        except MissingConfigException as e:  # a recipe or group option that is not there
+            raise MissingOptionError(str(e), e.missing_cfg_file, e.options) from e
         except ConfigCompositionException as e:  # say why, as train.py prints it: a bad
             if e.__cause__ is None:  # value's key and the allowed values are in the cause
-                raise
-            raise ConfigCompositionException(f"{e}: {e.__cause__}") from e.__cause__
+                raise OverrideError(str(e)) from e
+            raise OverrideError(f"{e}: {e.__cause__}") from e.__cause__
         HydraConfig.instance().set_config(cfg)  # lets ${pretrain_run_name:} resolve
         with open_dict(cfg):
             cfg.run_name = str(cfg.run_name)
             del cfg["hydra"]
-    return to_config(cfg)
+    out = to_config(cfg)
+    check_runs_dir(out.runs_dir)  # before a tool makes or reads a run directory
+    return out

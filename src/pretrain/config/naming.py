@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import re
 from pathlib import Path
+from typing import Any
 
-from omegaconf import OmegaConf
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 from pretrain.config.schema import Config
+from pretrain.errors import UserError, exit_on_user_error
 
 # Keys that do not change what is trained, and so name neither a run (run_name) nor a point
 # of a sweep (conf/config.yaml's hydra.job.config.override_dirname.exclude_keys reads them
@@ -129,7 +134,7 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("pretrain_sweep_source", sweep_source)
 
 
-class RecipeNameError(ValueError):
+class RecipeNameError(UserError, ValueError):
     pass
 
 
@@ -142,3 +147,110 @@ def check_recipe_overrides(overrides: list[str]) -> None:
             raise RecipeNameError(
                 f"{override}: a recipe is a name from recipes/ (e.g. +recipe=tiny), not a "
                 f"path; copy the file into recipes/ and use its name")
+
+
+class RunsDirError(UserError, NotADirectoryError):
+    pass
+
+
+def check_runs_dir(runs_dir: str | Path) -> None:
+    """``runs_dir`` must be a directory or a path that can become one: the first of it and
+    its parents that exists is a directory. Checked before Hydra makes the run directory
+    (RunsDirCheck) and by every tool that composes a config (compose.compose_config)."""
+    path = Path(runs_dir)
+    for part in (path, *path.parents):
+        if not part.exists():
+            continue
+        if part.is_dir():
+            return
+        where = "is a file" if part == path else f"is under {part}, which is a file"
+        raise RunsDirError(
+            f"runs_dir={runs_dir} {where}, not a directory: each run writes "
+            "runs_dir/<run_name>/ (train.log, checkpoints, result.json); set runs_dir to a "
+            f"directory (e.g. runs_dir=runs), or move {part} out of the way")
+
+
+class RunsDirCheck(Callback):
+    """A Hydra callback (conf/config.yaml ``hydra.callbacks``): ``runs_dir`` checked before
+    Hydra makes ``runs_dir/<run_name>`` (it does so before train.py's task function runs,
+    where a file would fail as a bare NotADirectoryError). One line, exit 2."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with exit_on_user_error():
+            check_runs_dir(config.runs_dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.on_run_start(config)
+
+
+class OverrideError(UserError, ConfigCompositionException):
+    """An override Hydra cannot apply (a bad value, a key the schema lacks), still the
+    ConfigCompositionException Hydra raises; its line leaves out Hydra's indented details
+    (full_key, reference_type), which repeat the key the first line names."""
+
+    def lines(self) -> list[str]:
+        text = str(self).splitlines()
+        return [" ".join(" ".join(s for s in text if s and not s[0].isspace()).split())]
+
+
+class MissingOptionError(OverrideError, MissingConfigException):
+    """A group option or recipe that does not exist (Hydra's MissingConfigException, whose
+    message lists the options one a line): one line with the options."""
+
+    def lines(self) -> list[str]:
+        first = str(self).splitlines()[0]
+        return [f"{first}; the options: {', '.join(self.options or [])}"]
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _unknown_part(parts: list[str]) -> tuple[int, list[str]] | None:
+    """The index of the first part of a dotted key that the schema lacks, and the keys it
+    has there; None when the key exists or lies under a field the schema leaves open (a
+    dict, a list, a value that is not a dataclass)."""
+    node: Any = Config
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(node):
+            return None
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields:
+            return i, sorted(fields)
+        factory = fields[part].default_factory
+        node = factory if callable(factory) and dataclasses.is_dataclass(factory) else None
+    return None
+
+
+def _schema_keys(node: Any = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (the sections' own names too)."""
+    out = []
+    for f in dataclasses.fields(node):
+        out.append(prefix + f.name)
+        if callable(f.default_factory) and dataclasses.is_dataclass(f.default_factory):
+            out += _schema_keys(f.default_factory, f"{prefix}{f.name}.")
+    return out
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """A plain override (``key=value``) of a key the schema lacks, refused in one line with
+    the nearest key, before Hydra composes: Hydra's own message for it suggests the ``+``
+    prefix, which config/schema.to_config refuses in turn. ``+``/``~`` overrides, Hydra's
+    own keys and group paths are Hydra's to check."""
+    for override in overrides:
+        key, eq, _ = override.partition("=")
+        if not eq or key.startswith(("+", "~", "-", "hydra")) or not _PLAIN_KEY.fullmatch(key):
+            continue
+        parts = key.split(".")
+        if (found := _unknown_part(parts)) is None:
+            continue
+        i, known = found
+        where = ".".join(parts[:i])
+        near = ([k for k in _schema_keys() if k.split(".")[-1] == parts[-1]]
+                or [".".join([*parts[:i], k])
+                    for k in difflib.get_close_matches(parts[i], known, n=1)])
+        hint = (f"did you mean {' or '.join(near[:3])}?" if near else
+                f"the keys{' of ' + where if where else ''} are: {', '.join(known)}")
+        extra = " (a recipe is added: +recipe=NAME)" if key == "recipe" else ""
+        raise OverrideError(
+            f"{override}: {key} is not a config key{extra}; {hint} (python train.py --cfg "
+            "job prints every key; src/pretrain/config/schema.py defines them)")

@@ -41,6 +41,7 @@ from pretrain.config.choices import (  # re-exported: schema is where users impo
 )
 from pretrain.config.choices import Choice as Choice  # noqa: I001 re-exported
 from pretrain.config.data_schema import DataConfig, MixtureSource, MixtureStage  # noqa: F401 re-exported
+from pretrain.errors import UserError
 
 
 @dataclass
@@ -182,8 +183,9 @@ class OptimConfig:
     sets ``name`` and its hyperparameters."""
 
     # optim.name: a key of src/pretrain/optim/specs.py's OPTIMIZERS, the one list of the
-    # optimizers (one spec each: how it is built, its LR rules, its state bytes, ...); the
-    # config checks refuse any other name, listing them.
+    # optimizers (one module each in optim/optimizers/: how it is built, the keys below it
+    # reads, its LR rules, its state bytes, ...); the config checks refuse any other name,
+    # listing them, and warn about a key changed here that the chosen optimizer ignores.
     name: str = "adamw"
     lr: float = 6e-4
     # The global batch (in tokens) that lr was tuned for; lr_scaling adapts lr to the
@@ -213,7 +215,7 @@ class OptimConfig:
     # and Moonlight's) or float32 (as exact as the fp32 momentum it orthogonalises; twice the
     # working set, and slower on GPUs' bf16 tensor cores).
     muon_ns_dtype: NsDtype = NsDtype.bfloat16
-    # An LR more than 100x outside the optimizer's usual range (optim/factory.py LR_RANGES)
+    # An LR more than 100x outside the optimizer's usual range (its spec's lr_range)
     # is refused: an LR meant for another optimizer, or a typo. true: run it anyway.
     allow_lr_out_of_range: bool = False
     # Skip a step whose loss or grad norm is an outlier (> mean + spike_sigmas x std of the
@@ -309,6 +311,10 @@ class TrainConfig:
     # On CUDA, fp32 matmuls on TF32 tensor cores (torch.set_float32_matmul_precision("high")).
     tf32: bool = True
     compile: bool = False
+    # One device's forward, loss and backward replayed as a CUDA graph (torch.compile's
+    # reduce-overhead; planning/graphs.py): auto (where the planner says the step is
+    # host-bound), true, false. Off by default until measured on a GPU (docs/benchmarks.md).
+    cuda_graphs: str = "false"
     # Stop (save, exit 75 = requeue me) after this many minutes, like a SLURM time limit.
     time_limit_minutes: float | None = None
     # Stop the same way every this many steps (Megatron's --exit-interval): a job that
@@ -424,16 +430,20 @@ def register_configs() -> None:
     cs.store(name="base_config", node=Config)
 
 
-class ConfigError(ValueError):
-    """Values that are each allowed but do not go together (config_checks.check lists them)."""
+class ConfigError(UserError, ValueError):
+    """Values that are each allowed but do not go together (decision/checks.py lists them)."""
 
     def __init__(self, problems: list[str]):
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")
 
+    def lines(self) -> list[str]:
+        """One line per problem (the entry points print them, pretrain.errors)."""
+        return [" ".join(p.split()) for p in self.problems]
 
-class UnknownKeyError(KeyError):
+
+class UnknownKeyError(UserError, KeyError):
     def __str__(self) -> str:  # KeyError would print the message quoted
         return str(self.args[0])
 

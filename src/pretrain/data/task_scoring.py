@@ -25,13 +25,15 @@ the training loop under any layout and a plain model in a tool.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from pretrain.data.tasks import Example
+from pretrain.data.tasks import Example, load_task
 
 LogProbs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 
@@ -152,3 +154,42 @@ def metrics(examples: Sequence[Example], lls: Sequence[float]) -> dict[str, floa
 def _argmax(values: list[float]) -> int:
     """The first index of the largest value (numpy's argmax, which lm-eval uses)."""
     return max(range(len(values)), key=lambda j: (values[j], -j))
+
+
+def text_encoder(tokenizer_file: Path):
+    """(encode: text -> token ids without special tokens, the end-of-text id) of the run's
+    tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    eot = tok.token_to_id("<|endoftext|>")
+    index = tokenizer_file.parent / "index.json"
+    if eot is None and index.is_file():  # a hub tokenizer: the data's declared eos id
+        eot = json.loads(index.read_text())["eos_id"]
+    if eot is None:
+        raise ValueError(f"{tokenizer_file} has no <|endoftext|> token and no index.json "
+                         "beside it names an eos id: an empty context has no start token")
+    return (lambda text: tok.encode(text, add_special_tokens=False).ids), int(eot)
+
+
+class TaskSet:
+    """The tasks' examples and their encoded requests, loaded once."""
+
+    def __init__(self, cfg, tokenizer_file: Path, seq_len: int):
+        """``cfg``: the run's EvalConfig (tasks, max_examples, tasks_dir)."""
+        encode, eot = text_encoder(tokenizer_file)
+        self.examples: dict[str, list[Example]] = {}
+        self.requests: dict[str, list[Request]] = {}
+        for task in cfg.tasks:
+            ex = load_task(task, cfg.max_examples, cfg.tasks_dir)
+            self.examples[task] = ex
+            self.requests[task] = requests(ex, encode, seq_len, eot)
+
+    def describe(self) -> str:
+        return ", ".join(f"{t} ({len(ex)} documents, {len(self.requests[t])} choices)"
+                         for t, ex in self.examples.items())
+
+    def tokens(self, batch_size: int, pad_multiple: int = 1) -> int:
+        """Token positions one scoring of every task computes (padding included)."""
+        return sum(padded_tokens(r, batch_size, pad_multiple)
+                   for r in self.requests.values())

@@ -6,11 +6,15 @@ reported together, so a user fixes a recipe in one pass.
 
 from __future__ import annotations
 
+import logging
+import math
+
 from pretrain.config.schema import Config, ConfigError
 from pretrain.data.mixture import mixture_problems
 from pretrain.data.sources import LOCAL_FORMATS
 from pretrain.model.parametrization import problems as parametrization_problems
 from pretrain.optim.specs import (
+    ignored_key_warnings,
     lr_out_of_range_problem,
     lr_rule_problems,
     mup_problems,
@@ -18,6 +22,8 @@ from pretrain.optim.specs import (
 )
 from pretrain.parallel.layout import declared_world_size
 from pretrain.parallel.rules import layout_problems
+
+log = logging.getLogger("pretrain")
 
 POSITIVE = (
     "model.n_layer", "model.n_head", "model.d_model", "model.vocab_size", "model.seq_len",
@@ -45,6 +51,7 @@ def check(cfg: Config, world_size: int | None = None) -> None:
     (tp * pp * dp), which is what a dry run checks."""
     if unknown := name_problems(cfg.optim.name):  # everything below reads its spec
         raise ConfigError(unknown)
+    warn_ignored_optim_keys(cfg)
     if world_size is None:
         world_size = declared_world_size(cfg)
     p: list[str] = []
@@ -162,11 +169,22 @@ def _check_optim(cfg: Config, p: list[str]) -> None:
                  "global batch (in tokens) that optim.lr was tuned for")
 
 
+def warn_ignored_optim_keys(cfg: Config) -> list[str]:
+    """A warning (one line naming the key and the optimizer) for each optim.* key the user
+    changed that the chosen optimizer does not read (its spec's ``reads``): the run goes
+    on, but the value does nothing. Returned too, for the callers that show them."""
+    found = ignored_key_warnings(cfg.optim)
+    for line in found:
+        log.warning(line)
+    return found
+
+
 def _check_stability(cfg: Config, p: list[str]) -> None:
     """train.z_loss and the spike guard (optim.spike_*)."""
     z, o = cfg.train.z_loss, cfg.optim
     if z < 0:
         p.append(f"train.z_loss={z} must be >= 0 (0: off; OLMo-3 uses 1e-5, PaLM 1e-4)")
+    p.extend(z_loss_bound_problems(cfg))
     if z > 0 and cfg.parallel.tp > 1:
         p.append(f"train.z_loss={z} is not computed on vocabulary-sharded logits "
                  f"(parallel.tp={cfg.parallel.tp}, loss_parallel): set train.z_loss=0, or "
@@ -185,6 +203,24 @@ def _check_stability(cfg: Config, p: list[str]) -> None:
     if cfg.precision.loss_scaling:
         p.append("optim.spike_guard=true with fp16 loss scaling: the scaler skips steps "
                  "itself; use precision=bf16 (no loss scaling), or optim.spike_guard=false")
+
+
+# 100x PaLM's 1e-4: z_loss x logsumexp^2 with logsumexp ~ ln(vocab) (about 10.8 for 50k
+# tokens) at init already adds 1.2 nats here, as much as the cross-entropy late in training.
+Z_LOSS_MAX = 1e-2
+
+
+def z_loss_bound_problems(cfg: Config) -> list[str]:
+    """train.z_loss above Z_LOSS_MAX: the penalty on log Z would outweigh the loss itself."""
+    z = cfg.train.z_loss
+    if z <= Z_LOSS_MAX:
+        return []
+    at_init = z * math.log(max(2, cfg.model.vocab_size)) ** 2
+    return [f"train.z_loss={z:g} is above {Z_LOSS_MAX:g} (100x PaLM's 1e-4): z_loss x "
+            f"logsumexp(logits)^2 is about {at_init:.3g} at init with model.vocab_size="
+            f"{cfg.model.vocab_size}, outweighing the cross-entropy (~"
+            f"{math.log(max(2, cfg.model.vocab_size)):.1f}); use train.z_loss=1e-4 (PaLM) or "
+            "1e-5 (OLMo-3)"]
 
 
 def _check_layout(cfg: Config, world_size: int, p: list[str]) -> None:

@@ -6,7 +6,8 @@ it, so they cannot disagree about what ``auto`` means. The ``auto`` settings are
 one order, because each depends on the one before: precision from the device, then LR and
 batch from their compute rules (src/pretrain/budget/hparams.py), then the layout
 (``parallel=auto``: planning/autolayout.choose_layout), whose memory depends on both.
-Nothing here touches data, weights or a process group.
+Nothing here touches weights or a process group; of data, only the task files of
+``eval.tasks`` are read (decision/tasks.py: a missing one stops the run here).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from pretrain.config.schema import Config, ConfigError
 from pretrain.data.epochs import check_epochs, check_mixture_epochs
 from pretrain.data.mixture import source_shares, weight_stages
 from pretrain.decision.checks import check
+from pretrain.decision.schedule_checks import check_schedule
+from pretrain.decision.tasks import describe_line as describe_tasks_line
+from pretrain.decision.tasks import describe_tasks
 from pretrain.hardware.device import pick_device
 from pretrain.hardware.gpus import GpuSpec
 from pretrain.model.attention import resolve_backend
@@ -152,7 +156,7 @@ def resolve_plan(cfg: Config, world_size: int | None = None
                  ) -> tuple[dict, Budget, torch.device, Policy]:
     """Everything a run on this machine decides before it starts: its plan, budget, device
     and precision policy. ``world_size`` None: the layout as declared (see
-    config_checks.check)."""
+    decision/checks.py's check)."""
     if world_size is None:
         world_size = declared_world_size(cfg)
     check(cfg, world_size)
@@ -161,6 +165,7 @@ def resolve_plan(cfg: Config, world_size: int | None = None
     cfg, auto_precision = resolve_auto_precision(cfg, device)
     policy = resolve_policy(cfg.precision, device)
     budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
+    schedule_warnings = check_schedule(cfg, budget)  # the schedule against the steps
     plan = {**describe_run(cfg, world_size, budget),
             "attention": resolve_backend(cfg.model.attention, device, policy.compute_dtype,
                                          cfg.model.attention_mask == "document"),
@@ -170,6 +175,11 @@ def resolve_plan(cfg: Config, world_size: int | None = None
         plan["attention_mask"] = documents
     if auto_precision:
         plan["precision_auto"] = auto_precision
+    if schedule_warnings:
+        plan["schedule_warnings"] = schedule_warnings
+    tasks = describe_tasks(cfg, budget)  # a missing task stops the run here, as the dry run
+    if tasks:
+        plan["eval_tasks"] = tasks
     if policy.fp8:
         plan["fp8"] = cfg.precision.fp8_recipe + (" (emulated)" if policy.fp8_emulate else "")
         if not cfg.train.compile and not policy.fp8_emulate:
@@ -217,6 +227,8 @@ def announce(run: Resolved, device: torch.device, notes: tuple[str, ...] = ()) -
         log.info("precision=auto -> %s", plan["precision_auto"])
     if "lr_warning" in plan:
         log.warning(plan["lr_warning"])
+    for warning in plan.get("schedule_warnings", ()):
+        log.warning(warning)
     if "hparam_rules" in plan:
         log.info(describe(plan["hparam_rules"]))
     for note in notes:
@@ -247,5 +259,9 @@ def dry_run(cfg: Config) -> dict:
     if env_rank() == 0:
         if "hparam_rules" in plan:  # the JSON line alone goes to stdout
             print(describe(plan["hparam_rules"]), file=sys.stderr, flush=True)
+        if "eval_tasks" in plan:
+            print(describe_tasks_line(plan["eval_tasks"]), file=sys.stderr, flush=True)
+        for warning in plan.get("schedule_warnings", ()):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
         print(json.dumps(plan), flush=True)
     return plan

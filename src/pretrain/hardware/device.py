@@ -16,11 +16,12 @@ import time
 import torch
 
 from pretrain import torch_compat
+from pretrain.errors import UserError
 
 log = logging.getLogger("pretrain")
 
 
-class DeviceError(ValueError):
+class DeviceError(UserError, ValueError):
     pass
 
 

@@ -19,15 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretrain.config.paths import CONF_DIR
+from pretrain.errors import UserError
 
 GIB = 1024**3
 CONF_GPU_DIR = CONF_DIR / "gpu"
 ENV_VAR = "PRETRAIN_GPU_TABLE"
 KEYS = ("name", "match", "memory_gib", "peak_tflops", "nvlink_gbps", "network_gbps",
-        "gpus_per_node", "default_mfu", "kernel_efficiency", "pcie_gbps")
+        "gpus_per_node", "default_mfu", "kernel_efficiency", "pcie_gbps", "memory_gbps",
+        "host_speed")
 
 
-class GpuError(ValueError):
+class GpuError(UserError, ValueError):
     pass
 
 
@@ -43,6 +45,12 @@ class GpuSpec:
     # GB/s one way between host and GPU memory (parallel.offload's copies): PCIe 4.0 x16
     # about 25 usable by default, PCIe 5.0 x16 about 50 (H100/H200), GH200's NVLink-C2C 450.
     pcie_gbps: float = 25.0
+    # GB/s of the GPU's own memory (HBM), the datasheet's: one GPU's memory-bound kernels
+    # (planning/cost.memory_bound_seconds); None: not modelled.
+    memory_gbps: float | None = None
+    # The node's CPU against the one the host step of parallel.offload was timed on
+    # (planning/calibration.py): its AdamW and gradient sums take 1 / host_speed as long.
+    host_speed: float = 1.0
     # Fraction of the dense peak this project's compiled kernels reach, calibrated on
     # measured runs (docs/benchmarks.md): the cost model's compute runs at peak x this.
     kernel_efficiency: float = 1.0

@@ -38,7 +38,8 @@ def world_size(par: ParallelConfig, nproc: int | None) -> int:
 
 
 def command(overrides: list[str], nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    """torchrun (as pretrain.launch.torchrun: a failed rank's error in one line)."""
+    return [sys.executable, "-m", "pretrain.launch.torchrun", "--standalone",
             f"--nproc_per_node={nproc}", str(REPO / "train.py"), *overrides]
 
 

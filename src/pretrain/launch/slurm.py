@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pretrain.config.paths import REPO
 from pretrain.config.schema import Config
+from pretrain.errors import UserError
 from pretrain.launch import LaunchError
 from pretrain.parallel.layout import layout_world_size, model_parallel_size
 
@@ -245,7 +246,7 @@ def after(job: str | None) -> list[str]:
     return [f"--dependency=afterok:{job}", "--kill-on-invalid-dep=yes"] if job else []
 
 
-class SubmitError(RuntimeError):
+class SubmitError(UserError, RuntimeError):
     pass
 
 

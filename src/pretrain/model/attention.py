@@ -28,11 +28,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from pretrain.config.schema import AttentionBackend
+from pretrain.errors import UserError
 
 BACKENDS = tuple(AttentionBackend)
 
 
-class AttentionBackendError(ValueError):
+class AttentionBackendError(UserError, ValueError):
     pass
 
 

@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 from pretrain.config.schema import ModelConfig
+from pretrain.errors import UserError
 from pretrain.model.parametrization import fold_into_weights
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     pass
 
 

@@ -90,8 +90,10 @@ def fill_normal_(local: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int
         for j in range(c_off // tc, math.ceil((c_off + c_len) / tc)):
             c0, c1 = j * tc, min(cols, (j + 1) * tc)
             b0, b1 = max(c0, c_off), min(c1, c_off + c_len)
-            gen = torch.Generator().manual_seed(_tile_seed(seed, key, shape, (i, j)))
-            tile = torch.randn(r1 - r0, c1 - c0, generator=gen)
+            gen = torch.Generator("cpu").manual_seed(_tile_seed(seed, key, shape, (i, j)))
+            # device="cpu" stated: under ``with torch.device("cuda")`` (or "meta") a factory
+            # call without one would take the context's device and refuse the CPU generator
+            tile = torch.randn(r1 - r0, c1 - c0, generator=gen, device="cpu")
             part = tile[a0 - r0:a1 - r0, b0 - c0:b1 - c0].mul_(std)
             view[a0 - r_off:a1 - r_off, b0 - c_off:b1 - c_off].copy_(part)
 

@@ -180,10 +180,12 @@ class ParallelModel:
 
 
 def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
-                device: torch.device, policy: Policy) -> ParallelModel:
+                device: torch.device, policy: Policy, cuda_graphs: bool = False
+                ) -> ParallelModel:
     """Apply every parallelism to ``model`` (on the meta device); nothing is allocated.
     ``mesh`` None: one process without a process group, which only ``Layout.one_device``
-    may be (``train_module.join`` makes the group otherwise)."""
+    may be (``train_module.join`` makes the group otherwise). ``cuda_graphs``: the training
+    loss (model + loss, one graph) replayed as a CUDA graph (planning/graphs.py decides)."""
     if mesh is None and not layout.one_device:
         raise ValueError(
             f"{layout.describe()} needs FSDP2 (parallel.offload, or several processes) and so "
@@ -226,24 +228,29 @@ def parallelize(model: GPT, cfg: Config, layout: Layout, mesh: Meshes | None,
                        stage_ids=stage_ids,
                        autocast_dtype=policy.compute_dtype
                        if autocasts(layout, policy.mixed) else None)
-    _losses(pm, model, cfg, whole)
+    _losses(pm, model, cfg, whole, cuda_graphs and whole)
     if mesh is not None:
         pm.tied = tied_embedding(cfg.model.tie_embeddings, parts, stage_ids, layout, mesh.root)
     return pm
 
 
-def _losses(pm: ParallelModel, model: nn.Module, cfg: Config, whole: bool) -> None:
+def _losses(pm: ParallelModel, model: nn.Module, cfg: Config, whole: bool,
+            graphs: bool = False) -> None:
     """The loss functions ``pm`` trains and evaluates with: compiled when the run compiles
-    (what Layout.compile_scope says), the z-loss terms when train.z_loss > 0."""
+    (what Layout.compile_scope says), the z-loss terms when train.z_loss > 0; with
+    ``graphs`` (one device) the training loss compiled and replayed as a CUDA graph."""
     z = pm.z_loss = cfg.train.z_loss
     if z and pm.layout.tp > 1:  # decision/checks.py says so first, unless parallel=auto chose it
         raise ValueError(f"train.z_loss={z} is not computed on vocabulary-sharded logits "
                          f"(tp={pm.layout.tp}): set train.z_loss=0 or parallel.tp=1")
     if z:
         pm.terms = functools.partial(loss_terms, z_loss=z)
+    if graphs:
+        pm.train_loss = whole_model_loss(model, graphs=True)
+        pm.train_terms = whole_model_loss(model, z, graphs=True) if z else None
     if not cfg.train.compile:
         return
-    if whole:
+    if whole and not graphs:
         pm.train_loss = whole_model_loss(model)
         pm.train_terms = whole_model_loss(model, z) if z else None
     elif pm.layout.tp == 1:  # under TP the logits are vocabulary-sharded (loss_parallel)
@@ -264,12 +271,15 @@ def forward_and_loss(model: nn.Module, z_loss: float | None = None) -> Callable:
     return train_loss if z_loss is None else train_terms
 
 
-def whole_model_loss(model: nn.Module, z_loss: float | None = None) -> Callable:
+def whole_model_loss(model: nn.Module, z_loss: float | None = None,
+                     graphs: bool = False) -> Callable:
     """The model and its loss compiled as one graph. The loss is torch's own cross-entropy
     on the whole logits: inside the graph inductor fuses the upcast, the log-sum-exp and
     the gradient, so no fp32 copy of the logits is ever stored (what the eager path chunks
-    to avoid). With ``z_loss``: (loss, z-loss term), from the same graph."""
-    return _compiled(forward_and_loss(model, z_loss))
+    to avoid). With ``z_loss``: (loss, z-loss term), from the same graph. ``graphs``: the
+    forward and backward replayed as CUDA graphs (``cuda_graphed``)."""
+    fn = forward_and_loss(model, z_loss)
+    return cuda_graphed(fn) if graphs else _compiled(fn)
 
 
 def compiled_loss(z_loss: float | None = None) -> Callable:
@@ -285,6 +295,22 @@ def _compiled(fn: Callable) -> Callable:
     measuring step's halves or an evaluation batch compile graphs of their own rather than
     turning the training graph dynamic."""
     return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def cuda_graphed(fn: Callable) -> Callable:
+    """``fn`` compiled with ``mode="reduce-overhead"``: inductor's kernels captured by
+    cudagraph trees (forward and backward) and replayed, inputs copied into static buffers;
+    static shapes and fullgraph as ``_compiled``. Each call marks a new step, so a micro
+    batch's replay may reuse the memory of the last one's outputs, which the step has
+    consumed by then (its loss summed on the device). On the CPU inductor skips the graphs
+    and this is ``_compiled`` (tests/test_cuda_graphs.py)."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
+
+    def replay(*args: torch.Tensor):
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args)
+
+    return replay
 
 
 def compile_block(block: nn.Module, expert_parallel: bool) -> None:
@@ -305,13 +331,13 @@ def compile_block(block: nn.Module, expert_parallel: bool) -> None:
 
 
 def parallelize_gpt(cfg: Config, layout: Layout, mesh: Meshes | None, device: torch.device,
-                    policy: Policy, attention: str) -> ParallelModel:
+                    policy: Policy, attention: str, cuda_graphs: bool = False) -> ParallelModel:
     """This rank's share of ``cfg.model`` (attention kernel ``attention``), built on the
     meta device and parallelised: nothing allocated yet (see ``materialize``)."""
     with torch.device("meta"):
         model = GPT(cfg.model)
     set_attention_backend(model, attention, device)
-    return parallelize(model, cfg, layout, mesh, device, policy)
+    return parallelize(model, cfg, layout, mesh, device, policy, cuda_graphs)
 
 
 @torch.no_grad()

@@ -132,7 +132,7 @@ class Layout:
 
 
 def resolve_layout(cfg: Config, world_size: int) -> Layout:
-    """The layout of a config that ``config_checks.check`` accepted for ``world_size``."""
+    """The layout of a config that decision/checks.py's ``check`` accepted for ``world_size``."""
     par = cfg.parallel
     dp = derived_dp(cfg, world_size)
     if not dp_mode(par.dp_mode).shards:

@@ -1,6 +1,6 @@
 """What makes a parallel layout valid: the one set of rules, each returning its problems.
 
-``config_checks.check`` reports these problems for a user's layout (each names the key and a
+``decision/checks.py`` reports these problems for a user's layout (each names the key and a
 fix); ``planning.autolayout`` keeps only the candidate layouts they find nothing wrong
 with. So a layout the search proposes always passes validation, and a rule added here
 applies to both.

@@ -19,8 +19,8 @@ Llama 3.1 8B reserved 82.4 GiB where it predicts 71.1; docs/benchmarks.md), and 
 still reports whether it fits at all.
 
 ``parallel=auto`` is resolved before validation (resolve.py, the one decision path): the
-config gets ``parallel`` replaced by ``choose_layout``'s winner, which ``config_checks.check``
-then checks like any layout.
+config gets ``parallel`` replaced by ``choose_layout``'s winner, which
+decision/checks.py's ``check`` then checks like any layout.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 
 from pretrain.budget.compute import Budget, resolve_budget
 from pretrain.config.schema import Config, ParallelConfig
+from pretrain.errors import UserError
 from pretrain.hardware.gpus import GpuSpec, get_gpu
 from pretrain.model.gpt import padded_vocab_size
 from pretrain.parallel.dp_modes import DP_MODES, LEAST_MEMORY, SHARDED
@@ -47,7 +48,7 @@ MAX_GPUS = 16384
 HEADROOM = 0.10  # the share of each GPU's memory a chosen layout leaves free
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """No layout exists (impossible GPU count) or none fits in memory."""
 
 

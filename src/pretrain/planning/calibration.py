@@ -59,10 +59,29 @@ LAUNCHES_PER_HEAVY_OP = 2
 # --- kernels on one GPU -------------------------------------------------------------------
 # A GPU type's kernel_efficiency (conf/gpu/) was fitted on torchtitan's 8B over 8 GPUs,
 # where FSDP's all-gathers and reduce-scatters run beside the compute kernels and take SMs
-# and memory bandwidth from them. One GPU runs no collectives: the 1.3B compiled step
-# (1.225 s, GPU-bound) is 1.415 s at that efficiency, so alone the kernels reach
-# 1.415 / 1.225 = 1.155x it (the planner's pessimism at 1.3B, explained).
-SOLO_KERNEL_SPEEDUP = 1.415 / 1.225
+# and memory bandwidth from them. One GPU runs no collectives, and its step is two parts:
+# - the memory-bound kernels (norms, GELU, residual adds, casts: what compile leaves outside
+#   the matmuls), SOLO_BYTES_PER_LAYER_ELEMENT bytes per token, layer and d_model element at
+#   the GPU type's memory_gbps. Fitted on nanoGPT's train.py, the same code on two cards
+#   (/work/shared/gpu/README.md, torch 2.11): 124M 139.8 ms/step on the H100 SXM (3.35 TB/s)
+#   against 131.2 on the H200 (4.8 TB/s): 157.9 bytes; 1.3B 1,079.5 against 1,032.8: 160.7.
+#   The mean, 159 (bf16: about 80 reads and writes of each element, forward and backward);
+SOLO_BYTES_PER_LAYER_ELEMENT = 159
+# - the matmuls and attention, at a fraction of the dense peak that grows with the width
+#   (small matrices do not fill the SMs): SOLO_EFFICIENCY_MAX * d / (d + SOLO_HALF_WIDTH) on
+#   the card the curve was fitted on (kernel_efficiency 0.425), scaled by another type's
+#   kernel_efficiency / 0.425. Fitted on this project's trainer at bcb5f89 (the code as it
+#   runs now: one device, one compiled graph) on one H200, side_by_side.sh, 16 x 1024 x 4 and
+#   8 x 2048 x 4 tokens, bf16: 124M 136.2 ms/step (the planner's FLOPs at the dense peak:
+#   56.68 ms; less 20.0 ms of memory-bound kernels: efficiency 0.488), 1.3B 1,037.9 ms
+#   (601.5 at the peak, 106.7 memory-bound: 0.646). Two points, two parameters: the curve
+#   passes through both; it gives 0.27 at d_model 256 and 0.72 at 4096.
+SOLO_EFFICIENCY_MAX = 0.8020
+SOLO_HALF_WIDTH = 494.6
+SOLO_FIT_KERNEL_EFFICIENCY = 0.425  # conf/gpu/h200-141gb.yaml's, the card fitted on
+# The H100 at the same code, by this model: 124M 0.143 s, 1.3B 1.085 s (nanoGPT's H100/H200
+# ratio, 0.957, puts it at 1.085 too); the H100 run at ec9a543 (FSDP's wrapper at dp=1)
+# measured 1.225 s (tests/test_step_time.py holds the plan within 15% of it).
 # Eager against compiled blocks on one GPU, this project at ec9a543: the 1.3B eager step
 # 1.236 s against 1.225 compiled (GELU/LayerNorm blocks: eager runs fused norm and GELU
 # kernels already). torchtitan's Llama blocks (RMSNorm, SwiGLU, RoPE) lost more

@@ -52,8 +52,10 @@ Stated assumptions (an idealised model for ranking layouts, not a promise of thr
   aten ops the step dispatches (planning/dispatch.py counts them on the CPU) at a per-op
   cost, plus FSDP2's per-unit hooks where a wrapper goes on; compiled blocks per call;
   one process compiled (model and loss one graph) per kernel launch. Constants:
-  planning/calibration.py, fitted on recorded H100 runs. One GPU (no collectives beside
-  its kernels) runs them ``SOLO_KERNEL_SPEEDUP`` faster than the multi-GPU calibration.
+  planning/calibration.py, fitted on recorded H100 runs.
+- One GPU (no collectives beside its kernels): the matmuls at a width-dependent fraction of
+  the peak, plus the memory-bound kernels' bytes at the GPU type's ``memory_gbps``
+  (planning/calibration.py, fitted on one H100 and one H200).
 - Every call (collective or p2p, one per FSDP unit for DP) also costs a fixed latency: 10 us
   within a node, 30 us across nodes (NCCL small-message latencies are of this order); it only
   matters for small models, where bandwidth terms vanish.
@@ -79,8 +81,11 @@ from pretrain.planning.calibration import (
     HOST_S_PER_FSDP_UNIT,
     HOST_S_PER_OP,
     LAUNCHES_PER_HEAVY_OP,
+    SOLO_BYTES_PER_LAYER_ELEMENT,
     SOLO_EAGER_SPEED,
-    SOLO_KERNEL_SPEEDUP,
+    SOLO_EFFICIENCY_MAX,
+    SOLO_FIT_KERNEL_EFFICIENCY,
+    SOLO_HALF_WIDTH,
 )
 from pretrain.planning.document import attention_work
 from pretrain.planning.params import expert_share, inventory, rank_params
@@ -158,15 +163,33 @@ def _alpha(gpu: GpuSpec, ranks_in_group_span: int) -> float:
 EAGER_SPEED = 5762 / 6667
 
 
+def solo_efficiency(cfg: Config, gpu: GpuSpec) -> float:
+    """Fraction of the dense peak one GPU's matmuls and attention reach at this width
+    (planning/calibration.py: fitted on one H200, scaled by the type's kernel_efficiency)."""
+    d = cfg.model.d_model
+    scale = gpu.kernel_efficiency / SOLO_FIT_KERNEL_EFFICIENCY
+    return SOLO_EFFICIENCY_MAX * d / (d + SOLO_HALF_WIDTH) * scale
+
+
 def kernel_slowdown(cfg: Config, gpu: GpuSpec, world_size: int = 2) -> float:
     """How much longer than at the dense peak the kernels take: 1 / (the GPU type's
     calibrated ``kernel_efficiency``), and eager blocks ``EAGER_SPEED`` of compiled ones.
-    One GPU runs no collectives beside its kernels: ``SOLO_KERNEL_SPEEDUP`` faster, eager
-    at ``SOLO_EAGER_SPEED`` (planning/calibration.py)."""
+    One GPU runs no collectives beside its kernels: ``solo_efficiency``, eager at
+    ``SOLO_EAGER_SPEED`` (planning/calibration.py)."""
     if world_size == 1:
         eager = 1.0 if cfg.train.compile else SOLO_EAGER_SPEED
-        return 1 / (gpu.kernel_efficiency * SOLO_KERNEL_SPEEDUP) / eager
+        return 1 / solo_efficiency(cfg, gpu) / eager
     return 1 / gpu.kernel_efficiency / (1.0 if cfg.train.compile else EAGER_SPEED)
+
+
+def memory_bound_seconds(cfg: Config, layout: Layout, gpu: GpuSpec, tokens: int) -> float:
+    """One GPU's memory-bound kernels a step: SOLO_BYTES_PER_LAYER_ELEMENT bytes per token,
+    layer and d_model element at the type's memory bandwidth; 0 on several GPUs (their
+    kernel_efficiency was fitted with it inside) or a type without ``memory_gbps``."""
+    if layout.world_size != 1 or not gpu.memory_gbps:
+        return 0.0
+    m = cfg.model
+    return SOLO_BYTES_PER_LAYER_ELEMENT * m.n_layer * m.d_model * tokens / (gpu.memory_gbps * 1e9)
 
 
 def host_seconds(cfg: Config, layout: Layout, wrapped: bool | None = None) -> float:
@@ -251,6 +274,7 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
     recompute = extra / peak
     slow = kernel_slowdown(cfg, gpu, world)
     compute, recompute = compute * slow, recompute * slow
+    compute += memory_bound_seconds(cfg, layout, gpu, tokens)
 
     tp_total, tp_hidden = _tensor_parallel(cfg, layout, gpu, linear_flops / linear_peak * slow)
     tp_comm = tp_total - tp_hidden
@@ -322,6 +346,7 @@ def offload_seconds(cfg: Config, layout: Layout, gpu: GpuSpec) -> float:
     params = rank_params(cfg.model, layout).local
     host = params * (HOST_ADAMW_NS[host_optimizer(cfg)]
                      + (offload_reductions(layout) - 1) * HOST_GRAD_ADD_NS) * 1e-9
+    host /= gpu.host_speed
     return (h2d + d2h) / (gpu.pcie_gbps * 1e9) + host
 
 

@@ -25,13 +25,15 @@ import re
 
 import torch.nn as nn
 
+from pretrain.errors import UserError
+
 log = logging.getLogger("pretrain")
 
 # Never converted: the output head (fqn suffix).
 KEEP_HIGH_PRECISION = ("lm_head",)
 
 
-class Fp8Error(ValueError):
+class Fp8Error(UserError, ValueError):
     pass
 
 

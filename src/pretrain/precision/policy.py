@@ -10,6 +10,7 @@ import torch
 
 from pretrain.config.paths import CONF_DIR
 from pretrain.config.schema import Config, PrecisionConfig
+from pretrain.errors import UserError
 from pretrain.hardware.gpus import GpuSpec
 
 # The one table of dtype names a config may use: precision policies, the planner's byte
@@ -22,7 +23,7 @@ def dtype_bytes(name: str) -> int:
     return DTYPES[name].itemsize
 
 
-class PrecisionError(ValueError):
+class PrecisionError(UserError, ValueError):
     pass
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.config.compose import compose_config
+from pretrain.errors import cli
 from pretrain.hardware.device import peak_memory_bytes
 
 MODES = ("trainer", "plain", "hf")
@@ -149,6 +150,7 @@ def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
         }
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,

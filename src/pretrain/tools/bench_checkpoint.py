@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from pretrain.checkpoint.folder import own_checksums, verify_checksums
 from pretrain.checkpoint.model_state import ModelOptimizer
 from pretrain.config.compose import compose_config
+from pretrain.errors import cli
 from pretrain.model.gpt import build_model
 
 
@@ -37,6 +38,7 @@ def best_of(repeat: int, fn) -> float:
     return min(times)
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")

@@ -16,12 +16,14 @@ import json
 
 from pretrain.budget.compute import resolve_budget
 from pretrain.config.compose import compose_config
+from pretrain.errors import cli
 from pretrain.hardware.gpus import get_gpu
 from pretrain.parallel.layout import resolve_layout
 from pretrain.planning.cost import step_cost
 from pretrain.planning.dispatch import count_ops, loss_chunks
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", default="h100-80gb")

@@ -29,6 +29,7 @@ from importlib import metadata
 from pathlib import Path
 
 from pretrain.config.paths import REPO
+from pretrain.errors import cli
 
 # Models at a batch of micro x accumulation that fits an 80 GB GPU without activation
 # checkpointing (tools/plan.py: 62 GiB for gpt3-1.3b at micro batch 8) and gives steps short
@@ -202,6 +203,7 @@ def pick(names: str | None, known: dict, what: str, ap: argparse.ArgumentParser)
     return chosen
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,

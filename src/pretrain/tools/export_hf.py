@@ -18,9 +18,15 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from pretrain.checkpoint.folder import CheckpointError, read_meta, resolve_checkpoint
+from pretrain.checkpoint.folder import (
+    CheckpointError,
+    read_meta,
+    require_intact,
+    resolve_checkpoint,
+)
 from pretrain.checkpoint.manager import load_model_weights
 from pretrain.config.schema import ModelConfig
+from pretrain.errors import cli, report
 from pretrain.model.gpt import GPT
 from pretrain.model.hf import ExportError, hf_config, to_hf_state_dict
 from pretrain.precision.policy import DTYPES
@@ -38,8 +44,10 @@ def model_from_checkpoint(src: str) -> tuple[GPT, ModelConfig, Path, dict]:
     """(our GPT with the checkpoint's weights, its model config, the step folder, its
     meta.json) of a run, a step folder or a checkpoints folder. Only the model and data
     sections of the saved config are read: the rest may hold keys an older schema had (and
-    this one dropped), which a reader of the weights does not need."""
+    this one dropped), which a reader of the weights does not need. Its files' sha256 are
+    checked against its meta.json first, as resume checks them."""
     ckpt = resolve_checkpoint(src)
+    require_intact(ckpt, "Use another checkpoint (a step_XXXXXXX folder of the run).")
     meta = read_meta(ckpt)
     if "config" not in meta:
         raise CheckpointError(f"{ckpt}/meta.json has no config; cannot rebuild the model")
@@ -80,6 +88,7 @@ def export(src: str, out: Path, dtype: str = "float32") -> Path:
     return out
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source", help="run directory, checkpoints folder or step_XXXXXXX directory")
@@ -89,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export(args.source, args.out, args.dtype)
     except (CheckpointError, ExportError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     print(f"exported {args.source} -> {out}")
     return 0
 

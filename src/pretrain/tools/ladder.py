@@ -16,13 +16,16 @@ For a ladder recipe R (default ``ladder-bytes``) with a cooldown recipe ``R-cool
 
 ``--jobs J`` runs the sizes in J streams at once (each one thread, ``OMP_NUM_THREADS=1``
 unless set), the sizes dealt out largest first to the stream with the least work; each
-stream runs its sources, then their branches. Overrides after ``--`` go to every run (a
+stream runs its sources, then their branches. ``--per-device K`` puts K streams on each
+GPU (stream i sees only GPU i // K: ``CUDA_VISIBLE_DEVICES``), for rungs too small to fill
+one GPU each (a 10M rung's step is host-bound: several processes keep the GPU busy; issue
+49): ``--jobs 8 --per-device 4`` runs 8 streams on 2 GPUs. Overrides after ``--`` go to every run (a
 data root, ``runs_dir``, a seed); a cooldown recipe whose ``branch_from`` is
 ``${pretrain_sweep_source:...}`` (ladder-bytes-cooldown) finds each branch's source whatever
 they change; one that names the source by its size alone (ladder-mix-cooldown) needs
 overrides that leave what is trained unchanged. The flags of the
 fit (``--target-flops``, ``--predict``, ``--predict-run``, ``--bootstrap``, ``--max-interval``,
-``--max-ratio``, ``--out``, ``--count``, ``--metric``, ``--min-steps``, ``--diagnose``,
+``--max-ratio``, ``--max-size-ratio``, ``--out``, ``--count``, ``--metric``, ``--min-steps``, ``--diagnose``,
 ``--no-plots``) go to
 tools/scaling_law.py. ``--dry-run`` prints the commands and
 runs nothing; ``--fit-only`` fits the runs already there. ``--seed-sizes 16,72`` adds a second
@@ -50,6 +53,7 @@ import sys
 from pathlib import Path
 
 from pretrain.config.paths import REPO
+from pretrain.errors import cli
 
 
 def branch_budgets(recipe: str, overrides: list[str] = ()) -> list[float]:
@@ -103,11 +107,31 @@ def stream_commands(recipe: str, sizes: list[int], budgets: list[float],
                      "budget.tokens_per_param=" + ",".join(map(_fmt, budgets)), *cool]]
 
 
-def run_streams(plan: list[list[list[str]]], env: dict) -> int:
-    """Run the streams at once, each its commands in order; the first failure's code."""
-    procs = [(cmds, subprocess.Popen(cmds[0], env=env, cwd=REPO)) for cmds in plan]
+def stream_envs(streams: int, per_device: int, env: dict) -> list[dict]:
+    """Each stream's environment: ``env``, and with ``per_device`` K > 0 the one GPU it
+    sees (stream i: GPU i // K, as ``CUDA_VISIBLE_DEVICES`` numbers them)."""
+    if per_device <= 0:
+        return [env] * streams
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else None
+    out = []
+    for i in range(streams):
+        gpu = i // per_device
+        if gpus is not None and gpu >= len(gpus):
+            raise ValueError(f"--per-device {per_device} puts {streams} streams on "
+                             f"{gpu + 1} GPUs; CUDA_VISIBLE_DEVICES={visible} has "
+                             f"{len(gpus)}: raise --per-device or lower --jobs")
+        out.append({**env, "CUDA_VISIBLE_DEVICES": gpus[gpu] if gpus else str(gpu)})
+    return out
+
+
+def run_streams(plan: list[list[list[str]]], envs: list[dict]) -> int:
+    """Run the streams at once (stream i in ``envs[i]``), each its commands in order; the
+    first failure's code."""
+    procs = [(cmds, env, subprocess.Popen(cmds[0], env=env, cwd=REPO))
+             for cmds, env in zip(plan, envs, strict=True)]
     rc = 0
-    for cmds, proc in procs:
+    for cmds, env, proc in procs:
         code = proc.wait()
         for cmd in cmds[1:]:
             if code:
@@ -139,10 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sizes", required=True, help="widths (model.d_model), e.g. 12,16,20,24")
     ap.add_argument("--recipe", default="ladder-bytes")
     ap.add_argument("--jobs", type=int, default=1, help="streams run at once (default 1)")
+    ap.add_argument("--per-device", type=int, default=0, metavar="K",
+                    help="K streams on each GPU (CUDA_VISIBLE_DEVICES per stream; default: "
+                    "every stream sees every GPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
     ap.add_argument("--fit-only", action="store_true", help="fit the finished runs only")
-    for flag in ("--target-flops", "--bootstrap", "--max-interval", "--max-ratio", "--out",
-                 "--count", "--metric", "--min-steps"):
+    for flag in ("--target-flops", "--bootstrap", "--max-interval", "--max-ratio",
+                 "--max-size-ratio", "--out", "--count", "--metric", "--min-steps"):
         ap.add_argument(flag, help=f"tools/scaling_law.py {flag}")
     ap.add_argument("--predict", action="append", default=[], metavar="N,D",
                     help="tools/scaling_law.py --predict, repeatable")
@@ -171,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def fit_arguments(args: argparse.Namespace) -> list[str]:
     """The flags that go on to tools/scaling_law.py."""
-    fit_args = [x for flag in ("target_flops", "bootstrap", "max_interval", "max_ratio", "out",
-                               "count", "metric", "min_steps")
+    fit_args = [x for flag in ("target_flops", "bootstrap", "max_interval", "max_ratio",
+                               "max_size_ratio", "out", "count", "metric", "min_steps")
                 if getattr(args, flag) is not None
                 for x in (f"--{flag.replace('_', '-')}", getattr(args, flag))]
     fit_args += [x for p in args.predict for x in ("--predict", p)]
@@ -181,6 +208,7 @@ def fit_arguments(args: argparse.Namespace) -> list[str]:
     return fit_args + (["--diagnose"] if args.diagnose else [])
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.plan:
@@ -196,16 +224,18 @@ def main(argv: list[str] | None = None) -> int:
             for s in deal(units, max(args.jobs, 1))]
     sweeps = runs_dir(args.overrides) / "sweeps"
     fit = [str(sweeps / args.recipe), str(sweeps / f"{args.recipe}-cooldown"), *fit_args]
-    for i, cmds in enumerate(plan):
-        for cmd in cmds:
-            print(f"stream {i}: " + " ".join(cmd[1:]), flush=True)
-    print("fit: tools/scaling_law.py " + " ".join(fit), flush=True)
-    if args.dry_run:
-        return 0
     env = dict(os.environ)
     if args.jobs > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
-    rc = 0 if args.fit_only else run_streams(plan, env)
+    envs = stream_envs(len(plan), args.per_device, env)
+    for i, (cmds, e) in enumerate(zip(plan, envs, strict=True)):
+        gpu = f" (CUDA_VISIBLE_DEVICES={e['CUDA_VISIBLE_DEVICES']})" if args.per_device else ""
+        for cmd in cmds:
+            print(f"stream {i}{gpu}: " + " ".join(cmd[1:]), flush=True)
+    print("fit: tools/scaling_law.py " + " ".join(fit), flush=True)
+    if args.dry_run:
+        return 0
+    rc = 0 if args.fit_only else run_streams(plan, envs)
     if rc:
         print(f"a ladder run failed (exit {rc}): not fitting; rerun the same command to "
               "resume", file=sys.stderr)

@@ -39,6 +39,7 @@ from pathlib import Path
 from pretrain.config.compose import compose_config
 from pretrain.config.schema import ConfigError
 from pretrain.decision.checks import check
+from pretrain.errors import cli, report
 from pretrain.launch.slurm import (
     Container,
     LaunchError,
@@ -79,6 +80,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_intermixed_args(argv)  # overrides before, between or after the flags
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     overrides = list(args.overrides)
@@ -91,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         alloc = allocation(cfg, args.nodes, args.gpus_per_node)
         check(cfg, alloc.world_size)
     except (LaunchError, ConfigError) as e:
-        print(f"launch: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     workdir = Path.cwd()
     run_dir = (workdir / cfg.runs_dir / cfg.run_name).resolve()
     script = render(cfg, alloc, run_dir, overrides, workdir, container)

@@ -28,9 +28,12 @@ from pretrain.config.compose import compose_config
 from pretrain.config.schema import ConfigError
 from pretrain.decision.checks import check
 from pretrain.decision.resolve import describe_run, resolve_auto
-from pretrain.hardware.gpus import GpuError, get_gpu
-from pretrain.parallel.layout import layout_world_size
+from pretrain.decision.schedule_checks import check_schedule
+from pretrain.errors import UserError, cli, report
+from pretrain.hardware.gpus import get_gpu
+from pretrain.parallel.layout import layout_world_size, resolve_layout
 from pretrain.planning.autolayout import LayoutError
+from pretrain.planning.graphs import graph_verdict
 from pretrain.planning.report import build_plan, format_plan
 
 FITS, DOES_NOT_FIT, BAD_INPUT = 0, 1, 2
@@ -59,10 +62,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def fail(message: str) -> int:
-    print(f"plan: {message}", file=sys.stderr)
-    return BAD_INPUT
+    return report(message)  # BAD_INPUT
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     bad = [o for o in overrides if o.startswith("-")]
@@ -78,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gpu = get_gpu(args.gpu, tuple(args.gpu_file))
         cfg = compose_config(overrides)
-    except GpuError as e:
-        return fail(str(e))
-    except Exception as e:  # Hydra composition errors: unknown recipe, key or group
+    except UserError:  # a GPU, recipe, key or value that is not there: @cli's line
+        raise
+    except Exception as e:  # anything else Hydra's composition raises
         return fail(f"{type(e).__name__}: {e}")
     par = cfg.parallel
     if par.name == "auto":
@@ -95,12 +98,20 @@ def main(argv: list[str] | None = None) -> int:
         cfg, notes = resolve_auto(cfg, n, gpu, top=args.top)
         check(cfg, n)
         budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
+        warnings = check_schedule(cfg, budget)  # as the run's resolve_plan
         plan = {**build_plan(cfg, n, gpu, describe_run(cfg, n, budget), args.mfu), **notes}
     except (LayoutError, ConfigError, BudgetError) as e:
         return fail(str(e))
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.simulate:
         return run_simulation(cfg, n, args.rank, args.step, plan)
+    layout = resolve_layout(cfg, n)
+    if layout.one_device:  # the host-bound verdict and what a CUDA graph would save
+        plan["cuda_graphs"] = graph_verdict(cfg, layout, gpu, budget).line()
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    if "cuda_graphs" in plan and not args.json:
+        print(plan["cuda_graphs"])
     return FITS if plan["fits"] else DOES_NOT_FIT
 
 

@@ -43,6 +43,7 @@ from pretrain.data.prepare import (
     plan,
     prepare,
 )
+from pretrain.errors import cli, report
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -119,6 +120,7 @@ def run_merge(cfg: DataConfig, args: argparse.Namespace) -> int:
 STAGES = {"all": run_all, "plan": run_plan, "encode": run_encode, "merge": run_merge}
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     if args.help:
@@ -134,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                             "data.name=<source> data.tokenizer=<the shared tokenizer.json>)")
         return STAGES[args.stage](cfg, args)
     except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
 
 
 if __name__ == "__main__":

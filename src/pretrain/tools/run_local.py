@@ -30,6 +30,7 @@ from pretrain.config.schema import ConfigError
 from pretrain.data.mixture_prepare import needs_mixture_preparation
 from pretrain.data.prepare import needs_preparation
 from pretrain.decision.checks import check
+from pretrain.errors import cli, report
 from pretrain.launch import LaunchError
 from pretrain.launch.local import (
     command,
@@ -41,6 +42,7 @@ from pretrain.launch.local import (
 )
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=None,
@@ -56,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             check(cfg, nproc)
         cmd = command(overrides, nproc)
     except (LaunchError, ConfigError) as e:
-        print(f"run_local: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     if args.print:
         print(shlex.join(cmd))
         return 0

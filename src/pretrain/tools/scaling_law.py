@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -59,6 +58,9 @@ from pretrain.analysis.scaling import (
     report_chinchilla_law,
     report_compute_law,
 )
+from pretrain.errors import cli
+from pretrain.errors import report as report_error  # `report` is a local name here
+from pretrain.tools.fit_metrics import METRICS, metric_arg, metric_key, metric_problem
 from pretrain.tools.fit_reports import report_diagnosis, report_e_profile, report_seed_spread
 
 
@@ -196,58 +198,66 @@ def report_target_data(points: list[RunPoint], target: float, chinchilla: FitRep
 def report_extrapolation(points: list[RunPoint], target: float,
                          reports: dict[str, FitReport | None], fit: dict,
                          args: argparse.Namespace) -> None:
-    """The target's prediction by each fitted law, said to be supported or extrapolated
-    (pretrain/analysis/extrapolation.py, with the corpus check of target_data.py); and the
-    L(N, D) prediction at each ``--predict N,D``. Recorded in ``fit``."""
-    from pretrain.analysis.extrapolation import (
-        Bounds,
-        extrapolation_warnings,
-        point_warnings,
-        predict_at,
-    )
+    """The target's prediction by each fitted law, and L(N, D)'s at each ``--predict N,D``,
+    each with its verdict, supported or extrapolated, from one function
+    (pretrain/analysis/extrapolation.verdict): L(N, D)'s target is the point (N_opt, D_opt),
+    judged as a ``--predict`` of that point would be. Recorded in ``fit``."""
+    from pretrain.analysis.extrapolation import Bounds, predict_at, verdict
 
-    bounds = Bounds(max_interval=args.max_interval, max_ratio=args.max_ratio)
-    epochs = fit.get("target_data", {}).get("target_epochs", {})
+    bounds = Bounds(max_interval=args.max_interval, max_ratio=args.max_ratio,
+                    max_size_ratio=args.max_size_ratio)
+    tokens = fit.get("target_data", {}).get("target_tokens", {})
     fit["extrapolation"] = {}
     print(f"\nprediction at the target C = {target:.4g}:")
     for law, rep in reports.items():
         if rep is None or "loss" not in rep.predictions:
             continue
-        why = extrapolation_warnings(points, target, law, rep, bounds)
-        if epochs.get(law, 0) > 1:
-            why.append(f"{law}: the target's tokens are {epochs[law]:.3g} epochs of the corpus")
+        if law == "L(C)":
+            est, n, opt = rep.predictions["loss"], None, ""
+            why = verdict(points, law, est, target, tokens.get(law), None, bounds)
+        else:
+            n, d = rep.predictions["n_opt"].value, rep.predictions["d_opt"].value
+            est, opt = predict_at(rep, n, d), f", N_opt {n:.4g}, D_opt {d:.4g}"
+            why = verdict(points, law, est, target, d, n, bounds)
         fit["extrapolation"][law] = why
-        opt = "" if law == "L(C)" else (f", N_opt {rep.predictions['n_opt'].value:.4g}, "
-                                        f"D_opt {rep.predictions['d_opt'].value:.4g}")
-        print(f"  {law}: loss {rep.predictions['loss']}{opt}")
-        print("    " + ("EXTRAPOLATED past what the fit supports, not a result:" if why else
-                        f"supported (>= {bounds.min_distinct} sizes, 95% interval <= "
-                        f"{100 * bounds.max_interval:.3g}%, <= {bounds.max_ratio:.3g}x the "
-                        "largest run, < 1 epoch)"))
+        print(f"  {law}: loss {est}{opt}")
+        print_verdict(why, bounds, "    ")
+    chinchilla = reports.get("L(N, D)")
+    if args.predict and chinchilla is not None:
+        report_points(points, chinchilla, args.predict, bounds, fit)
+
+
+def print_verdict(why: list[str], bounds, indent: str) -> None:
+    print(indent + ("EXTRAPOLATED past what the fit supports, not a result:" if why else
+                    f"supported ({bounds.describe()})"))
+    for w in why:
+        print(f"{indent}  - {w}")
+
+
+def report_points(points: list[RunPoint], chinchilla: FitReport,
+                  at: list[tuple[float, float]], bounds, fit: dict) -> None:
+    """L(N, D) at each ``--predict`` point, with its interval (and the seed spread's) and
+    its verdict; recorded in ``fit["predict"]``."""
+    from pretrain.analysis.extrapolation import predict_at, verdict
+
+    spread = fit.get("seed_spread", {}).get("relative", float("nan"))
+    fit["predict"] = []
+    print("\nL(N, D) at the given points (± bootstrap std [95% interval]):")
+    for n, d in at:
+        est = predict_at(chinchilla, n, d)
+        why = verdict(points, "L(N, D)", est, 6 * n * d, d, n, bounds)
+        entry = {"n_params": n, "tokens": d, "flops": 6 * n * d, "loss": vars(est),
+                 "extrapolation": why}
+        fit["predict"].append(entry)
+        print(f"  N = {n:.4g}, D = {d:.4g} (C = {6 * n * d:.4g}): loss {est}"
+              + (" -- EXTRAPOLATED:" if why else " -- supported"))
+        if spread == spread:  # measured: the interval a run at another seed falls in
+            wide = vars(with_seed_spread(est, spread))
+            entry["loss_with_seeds"] = wide
+            print(f"      with the seed spread ({100 * spread:.2g}%): ± {wide['std']:.2g} "
+                  f"[{wide['low']:.4g}, {wide['high']:.4g}]")
         for w in why:
             print(f"      - {w}")
-    chinchilla = reports.get("L(N, D)")
-    spread = fit.get("seed_spread", {}).get("relative", float("nan"))
-    if args.predict and chinchilla is not None:
-        fit["predict"] = []
-        print("\nL(N, D) at the given points (± bootstrap std [95% interval]):")
-        for n, d in args.predict:
-            est = predict_at(chinchilla, n, d)
-            fit["predict"].append({"n_params": n, "tokens": d, "flops": 6 * n * d,
-                                   "loss": vars(est)})
-            if spread == spread:  # measured: the interval a run at another seed falls in
-                wide = with_seed_spread(est, spread)
-                fit["predict"][-1]["loss_with_seeds"] = vars(wide)
-            why = point_warnings(points, n, d, est, bounds)
-            fit["predict"][-1]["extrapolation"] = why
-            print(f"  N = {n:.4g}, D = {d:.4g} (C = {6 * n * d:.4g}): loss {est}"
-                  + (" -- EXTRAPOLATED:" if why else " -- supported"))
-            if "loss_with_seeds" in fit["predict"][-1]:
-                w = fit["predict"][-1]["loss_with_seeds"]
-                print(f"      with the seed spread ({100 * spread:.2g}%): ± {w['std']:.2g} "
-                      f"[{w['low']:.4g}, {w['high']:.4g}]")
-            for w in why:
-                print(f"      - {w}")
 
 
 def report_isoflop(points: list[RunPoint], fit: dict) -> None:
@@ -282,55 +292,6 @@ def sweep_report(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int |
 
         return transfer_report(args.dirs, args.out, not args.no_plots)
     return hparam_report(args.dirs, args.out)
-
-
-# --metric: the result.json key each fits (bits per byte: docs/bits-per-byte.md), or a
-# downstream task's bits per byte of the correct answer, task/<name>/bpb (docs/evaluation.md:
-# the task metric that moves smoothly at small scale; accuracy is not a power law in compute)
-METRICS = {"val_loss": "final_val_loss", "val_bpb": "final_val_bpb"}
-TASK_BPB = re.compile(r"^task/[\w.:-]+/bpb$")
-
-
-def metric_key(metric: str) -> str:
-    """The result.json key ``--metric`` fits: METRICS's, or task/<name>/bpb itself."""
-    return METRICS.get(metric, metric)
-
-
-def metric_arg(text: str) -> str:
-    """--metric's value: a name of METRICS or task/<name>/bpb."""
-    if text in METRICS or TASK_BPB.match(text):
-        return text
-    raise argparse.ArgumentTypeError(
-        f"--metric {text}: use {', '.join(sorted(METRICS))} or task/<name>/bpb (a task of "
-        "eval.tasks, e.g. task/hellaswag/bpb)")
-
-
-def metric_problem(dirs: list[Path], metric: str, csv_points: bool) -> str | None:
-    """Why the runs under ``dirs`` cannot be fitted on ``metric``: finished runs whose
-    result.json lacks it (all must have it: a fit on the rest would quietly drop runs), or
-    --points (losses in nats per token) with bits per byte; None when they can."""
-    from pretrain.analysis.runs import finished_runs
-
-    key = metric_key(metric)
-    if key == METRICS["val_loss"]:
-        return None
-    if csv_points:
-        return (f"--points gives losses in nats per token; it does not mix with --metric "
-                f"{metric}: fit those on --metric val_loss")
-    lacking = [str(d) for root in dirs for d, _, r in finished_runs(root) if r.get(key) is None]
-    if not lacking:
-        return None
-    runs = f"{', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}"
-    if TASK_BPB.match(metric):
-        why = (f"they ran without eval.tasks naming that task: rerun them with "
-               f"'eval.tasks=[{metric.split('/')[1]}]', score their checkpoints with "
-               f"tools/evaluate.py, or fit on --metric val_loss")
-    else:
-        why = ("they trained before bits per byte were recorded, or on data prepared without "
-               "byte counts. Prepare their data again (move data/<name> aside, `python "
-               "tools/prepare_data.py data=...`) and rerun them, or fit on --metric val_loss")
-    return (f"--metric {metric}: {len(lacking)} finished run(s) have no {key} in result.json "
-            f"({runs}): {why}")
 
 
 def cooldown_points(dirs: list[Path], key: str = METRICS["val_loss"], count: str = "total",
@@ -425,9 +386,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-ratio", type=float, default=100.0, metavar="X",
                     help="call a prediction extrapolated when the target is more than X "
                          "times the largest run's compute (default 100)")
+    ap.add_argument("--max-size-ratio", type=float, default=3.0, metavar="X",
+                    help="call a prediction extrapolated when its N (the target's N_opt, or "
+                         "a --predict point's) is more than X times the largest size run "
+                         "(default 3)")
     return ap
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -444,8 +410,7 @@ def main(argv: list[str] | None = None) -> int:
 
     problem = metric_problem(args.dirs, args.metric, bool(args.points))
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return report_error(problem)
     points = collect_points(args, args.count)
     args.predict = list(args.predict) + [run_point(r, args.count) for r in args.predict_run]
     points = without_highest_losses(points + [p for f in args.points for p in read_points(f)],

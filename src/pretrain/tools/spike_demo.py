@@ -20,6 +20,7 @@ import logging
 import torch
 
 from pretrain.config.compose import compose_config
+from pretrain.errors import cli
 from pretrain.train.trainer import Trainer
 
 
@@ -58,6 +59,7 @@ def run_once(overrides: list[str], guard: bool, first: int, last: int, token: in
                                         "spike_skipped_steps")}
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bad", default="150:159", help="first:last bad step (1-based)")

@@ -15,58 +15,19 @@ the config check (decision/checks.py) until the schedule returns per-token losse
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pretrain.config.schema import EvalConfig
 from pretrain.data import task_scoring
-from pretrain.data.tasks import Example, describe_source, load_task
+from pretrain.data.task_scoring import TaskSet
+from pretrain.data.tasks import describe_source
 from pretrain.train.hooks import Hook
 
 log = logging.getLogger("pretrain")
-
-
-def text_encoder(tokenizer_file: Path):
-    """(encode: text -> token ids without special tokens, the end-of-text id) of the run's
-    tokenizer.json."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tokenizer_file))
-    eot = tok.token_to_id("<|endoftext|>")
-    index = tokenizer_file.parent / "index.json"
-    if eot is None and index.is_file():  # a hub tokenizer: the data's declared eos id
-        eot = json.loads(index.read_text())["eos_id"]
-    if eot is None:
-        raise ValueError(f"{tokenizer_file} has no <|endoftext|> token and no index.json "
-                         "beside it names an eos id: an empty context has no start token")
-    return (lambda text: tok.encode(text, add_special_tokens=False).ids), int(eot)
-
-
-class TaskSet:
-    """The tasks' examples and their encoded requests, loaded once."""
-
-    def __init__(self, cfg: EvalConfig, tokenizer_file: Path, seq_len: int):
-        encode, eot = text_encoder(tokenizer_file)
-        self.examples: dict[str, list[Example]] = {}
-        self.requests: dict[str, list[task_scoring.Request]] = {}
-        for task in cfg.tasks:
-            ex = load_task(task, cfg.max_examples, cfg.tasks_dir)
-            self.examples[task] = ex
-            self.requests[task] = task_scoring.requests(ex, encode, seq_len, eot)
-
-    def describe(self) -> str:
-        return ", ".join(f"{t} ({len(ex)} documents, {len(self.requests[t])} choices)"
-                         for t, ex in self.examples.items())
-
-    def tokens(self, batch_size: int, pad_multiple: int = 1) -> int:
-        """Token positions one scoring of every task computes (padding included)."""
-        return sum(task_scoring.padded_tokens(r, batch_size, pad_multiple)
-                   for r in self.requests.values())
 
 
 def score(tasks: TaskSet, logprobs, batch_size: int, *, rank: int = 0, world: int = 1,

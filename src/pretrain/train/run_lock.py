@@ -18,10 +18,12 @@ import socket
 import time
 from pathlib import Path
 
+from pretrain.errors import UserError
+
 LOCK = "run.lock"
 
 
-class RunLockedError(RuntimeError):
+class RunLockedError(UserError, RuntimeError):
     pass
 
 

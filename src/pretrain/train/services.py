@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pretrain.checkpoint.folder import META_KEYS
 from pretrain.train import downstream
 from pretrain.train.evaluation import SampleHook, source_validation
 from pretrain.train.expert_load import ExpertLoad
@@ -15,9 +16,8 @@ from pretrain.train.hooks import Hook
 from pretrain.train.noise_scale import NoiseScaleHook
 from pretrain.train.spike_window import SpikeWindow
 
-# meta.json's own keys (Trainer.save_checkpoint): a hook's state may not take one of them
-RESERVED = frozenset({"step", "tokens", "samples_seen", "layout", "world_size", "branch",
-                      "config"})
+# meta.json's own keys (checkpoint/folder.py META_KEYS): a hook's state may not take one
+RESERVED = META_KEYS
 
 
 def build_hooks(trainer: Any) -> list[Hook]:

@@ -37,6 +37,7 @@ from pretrain.parallel import mesh as dist_env
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.mesh import Meshes
+from pretrain.planning.graphs import decide_cuda_graphs
 from pretrain.precision.fp8 import after_optimizer_step, fp8_all_gather
 from pretrain.precision.policy import Policy
 from pretrain.train.step_strategy import step_strategy, strategy_class
@@ -122,7 +123,9 @@ class TrainModule:
         a checkpoint is about to overwrite them) initialised, each rank drawing only its own
         shards' values."""
         cfg = self.cfg
-        pm = parallelize_gpt(cfg, self.layout, mesh, self.device, self.policy, attention)
+        graphs = decide_cuda_graphs(cfg, self.layout, self.device.type)  # train.cuda_graphs
+        pm = parallelize_gpt(cfg, self.layout, mesh, self.device, self.policy, attention,
+                             graphs)
         t0 = time.perf_counter()
         materialize(pm, self.device, cfg.train.seed if initialise else None)
         if initialise:
