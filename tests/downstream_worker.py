@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 from helpers import read_spec
 
-from pretrain.train.downstream import TaskEvaluation
+from pretrain.train.services.tasks import TaskEvaluation
 from pretrain.train.trainer import Trainer
 
 
@@ -26,10 +26,10 @@ def score_layout(cfg, out: Path, name: str) -> dict:
     try:
         trainer.setup()
         hook = TaskEvaluation(cfg.eval)
-        hook.start(trainer)
+        hook.start(trainer.ctx)
         trainer.step = trainer.budget.steps  # the last step: always scored
         metrics: dict = {}
-        hook.evaluate(trainer, metrics)
+        hook.evaluate(trainer.ctx.collecting(metrics))
         rank = dist.get_rank() if dist.is_initialized() else 0
         (out / f"{name}.rank{rank}.json").write_text(json.dumps(metrics))
         return metrics

@@ -110,12 +110,13 @@ def linear_kinds(trainer: Trainer) -> dict[str, str]:
 
 def evaluate_with(trainer: Trainer, eval_batches: int) -> tuple[int, float]:
     """(batches evaluated, validation loss) with train.eval_batches=``eval_batches``."""
-    asked = trainer.evaluator.asked
-    trainer.evaluator.asked = eval_batches
+    evaluator = trainer.validation.evaluators[trainer.cfg.data.name]
+    asked = evaluator.asked
+    evaluator.asked = eval_batches
     try:
-        return trainer.evaluator.batch_count(), trainer.evaluate()
+        return evaluator.batch_count(), trainer.evaluate()
     finally:
-        trainer.evaluator.asked = asked
+        evaluator.asked = asked
 
 
 def run_layout(cfg: Config, out: Path, name: str, spec_eval_also: list[int]) -> None:
@@ -145,9 +146,9 @@ def run_layout(cfg: Config, out: Path, name: str, spec_eval_also: list[int]) -> 
         dist.all_gather_object(per_rank, measured)
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save({"losses": losses, "grad_norms": norms, "val_loss": val,
-                    "val_batches": trainer.evaluator.batch_count(), "extra_eval": extra_eval,
+                    "val_batches": trainer.validation.batch_count(), "extra_eval": extra_eval,
                     "init": init,
-                    "final": final, "memory": per_rank, "layout": trainer.plan["layout"],
+                    "final": final, "memory": per_rank, "layout": trainer.layout.as_dict(),
                     "linears": linear_kinds(trainer)},
                    out / f"{name}.pt")
 

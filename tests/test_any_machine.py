@@ -112,7 +112,7 @@ def test_auto_keeps_the_users_other_precision_keys(monkeypatch):
 @pytest.mark.parametrize("named", ["fp32", "bf16", "fp16"])
 def test_a_named_precision_is_run_exactly_as_named(monkeypatch, named):
     fake_cpu(monkeypatch, "AVX2", False)
-    plan = resolve_plan(compose_config([f"precision={named}", "train.device=cpu"]))[0]
+    plan = resolve_plan(compose_config([f"precision={named}", "train.device=cpu"])).plan
     assert plan["precision"] == named and "precision_auto" not in plan
 
 
@@ -122,11 +122,11 @@ def test_default_and_cpu_recipes_are_auto_and_the_plan_says_why(monkeypatch):
                    ["+recipe=isoflop-tiny"], ["+recipe=gpt2-124m-cpu"]):
         cfg = compose_config([*recipe, "train.device=cpu"])  # a GPU here would be auto's pick
         assert cfg.precision.name == "auto", recipe
-        plan = resolve_plan(cfg)[0]
+        plan = resolve_plan(cfg).plan
         assert plan["precision"] == "fp32", recipe
         assert plan["precision_auto"].startswith("fp32: this CPU has no native bf16 matmul")
     fake_cpu(monkeypatch, "AVX512", True)
-    assert resolve_plan(compose_config(["train.device=cpu"]))[0]["precision"] == "bf16"
+    assert resolve_plan(compose_config(["train.device=cpu"])).plan["precision"] == "bf16"
     # cluster recipes name their precision: bf16 wherever they land
     assert compose_config(["+recipe=gpt3-1.3b"]).precision.name == "bf16"
 

@@ -41,7 +41,7 @@ def lint(cwd: Path) -> subprocess.CompletedProcess:
 def test_the_layer_contract_is_kept():
     out = lint(REPO)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "2 kept, 0 broken" in out.stdout
+    assert "3 kept, 0 broken" in out.stdout
 
 
 def test_every_module_has_a_layer():
@@ -57,7 +57,13 @@ def test_every_module_has_a_layer():
     wing = layers["tool"]["importlinter"]["contracts"][1]
     assert wing["containers"] == ["pretrain.train"]
     inner = {m.strip() for layer in wing["layers"] for m in layer.split("|")}
-    assert inner == {p.stem for p in (SRC / "train").glob("*.py") if p.name != "__init__.py"}
+    assert inner == {p.stem for p in (SRC / "train").iterdir()
+                     if (p.suffix == ".py" and p.name != "__init__.py")
+                     or (p / "__init__.py").exists()}
+    data = layers["tool"]["importlinter"]["contracts"][2]
+    assert data["containers"] == ["pretrain.data"]
+    inner = {m.strip() for layer in data["layers"] for m in layer.split("|")}
+    assert inner == {p.stem for p in (SRC / "data").glob("*.py") if p.name != "__init__.py"}
 
 
 def test_the_package_is_wings_not_a_flat_list():
@@ -90,6 +96,57 @@ def test_an_upward_import_inside_the_training_wing_breaks_its_contract(tmp_path)
     assert "pretrain.train.train_module -> pretrain.train.trainer" in out.stdout
 
 
+def test_an_upward_import_inside_the_data_wing_breaks_its_contract(tmp_path):
+    """The data wing's contract bites: the mixer (the counting, below the windows) reaching
+    up to the windows that read it fails lint-imports, naming the contract and the import;
+    the real tree keeps it (test_the_layer_contract_is_kept)."""
+    shutil.copytree(SRC, tmp_path / "src" / "pretrain")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    module = tmp_path / "src" / "pretrain" / "data" / "mixer.py"
+    module.write_text(module.read_text()
+                      + "\nfrom pretrain.data.mixture_windows import MixtureWindows  # noqa\n")
+    out = lint(tmp_path)
+    assert out.returncode == 1, out.stdout
+    assert "Data wing" in out.stdout and "BROKEN" in out.stdout
+    assert "pretrain.data.mixer -> pretrain.data.mixture_windows" in out.stdout
+
+
+def test_the_data_wing_has_no_import_circle_and_no_hidden_import():
+    """No module of data/ imports another of data/ inside a function (the way an import
+    circle is kept from failing at import time): every one is at the top of its module,
+    where the contract sees it."""
+    hidden = []
+    for path in (SRC / "data").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        top = set(map(id, tree.body))
+        hidden += [f"{path.name}: {node.module}" for node in ast.walk(tree)
+                   if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                       "pretrain.data") and id(node) not in top]
+    assert hidden == []
+
+
+def test_no_module_imports_a_private_name_of_the_data_wing():
+    """data/'s private (underscore) names stay in their module: what another module needs
+    is public (prepare.config_dict, not _config_dict)."""
+    private = [f"{path.relative_to(SRC)}: {node.module}.{a.name}"
+               for path in SRC.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                   "pretrain.data") for a in node.names if a.name.startswith("_")]
+    assert private == []
+
+
+def test_a_hook_module_reaching_up_to_the_loop_breaks_the_contract(tmp_path):
+    """The services package is one layer as a whole: a hook module (any, a new one too)
+    importing the loop fails lint-imports with no edit to pyproject.toml."""
+    shutil.copytree(SRC, tmp_path / "src" / "pretrain")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    hook = tmp_path / "src" / "pretrain" / "train" / "services" / "brand_new.py"
+    hook.write_text("from pretrain.train.trainer import Trainer  # noqa\n")
+    out = lint(tmp_path)
+    assert out.returncode == 1, out.stdout
+    assert "pretrain.train.services.brand_new -> pretrain.train.trainer" in out.stdout
+
+
 def test_the_loop_imports_nothing_from_parallel():
     """trainer.py reaches the layout only through the train module's interface."""
     assert not {m for m in imports_of(SRC / "train" / "trainer.py") if m.startswith("pretrain.parallel")}
@@ -103,7 +160,7 @@ def test_the_loop_asks_nothing_about_the_layout(name):
 
 
 def test_the_loop_is_short():
-    """Services attach on the hook seam (train/hooks.py, train/services.py), not inside
+    """Services attach on the hook seam (train/hooks.py, train/services/), not inside
     the loop (issue 41)."""
     assert len((SRC / "train" / "trainer.py").read_text().splitlines()) <= 400
 
@@ -215,6 +272,32 @@ def test_one_plan_for_the_run_the_dry_run_and_the_planner(compose, prepared, tmp
         if key != "lr":  # the rule's LR: compared through hparam_rules above
             assert planned[key] == dry[key], key
     assert planned["lr"] == dry["lr"] != facts["lr"]
+
+
+def test_the_run_reads_a_typed_decision_and_the_plan_is_its_serialised_form(compose):
+    """decision/resolve returns a frozen RunDecision (config/decision.py) that the trainer
+    and data/ read; plan.json holds its serialised form (as_plan) among the report's
+    extras, and nothing in the package reads a plan dict back as input (issue 50)."""
+    import dataclasses
+
+    from pretrain.config.decision import RunDecision
+    from pretrain.decision.resolve import resolve_run
+
+    run = resolve_run(compose(["model=nano", "checkpoint.branch_tokens_per_param=[0.5]",
+                               "schedule=wsd", "budget=steps", "budget.steps=400"]))
+    assert isinstance(run.decision, RunDecision)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.decision.lr = 1.0  # type: ignore[misc]
+    own = run.decision.as_plan()
+    assert {"lr", "attention", "precision", "branch_points"} <= own.keys()
+    assert {k: run.plan[k] for k in own} == json.loads(json.dumps(own))
+    assert own["branch_points"] == list(run.decision.branch_points) != []
+    readers = re.compile(r"\b(self|trainer|run)\.plan(\[|\.get\()|plan\[\"(lr|attention|"
+                         r"layout|branch_points|mixture_stages|data_sources)\"\]")
+    found = [f"{p.relative_to(SRC)}: {m.group(0)}" for p in SRC.rglob("*.py")
+             if p.relative_to(SRC).parts[0] in ("train", "data", "checkpoint", "decision")
+             for m in readers.finditer(p.read_text())]
+    assert found == []
 
 
 def test_every_module_is_named_in_the_docs():

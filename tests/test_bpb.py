@@ -19,10 +19,10 @@ from helpers import compose_config, make_data_config, read_metrics, read_result
 from pretrain.data.loader import TokenWindows
 from pretrain.data.prepare import encode, merge, plan, prepare
 from pretrain.train.evaluation import (
-    SourceValidation,
     ValidationSource,
     bits_per_byte,
-    source_validation,
+    mixture_mean,
+    validation,
 )
 from pretrain.train.trainer import Trainer
 
@@ -121,9 +121,9 @@ def run(trainer: Trainer) -> dict:
 
 def test_one_source_reports_its_loss_unchanged_and_its_bits_per_byte(prepared, tmp_path):
     trainer = nano_trainer(prepared, tmp_path / "run")
-    (hook,) = [h for h in trainer.hooks if isinstance(h, SourceValidation)]  # data.name
-    assert list(hook.sets) == ["tinytext"] and hook.reuse == "tinytext"
-    assert not hook.evaluators  # the trainer's own validation set: not evaluated twice
+    # one corpus is a mixture of one source: the one validator, evaluating it once
+    assert list(trainer.validation.evaluators) == ["tinytext"]
+    assert trainer.validation.sets["tinytext"] is trainer.val_data  # opened once
     result = run(trainer)
     tokens, nbytes = TokenWindows(prepared, "validation", 32).text_bytes()
     own = result["val/tinytext"]
@@ -142,7 +142,9 @@ def test_every_validation_set_is_evaluated_and_reported(prepared, other, tmp_pat
     trainer = nano_trainer(prepared, tmp_path / "run")
     sources = [ValidationSource("tinytext", prepared, 1.0), ValidationSource("other", other, 0.5),
                ValidationSource("old", old, 0.0)]  # weight 0: validation only
-    trainer.hooks = [source_validation(trainer, sources)]
+    trainer.validation = validation(trainer.cfg, trainer.module, dp_rank=0,
+                                    device=trainer.device, own=trainer.val_data,
+                                    sources=sources)
     with caplog.at_level(logging.WARNING, logger="pretrain"):
         result = run(trainer)
     assert any("bits per byte unavailable for 'old'" in r.getMessage() for r in caplog.records)
@@ -185,6 +187,21 @@ def test_bits_per_byte_are_unavailable_when_a_weighted_source_lacks_byte_counts(
     assert result["final_val_loss"] == result["val/tinytext"]["loss"]
     rows = [m for m in read_metrics(tmp_path / "run") if "val_loss" in m]
     assert rows and all("val_bpb/tinytext" not in m for m in rows)
+
+
+def test_a_mixtures_validation_loss_is_the_mean_by_its_mixture_weights():
+    """The one definition (evaluation.mixture_mean, docs/bits-per-byte.md): the sources of
+    positive weight, weighted by data.mixture's weights; weight 0 is validation only; a
+    weighted source without a value gives None; one source gives its value, bit for bit."""
+    weights = {"web": 0.5, "code": 0.3, "books": 0.2, "held_out": 0.0}
+    losses = {"web": 4.0, "code": 2.0, "books": 1.0, "held_out": 100.0}
+    assert mixture_mean(losses, weights) == pytest.approx(
+        (0.5 * 4.0 + 0.3 * 2.0 + 0.2 * 1.0) / (0.5 + 0.3 + 0.2), abs=1e-15)  # 2.8
+    assert mixture_mean({**losses, "code": None}, weights) is None
+    assert mixture_mean({**losses, "held_out": None}, weights) == mixture_mean(losses, weights)
+    assert mixture_mean({"one": 3.2109876}, {"one": 1.0}) == 3.2109876
+    # the weights' scale does not matter: 5/3/2 is the same mix
+    assert mixture_mean(losses, {"web": 5, "code": 3, "books": 2}) == pytest.approx(2.8)
 
 
 def test_log_line_shows_each_source_compactly():

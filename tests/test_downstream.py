@@ -21,7 +21,9 @@ from pretrain.data.task_scoring import TaskSet, text_encoder
 from pretrain.data.tasks import TaskNotFound, load_task
 from pretrain.decision.checks import check
 from pretrain.model.gpt import GPT
-from pretrain.train.downstream import TaskEvaluation, score
+from pretrain.train.downstream import score
+from pretrain.train.hooks import LoopContext
+from pretrain.train.services.tasks import TaskEvaluation
 
 TASKS_DIR = Path(__file__).parent / "data" / "tasks"
 TASKS = ["hellaswag", "arc_easy"]
@@ -128,37 +130,40 @@ def test_encode_pair_moves_trailing_space_and_uses_eot_for_empty_context():
     assert task_scoring.encode_pair(enc, "", "yes", 7) == ([7], enc("yes"))
 
 
-def fake_trainer(model: GPT, data: Path, step: int, steps: int, task_interval: int):
+def fake_context(model: GPT, data: Path, clock: SimpleNamespace, steps: int,
+                 task_interval: int) -> LoopContext:
+    """What the hook sees of a run of ``steps`` steps, now at step ``clock.step``."""
     cfg = SimpleNamespace(
         eval=EvalConfig(tasks=TASKS, task_interval=task_interval, max_examples=4,
                         tasks_dir=str(TASKS_DIR)),
         model=SimpleNamespace(seq_len=SEQ), train=SimpleNamespace(eval_interval=5),
         parallel=SimpleNamespace(micro_batch_size=8))
     module = SimpleNamespace(token_logprobs=plain_logprobs(model), sum_over_dp=lambda t: t)
-    return SimpleNamespace(cfg=cfg, train_data=SimpleNamespace(path=data), step=step,
-                           budget=SimpleNamespace(steps=steps, global_batch_tokens=512),
-                           module=module,
-                           layout=SimpleNamespace(dp=1, tp=1),
-                           place=SimpleNamespace(dp_rank=0), device=torch.device("cpu"))
+    return LoopContext(cfg=cfg, module=module, device=torch.device("cpu"), rank0=True,
+                       layout=SimpleNamespace(dp=1, tp=1), dp_rank=0, world_size=1,
+                       total_steps=steps, batch_tokens=512,
+                       tokenizer=data / "tokenizer.json", logs=lambda step: True,
+                       _step=lambda: clock.step)
 
 
 def test_hook_adds_task_keys_at_its_interval_and_to_the_result(model, prepared):
-    trainer = fake_trainer(model, prepared, step=5, steps=20, task_interval=10)
-    hook = TaskEvaluation(trainer.cfg.eval)
-    hook.start(trainer)
+    clock = SimpleNamespace(step=5)
+    ctx = fake_context(model, prepared, clock, steps=20, task_interval=10)
+    hook = TaskEvaluation(ctx.cfg.eval)
+    hook.start(ctx)
     metrics: dict = {}
-    hook.evaluate(trainer, metrics)  # step 5: not a multiple of 10
+    hook.evaluate(ctx.collecting(metrics))  # step 5: not a multiple of 10
     assert metrics == {}
-    trainer.step = 20  # the last step (and a multiple)
-    hook.evaluate(trainer, metrics)
-    expected = score(TaskSet(trainer.cfg.eval, prepared / "tokenizer.json", SEQ),
+    clock.step = 20  # the last step (and a multiple)
+    hook.evaluate(ctx.collecting(metrics))
+    expected = score(TaskSet(ctx.cfg.eval, prepared / "tokenizer.json", SEQ),
                      plain_logprobs(model), 3)
     keys = {f"task/{t}/{m}" for t in TASKS for m in ("acc", "acc_norm", "bpb")}
     assert keys <= set(metrics) and "task_eval_s" in metrics
     for k in keys:
         assert metrics[k] == pytest.approx(expected[k], abs=1e-6)
     result: dict = {}
-    hook.finish(trainer, result)
+    hook.finish(ctx.collecting(result))
     assert set(result) == keys and all(isinstance(v, float) for v in result.values())
 
 

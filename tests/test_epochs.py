@@ -76,7 +76,7 @@ def test_the_plan_refuses_a_ten_epoch_budget(prepared, in_work_dir, compose):
     n = corpus_size(make_data_config(prepared.parent)).tokens
     with pytest.raises(ConfigError, match="data.max_epochs"):
         resolve_plan(compose([*args, f"budget.tokens={10 * n}"]))
-    plan, *_ = resolve_plan(compose([*args, f"budget.tokens={n}"]))
+    plan = resolve_plan(compose([*args, f"budget.tokens={n}"])).plan
     assert plan["data_tokens_from"] == "prepared"
     assert plan["epochs"] == pytest.approx(1, abs=0.05)  # budget rounds up to whole steps
 

@@ -1,10 +1,10 @@
-"""GC control in the training loop (src/pretrain/train/garbage.py)."""
+"""GC control in the training loop (src/pretrain/train/services/garbage.py)."""
 
 from __future__ import annotations
 
 import gc
 
-from pretrain.train.garbage import GarbageCollection
+from pretrain.train.services.garbage import GarbageCollection
 
 
 def test_gc_off_during_training_collected_every_interval_restored_after(monkeypatch):

@@ -67,7 +67,7 @@ def test_a_compiled_gpt2_124m_step_has_no_graph_break(markov_root, tmp_path):
 def test_auto_precision_takes_bf16_on_the_gpu():
     from pretrain.decision.resolve import resolve_plan
 
-    plan = resolve_plan(compose_config([GPU]))[0]
+    plan = resolve_plan(compose_config([GPU])).plan
     assert plan["device"].startswith("cuda")
     assert plan["precision"] == "bf16", plan.get("precision_auto")
     assert plan["precision_auto"].startswith("bf16: ") and "compute capability" in \

@@ -1,17 +1,21 @@
-"""The loop's hook seam (train/hooks.py, called by train/trainer.py, listed in
-train/services.build_hooks): a registered hook sees start, step_end, evaluate and finish in
-order at the right steps, adds to what is logged and written, and its state is saved in
-each checkpoint's meta.json and handed back on resume."""
+"""The loop's hook seam (train/hooks.py, called by train/trainer.py, the services found by
+train/services.build_hooks): a registered hook sees start, before_step, step_end, evaluate
+and finish in order at the right steps through a LoopContext (never the trainer), adds to
+what is logged and written with ``record``, and its state is saved in each checkpoint's
+meta.json and handed back on resume. A module dropped into the services package is found
+and built with no other edit."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from helpers import read_metrics, read_result
 
 import pretrain.train.trainer as trainer_module
-from pretrain.train.hooks import Hook
+from pretrain.train import hooks as hooks_module
+from pretrain.train.hooks import Hook, LoopContext
 from pretrain.train.services import build_hooks, check_names
 
 NANO = ["model=nano", "model.vocab_size=300", "model.seq_len=32", "precision=fp32",
@@ -31,23 +35,32 @@ class Recorder(Hook):
         self.calls: list[tuple] = []
         self.steps = 0
         self.loaded: dict | None = None
+        self.before: int | None = None
 
-    def start(self, trainer) -> None:
-        self.calls.append(("start", trainer.step))
+    def start(self, ctx: LoopContext) -> None:
+        assert isinstance(ctx, LoopContext)
+        self.calls.append(("start", ctx.step))
 
-    def step_end(self, trainer, metrics) -> None:
+    def before_step(self, ctx: LoopContext) -> None:
+        self.before = ctx.step  # the step about to run is ctx.step + 1
+
+    def step_end(self, ctx: LoopContext) -> None:
+        assert self.before == ctx.step - 1 and ctx.tokens == ctx.step * ctx.batch_tokens
         self.steps += 1
-        self.calls.append(("step_end", trainer.step, metrics is not None))
-        if metrics is not None:
-            metrics["recorder/steps"] = self.steps
+        self.calls.append(("step_end", ctx.step, ctx.logging))
+        if ctx.logging:
+            ctx.record("recorder/steps", self.steps)
+        else:
+            with pytest.raises(RuntimeError, match="outside a logging point"):
+                ctx.record("recorder/steps", self.steps)
 
-    def evaluate(self, trainer, metrics) -> None:
-        self.calls.append(("evaluate", trainer.step))
-        metrics["recorder/eval_step"] = trainer.step
+    def evaluate(self, ctx: LoopContext) -> None:
+        self.calls.append(("evaluate", ctx.step))
+        ctx.record("recorder/eval_step", ctx.step)
 
-    def finish(self, trainer, result) -> None:
-        self.calls.append(("finish", trainer.step))
-        result["recorder_steps"] = self.steps
+    def finish(self, ctx: LoopContext) -> None:
+        self.calls.append(("finish", ctx.step))
+        ctx.record("recorder_steps", self.steps)
 
     def state_dict(self) -> dict:
         return {"steps": self.steps}
@@ -65,9 +78,9 @@ def registered(monkeypatch) -> list[Recorder]:
     """A Recorder appended to the registry's hooks; the list holds each run's."""
     made: list[Recorder] = []
 
-    def build(trainer):
+    def build(ctx):
         made.append(Recorder())
-        return check_names([*build_hooks(trainer), made[-1]])
+        return check_names([*build_hooks(ctx), made[-1]])
 
     monkeypatch.setattr(trainer_module, "build_hooks", build)
     return made
@@ -119,9 +132,9 @@ def test_a_hook_newer_than_the_checkpoint_starts_fresh(compose, prepared, tmp_pa
     trainer_module.run(cfg, tmp_path / "run")  # the registry as it is: no Recorder
     made = []
 
-    def build(trainer):
+    def build(ctx):
         made.append(Recorder())
-        return [*build_hooks(trainer), made[-1]]
+        return [*build_hooks(ctx), made[-1]]
 
     monkeypatch.setattr(trainer_module, "build_hooks", build)
     assert trainer_module.run(cfg, tmp_path / "run")["recorder_steps"] == 2  # steps 3, 4
@@ -140,3 +153,28 @@ def test_hook_names_are_their_own():
     with pytest.raises(ValueError, match=r"\['step'\] are taken"):
         check_names([Step()])
     assert [h.name for h in check_names([A()])] == ["a"]
+
+
+def test_a_module_in_the_services_package_is_found_and_built(compose, prepared, tmp_path,
+                                                             monkeypatch):
+    """A new hook is one file: a module of the package, registering itself, is imported and
+    built by build_hooks in its order, with no line anywhere else."""
+    import pretrain.train.services as services
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "probe_hook.py").write_text(
+        "from pretrain.train.hooks import Hook, register\n\n"
+        "@register(order=1)\n"
+        "class ProbeHook(Hook):\n"
+        "    name = 'probe'\n\n"
+        "    def finish(self, ctx):\n"
+        "        ctx.record('probe_steps', ctx.step)\n")
+    monkeypatch.setattr(services, "__path__", [*services.__path__, str(package)])
+    monkeypatch.setattr(hooks_module, "REGISTRY", dict(hooks_module.REGISTRY))
+    result = trainer_module.run(compose([*NANO, f"data.root={prepared.parent}",
+                                         "checkpoint.enabled=false"]), tmp_path / "run")
+    sys.modules.pop("pretrain.train.services.probe_hook", None)
+    assert result["probe_steps"] == 4
+    order = [f.__qualname__ for f in hooks_module.registered()]
+    assert order[0] == "ProbeHook" and "NoiseScaleHook" in order

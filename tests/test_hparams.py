@@ -55,7 +55,7 @@ def test_fixed_rules_change_nothing(compose):
     cfg = compose(["+recipe=gpt3-1.3b"])
     resolved, notes = resolve_auto(cfg, 1)
     assert "hparam_rules" not in notes
-    plan, *_ = resolve_plan(resolved)
+    plan = resolve_plan(resolved).plan
     assert plan["lr"] == 2e-4 and plan["global_batch_size"] == 512
     assert plan["hparam_compute"] == pytest.approx(8_455_716_864 * 300e9)
 
@@ -77,7 +77,7 @@ def test_rule_lr_is_not_rescaled_by_the_reference_batch(compose):
     cfg = compose(["+recipe=llama-1b-fineweb", "optim.lr_rule=deepseek"])
     assert cfg.optim.lr_scaling == "sqrt"
     resolved, notes = resolve_auto(cfg, 1)
-    plan, *_ = resolve_plan(resolved)
+    plan = resolve_plan(resolved).plan
     assert plan["lr"] == pytest.approx(DEEPSEEK.lr(notes["hparam_rules"]["compute"]))
     assert "not applied" in notes["hparam_rules"]["lr"]["note"]
 

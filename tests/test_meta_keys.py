@@ -1,6 +1,6 @@
 """meta.json's keys are one list (checkpoint/folder.py META_KEYS): a real save writes exactly
 those and each hook's state under its name, and the names a hook may not take
-(train/services.py RESERVED) are that list."""
+(train/services/__init__.py RESERVED) are that list."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Weighted mixtures of prepared corpora (src/pretrain/data/mixture.py, docs/mixtures.md):
+"""Weighted mixtures of prepared corpora (src/pretrain/data/: weights.py, mixer.py,
+mixture_windows.py, mixture_checks.py, source_checks.py; docs/mixtures.md):
 every global batch holds each source's share to within one sample, the draw is a pure
 function of the batch index (layouts and resumes agree), stages change the counts at their
 step, the plan accounts per source, bad input is refused naming the key, and a run killed
@@ -25,10 +26,14 @@ from helpers import (
     write_markov_data,
 )
 
+from pretrain.config.decision import SourceShare, WeightStage
 from pretrain.config.schema import ConfigError
 from pretrain.data.errors import DataError
 from pretrain.data.loader import TokenWindows
-from pretrain.data.mixture import BatchMixer, MixtureWindows, check_sources, mixture_sources
+from pretrain.data.mixer import BatchMixer
+from pretrain.data.mixture_windows import MixtureWindows
+from pretrain.data.source_checks import check_sources
+from pretrain.data.weights import mixture_sources
 from pretrain.decision.checks import check
 from pretrain.decision.resolve import resolve_plan
 from pretrain.optim.factory import wsd_decay_start
@@ -51,7 +56,8 @@ def markov3(tmp_path_factory) -> Path:
 def windows(root: Path, batch: int, stages=((0, WEIGHTS),), seq_len: int = 16) -> MixtureWindows:
     sources = [TokenWindows(root / n, "train", seq_len, seed=7, stream=k + 1)
                for k, n in enumerate(NAMES)]
-    return MixtureWindows(sources, BatchMixer(list(stages), batch, 7))
+    typed = [WeightStage(step, tuple(w)) for step, w in stages]
+    return MixtureWindows(sources, BatchMixer(typed, batch, 7))
 
 
 @pytest.mark.parametrize("batch", [16, 10, 7])
@@ -105,7 +111,12 @@ def mixture_cfg(*extra: str):
 def test_the_plan_accounts_per_source(markov3):
     cfg = mixture_cfg(f"data.root={markov3}", "budget=steps", "budget.steps=50",
                       "train.global_batch_size=10", "parallel.micro_batch_size=10")
-    plan = resolve_plan(cfg)[0]
+    run = resolve_plan(cfg)
+    plan = run.plan
+    # what the run reads back is typed; plan.json is its serialised form
+    assert run.decision.mixture_stages == (WeightStage(0, WEIGHTS),)
+    assert run.decision.sources[0] == SourceShare("web", (0.5,), 250 * cfg.model.seq_len,
+                                                  60_000)
     rows = {e["name"]: e for e in plan["data_sources"]}
     seq = cfg.model.seq_len
     assert [rows[n]["tokens"] for n in NAMES] == [250 * seq, 150 * seq, 100 * seq]
@@ -120,7 +131,7 @@ def test_the_plan_accounts_per_source(markov3):
 def test_a_cooldown_mix_applies_from_the_decay_start(markov3):
     cfg = mixture_cfg(f"data.root={markov3}", "budget=steps", "budget.steps=50", "schedule=wsd",
                       "++data.cooldown_weights={books: 1.0}")
-    assert resolve_plan(cfg)[0]["mixture_stages"] == [[0, list(WEIGHTS)], [40, [0.0, 0.0, 1.0]]]
+    assert resolve_plan(cfg).plan["mixture_stages"] == [[0, list(WEIGHTS)], [40, [0.0, 0.0, 1.0]]]
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -142,6 +153,66 @@ def test_a_mixture_with_the_default_data_group_is_refused():
     cfg = compose_config([MIX[1]])  # data=stdlib's name and source
     with pytest.raises(ConfigError, match="data.name='stdlib' is a single-source key"):
         check(cfg)
+
+
+EMPTY = "data.mixture is empty: data=mixture trains on the sources data.mixture lists"
+
+
+def test_an_empty_mixture_is_refused_by_the_real_run_before_any_work(tmp_path):
+    """Issue 51: ``data=mixture`` with no source used to try the Hugging Face hub for a
+    dataset called "mixture" for half a minute. The real command (not a dry run) refuses
+    at its decision step, naming data.mixture and the fix; no hub, no run directory."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    out = subprocess.run([sys.executable, "train.py", "data=mixture", "train.device=cpu",
+                          f"runs_dir={tmp_path / 'runs'}", "logging=quiet"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode != 0
+    assert EMPTY in out.stderr and "'data.mixture=[{name: stdlib" in out.stderr
+    assert "127.0.0.1" not in out.stdout + out.stderr  # the hub was never called
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.json"))
+
+
+def test_an_emptied_recipe_mixture_says_it_is_empty():
+    """``+recipe=mixture-tiny 'data.mixture=[]'``: the mixture is empty, not
+    "data.cooldown_weights needs data.mixture" (the recipe's cooldown mix is not the
+    problem)."""
+    from pretrain.train.trainer import run
+
+    cfg = compose_config(["+recipe=mixture-tiny", "data.mixture=[]", "dry_run=true"])
+    with pytest.raises(ConfigError) as e:
+        run(cfg, Path("unused"))
+    assert e.value.problems == [e.value.problems[0]] and EMPTY in e.value.problems[0]
+    assert "needs data.mixture" not in str(e.value)
+
+
+def test_an_empty_mixture_is_refused_by_the_preparation(capsys):
+    """tools/prepare_data.py data=mixture: the same line, exit 2, no hub."""
+    from pretrain.tools import prepare_data
+
+    assert prepare_data.main(["data=mixture"]) == 2
+    assert EMPTY in capsys.readouterr().err
+
+
+def test_a_missing_mixture_path_is_named_as_its_entry(tmp_path, capsys):
+    """Issue 51: a mixture entry's local files that are not there are reported as
+    ``data.mixture[i].data_files`` with the path (not ``data.data_files``), by the dry run
+    and by the preparation, before any work."""
+    from pretrain.tools import prepare_data
+    from pretrain.train.trainer import run
+
+    missing = str(tmp_path / "nowhere" / "*.txt")
+    entries = (f"data.mixture=[{{name: web, weight: 1, source: text, "
+               f"data_files: ['{missing}']}}]")
+    cfg = compose_config(["model=nano", "data=mixture", entries, f"data.root={tmp_path}",
+                          "dry_run=true"])
+    with pytest.raises(ConfigError) as e:
+        run(cfg, tmp_path / "dry")
+    assert f"data.mixture[0].data_files (web) matches no file: ['{missing}']" in str(e.value)
+    assert "data.data_files" not in str(e.value)
+    assert prepare_data.main(["data=mixture", entries, f"data.root={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert f"data.mixture[0].data_files (web) matches no file: ['{missing}']" in err
+    assert "data.data_files" not in err and not (tmp_path / "web").exists()
 
 
 def test_bad_sources_are_listed_in_one_error(markov3, tmp_path):
@@ -214,6 +285,16 @@ def test_the_recipe_trains_and_a_killed_run_resumes_exactly(prepared3):
     cfg = compose_config(command(work, "straight")[2:])
     start = wsd_decay_start(12, cfg.schedule)  # the cooldown mix from the decay start
     assert plan["mixture_stages"] == [[0, [0.5, 0.3, 0.2]], [start, [0.2, 0.3, 0.5]]]
+    # final_val_loss, by hand: the sources' last losses weighted by data.mixture's weights
+    # (0.5/0.3/0.2), not by the cooldown stage's (0.2/0.3/0.5) the run ended on
+    result = json.loads((work / "runs" / "straight" / "result.json").read_text())
+    losses = [result[f"val/{n}"]["loss"] for n in ("stdlib", "site-code", "site-docs")]
+    assert [result[f"val/{n}"]["weight"] for n in ("stdlib", "site-code", "site-docs")] == \
+        [0.5, 0.3, 0.2]
+    assert result["final_val_loss"] == pytest.approx(
+        (0.5 * losses[0] + 0.3 * losses[1] + 0.2 * losses[2]) / 1.0, rel=1e-15)
+    assert result["final_val_loss"] != pytest.approx(
+        0.2 * losses[0] + 0.3 * losses[1] + 0.5 * losses[2], rel=1e-6)
 
     cmd = command(work, "killed", "checkpoint.enabled=true", "checkpoint.interval_steps=5",
                   "checkpoint.async_save=false")

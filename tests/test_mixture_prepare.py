@@ -155,9 +155,10 @@ def test_preparation_keys_without_a_source_are_a_config_error():
 
 
 def test_a_one_process_run_prepares_its_mixture_first(trees):
-    """The trainer's path: open_mixture(cfg, plan, prepare=True) prepares the missing
-    sources and restates the plan's per-source sizes; with auto_prepare=false it does not."""
-    from pretrain.data.mixture import open_mixture
+    """The trainer's path: mixture_training_data prepares the missing sources of a
+    one-process run and restates the plan's per-source sizes; with auto_prepare=false it
+    does not."""
+    from pretrain.data.run_data import mixture_training_data
     from pretrain.decision.resolve import resolve_plan
 
     entries = (f"[{{name: code, weight: 0.5, source: site-packages, roots: ['{trees}/code']}},"
@@ -168,12 +169,13 @@ def test_a_one_process_run_prepares_its_mixture_first(trees):
             "model.seq_len=16", "train.global_batch_size=4", "parallel.micro_batch_size=4"]
     off = compose_config([*args, "data.auto_prepare=false"])
     with pytest.raises(DataError, match="no prepared data"):
-        open_mixture(off, resolve_plan(off)[0], True)
+        mixture_training_data(off, resolve_plan(off).decision, 1, 3)
     cfg = compose_config(args)
-    plan = resolve_plan(cfg)[0]
-    assert [s["data_tokens"] for s in plan["data_sources"]] == [None, None]
-    train = open_mixture(cfg, plan, True)
+    run = resolve_plan(cfg)
+    assert [s["data_tokens"] for s in run.plan["data_sources"]] == [None, None]
+    assert [s.data_tokens for s in run.decision.sources] == [None, None]
+    train, entries = mixture_training_data(cfg, run.decision, 1, 3)
     sizes = [json.loads((trees / "data" / n / "index.json").read_text())["splits"]["train"]
              ["tokens"] for n in ("code", "docs")]
-    assert [s["data_tokens"] for s in plan["data_sources"]] == sizes
+    assert [s["data_tokens"] for s in entries["data_sources"]] == sizes
     assert train.batch(0, 4)[0].shape == (4, 16)

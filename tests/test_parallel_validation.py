@@ -27,7 +27,7 @@ def only_problem(compose, overrides: list[str], world_size: int | None = 8) -> s
 def test_base_layout_is_sound(compose):
     cfg = compose(BASE)
     check(cfg, 8)
-    plan = resolve_plan(cfg, 8)[0]
+    plan = resolve_plan(cfg, 8).plan
     assert plan["layout"]["world_size"] == 8 and plan["layout"]["microbatches"] == 2
 
 
@@ -40,7 +40,7 @@ def test_world_size_must_equal_tp_pp_dp(compose, world_size):
 
 def test_dp_left_out_is_the_rest_of_the_world(compose):
     cfg = compose([*BASE, "parallel.dp=null", "train.global_batch_size=32"])
-    assert resolve_plan(cfg, 16)[0]["layout"]["dp"] == 4
+    assert resolve_plan(cfg, 16).plan["layout"]["dp"] == 4
     msg = problems(cfg, 6)[0]  # 6 is not a multiple of tp*pp = 4
     assert "the world size 6 is not a multiple of tp=2 x pp=2 = 4" in msg
 

@@ -157,14 +157,14 @@ def test_a_model_narrower_than_its_base_width_is_stated_in_the_plan(compose):
 
     narrow = compose(["model=nano", "model.parametrization=mup",
                       "model.base_width=" + str(2 * compose(["model=nano"]).model.d_model)])
-    plan = resolve_plan(narrow)[0]
+    plan = resolve_plan(narrow).plan
     assert plan["width_multiplier"] == 0.5
     assert "narrower than model.base_width" in plan["width_note"]
     assert "LR is 2x the tuned one" in plan["width_note"]
     wide = resolve_plan(compose(["model=nano", "model.parametrization=mup",
-                                 "model.base_width=16"]))[0]
+                                 "model.base_width=16"])).plan
     assert "width_note" not in wide and wide["width_multiplier"] > 1
-    assert "width_multiplier" not in resolve_plan(compose(["model=nano"]))[0]  # sp
+    assert "width_multiplier" not in resolve_plan(compose(["model=nano"])).plan  # sp
 
 
 def test_coord_check_flat_under_mup_and_completep_not_under_sp(tmp_path):

@@ -29,7 +29,7 @@ def test_recipe_composes_validates_and_plans(compose, recipe):
     cfg = compose([f"+recipe={recipe}"])
     assert cfg.run_name == recipe  # the deterministic run name is the recipe's
     check(cfg)
-    plan, budget, _, _ = resolve_plan(cfg)
+    plan = resolve_plan(cfg).plan
     assert PLAN_KEYS <= plan.keys()
     counts = count_params(cfg.model)
     assert plan["n_params"] == counts.total
@@ -71,19 +71,19 @@ def test_gpu_recipes_are_the_cluster_sized_ones(compose):
 
 def test_recipe_values(compose):
     """Spot checks against the papers the recipes cite."""
-    plan = resolve_plan(compose(["+recipe=gpt2-124m"]))[0]
+    plan = resolve_plan(compose(["+recipe=gpt2-124m"])).plan
     assert plan["n_params"] == 124_439_808
     assert plan["steps"] == math.ceil(20 * 124_439_808 / (480 * 1024))  # Chinchilla, 0.5M batch
-    plan = resolve_plan(compose(["+recipe=gpt3-125m"]))[0]
+    plan = resolve_plan(compose(["+recipe=gpt3-125m"])).plan
     assert plan["global_batch_tokens"] == 524_288  # 0.5M tokens (Table 2.1)
     assert plan["steps"] == math.ceil(300e9 / 524_288)
     assert plan["lr"] == pytest.approx(6e-4)
     cfg = compose(["+recipe=gpt3-1.3b-chinchilla"])
     assert cfg.model.name == "gpt3-1.3b" and cfg.budget.kind == "tokens_per_param"
-    plan = resolve_plan(cfg)[0]
+    plan = resolve_plan(cfg).plan
     assert plan["steps"] == math.ceil(20 * plan["n_params"] / (512 * 2048))
     # LLaMA 1B recipe: sqrt LR scaling from a 0.5M- to a 1M-token batch.
-    plan = resolve_plan(compose(["+recipe=llama-1b-fineweb"]))[0]
+    plan = resolve_plan(compose(["+recipe=llama-1b-fineweb"])).plan
     assert plan["global_batch_tokens"] == 1_048_576
     assert plan["lr"] == pytest.approx(3e-3 * math.sqrt(2))
 
@@ -98,7 +98,7 @@ def test_cli_override_beats_recipe(compose):
 def test_default_config_is_the_tiny_recipe(compose):
     default, tiny = compose([]), compose(["+recipe=tiny"])
     assert default.run_name == "default"
-    assert resolve_plan(default)[0] == resolve_plan(tiny)[0]
+    assert resolve_plan(default).plan == resolve_plan(tiny).plan
 
 
 def test_train_py_dry_run_prints_one_json_line(tmp_path):

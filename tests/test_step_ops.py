@@ -67,7 +67,7 @@ def count_steps(trainer: Trainer) -> tuple[Counter, Counter]:
     x, y = trainer._local_batch()
     batches = list(zip(x.chunk(ACCUM), y.chunk(ACCUM), strict=True))
     # the plain loop's own model: the same config and weights, no wrapper of any kind
-    model = build_model(trainer.cfg, trainer.device, trainer.plan["attention"],
+    model = build_model(trainer.cfg, trainer.device, trainer.decision.attention,
                         trainer.cfg.train.seed)
     step = plain_loop(model, trainer.device, trainer.policy.compute_dtype)
     step(batches)

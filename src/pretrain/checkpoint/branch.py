@@ -43,7 +43,7 @@ MUST_MATCH = ("optim", "train.global_batch_size", "schedule.warmup_steps",
 # Data keys that change neither the tokens nor their order.
 DATA_NEUTRAL = ("num_proc", "root", "auto_prepare", "max_epochs", "tokens", "shard_tokens")
 OPTIM_NEUTRAL = ("fused",)
-# A mixture's weights from the decay start on (data/mixture.py): the branch's own cooldown
+# A mixture's weights from the decay start on (data/weights.py): the branch's own cooldown
 # mix. The branch point is at or before both runs' decay starts, so the source never used them.
 BRANCH_MAY_CHANGE = ("data.cooldown_weights",)
 
@@ -104,16 +104,14 @@ def _branch_from_problems(cfg: Config) -> list[str]:
     return p
 
 
-def check_branch_config(cfg: Config) -> dict:
+def check_branch_config(cfg: Config) -> tuple[int, ...]:
     """ConfigError naming every problem of the branch keys (before any data or process
-    group exists: resolve_plan calls it); else what the plan states of them."""
+    group exists: resolve_plan calls it); else the branch points the run keeps (none
+    without checkpoint.branch_tokens_per_param), for its RunDecision."""
     problems = _branch_from_problems(cfg) + _branch_point_problems(cfg)
     if problems:
         raise ConfigError(problems)
-    plan = {"branch_points": branch_points(cfg)} if cfg.checkpoint.branch_tokens_per_param \
-        else {}
-    return {**plan, **({"branch_from": cfg.checkpoint.branch_from}
-                       if cfg.checkpoint.branch_from else {})}
+    return tuple(branch_points(cfg)) if cfg.checkpoint.branch_tokens_per_param else ()
 
 
 def _flat(node: dict, prefix: str = "") -> dict:

@@ -85,10 +85,11 @@ class DataConfig:
     # tokenizer=bpe is trained on at most this much text (characters), taken from the start of
     # every piece in proportion to its size, validation documents left out.
     tokenizer_sample_bytes: int = 64_000_000
-    # A weighted mixture of prepared corpora (data=mixture; src/pretrain/data/mixture.py,
+    # A weighted mixture of prepared corpora (data=mixture; src/pretrain/data/mixer.py,
     # docs/mixtures.md): every global batch holds each source's share to within one sample.
     # stages: new weights from a step on; cooldown_weights: from a WSD run's decay start on
-    # (a cooldown branch may set its own). Empty mixture: the single corpus data.name.
+    # (a cooldown branch may set its own). Empty mixture: the single corpus data.name
+    # (data=mixture itself with an empty list is refused: it names no corpus).
     mixture: list[MixtureSource] = field(default_factory=list)
     stages: list[MixtureStage] = field(default_factory=list)
     cooldown_weights: dict[str, float] = field(default_factory=dict)

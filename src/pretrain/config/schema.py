@@ -296,10 +296,14 @@ class TrainConfig:
     batch_law: list[float] | None = None
     # Gradient noise scale B_simple (McCandlish et al. 2018, app. A), in tokens, measured on
     # logging steps from the first micro batch's gradient and the whole step's
-    # (src/pretrain/train/noise_scale.py); logged as noise_scale.
+    # (src/pretrain/train/services/noise_probe.py); logged as noise_scale.
     noise_scale: bool = True
     # EMA factor over the logging steps' estimates of |G|^2 and tr(Sigma).
     noise_scale_ema: float = 0.9
+    # Update-to-weight ratio ||ΔW|| / ||W|| per block (and embedding, final norm, head),
+    # logged as update_ratio/<group> on the logging steps that are multiples of this
+    # (src/pretrain/train/services/update_ratio.py); 0: off.
+    update_ratio_interval: int = 0
     eval_interval: int = 100
     # Validation batches (of parallel.micro_batch_size sequences) per evaluation, the first
     # ones of the split, each counted once. With pp > 1 rounded up to whole pipeline steps

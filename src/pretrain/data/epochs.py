@@ -13,8 +13,10 @@ is unknown until preparation, and the trainer checks again once the index exists
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pretrain.config.decision import SourceShare
 from pretrain.config.schema import ConfigError, DataConfig
 from pretrain.data.prepare import prepared_index
 
@@ -68,20 +70,25 @@ def check_epochs(cfg: DataConfig, budget_tokens: int, index: dict | None = None)
     return entry
 
 
-def check_mixture_epochs(cfg: DataConfig, shares: list) -> dict:
+def source_entries(shares: Sequence[SourceShare]) -> list[dict]:
+    """The plan's ``data_sources``: per source its weights, the tokens the budget takes
+    from it, its prepared size and epochs."""
+    return [{"name": s.name, "weights": list(s.weights), "tokens": s.tokens,
+             "data_tokens": s.data_tokens,
+             "epochs": None if s.epochs is None else round(s.epochs, 3)} for s in shares]
+
+
+def check_mixture_epochs(cfg: DataConfig, shares: Sequence[SourceShare]) -> dict:
     """The plan's data entries of a mixture: per source (``data_sources``) its weights, the
     tokens the budget takes from it, its prepared size and epochs; ``data.max_epochs`` and
     the repetition warning apply to each source (a small source repeats long before the
-    mix does). ``shares``: data.mixture.source_shares."""
+    mix does). ``shares``: data/weights.source_shares."""
     sizes = [s.data_tokens for s in shares]
     total = None if None in sizes else sum(sizes)
     budget = sum(s.tokens for s in shares)
     entry = {"data_tokens": total, "data_tokens_from": "prepared" if total else "unknown",
              "epochs": None if not total else round(budget / total, 3),
-             "data_sources": [{"name": s.name, "weights": s.weights, "tokens": s.tokens,
-                               "data_tokens": s.data_tokens,
-                               "epochs": None if s.epochs is None else round(s.epochs, 3)}
-                              for s in shares]}
+             "data_sources": source_entries(shares)}
     over = [s for s in shares if s.epochs is not None and s.epochs > cfg.max_epochs]
     if over:
         raise ConfigError([

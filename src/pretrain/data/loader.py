@@ -14,10 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pretrain.config.schema import Config
-from pretrain.data.epochs import check_epochs
-from pretrain.data.prepare import DataError, data_dir, load_index, prepare
-from pretrain.data.tokenizer import check_document_token
+from pretrain.data.errors import DataError
+from pretrain.data.prepare import load_index
 
 log = logging.getLogger("pretrain")
 
@@ -108,25 +106,3 @@ class TokenWindows:
         rows = np.stack([self.window(start + i) for i in range(count)]).astype(np.int64)
         t = torch.from_numpy(rows)
         return t[:, :-1], t[:, 1:]
-
-
-def training_data(cfg: Config, world_size: int, budget_tokens: int
-                  ) -> tuple[TokenWindows, TokenWindows | None, dict]:
-    """The training and (when prepared) validation windows, and the epochs the budget takes
-    (``check_epochs``, for the plan). One process prepares the shards on first use
-    (``data.auto_prepare``); a multi-process run has checked before it started that they
-    exist (preparing a real corpus is a job of its own, tools/prepare_data.py, not work for
-    rank 0 while the other ranks wait on a collective's timeout)."""
-    path = data_dir(cfg.data)
-    if world_size == 1 and cfg.data.auto_prepare:
-        path = prepare(cfg.data)
-    index = load_index(path)
-    check_vocab(path, index, cfg.model.vocab_size)
-    check_document_token(cfg.model, index, path)
-    epochs = check_epochs(cfg.data, budget_tokens, index)
-    log.info("data %s: %s training tokens, the budget is %.3g epochs of it", path,
-             f"{epochs['data_tokens']:,}", epochs["epochs"])
-    train = TokenWindows(path, "train", cfg.model.seq_len, seed=cfg.data.seed)
-    val = (TokenWindows(path, "validation", cfg.model.seq_len, shuffle=False)
-           if "validation" in train.index["splits"] else None)
-    return train, val, epochs

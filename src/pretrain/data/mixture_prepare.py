@@ -21,11 +21,10 @@ import logging
 import time
 from pathlib import Path
 
-from pretrain.config.schema import Config, DataConfig
-from pretrain.data.epochs import check_mixture_epochs
+from pretrain.config.schema import DataConfig
 from pretrain.data.errors import DataError
-from pretrain.data.mixture import check_sources, source_shares, tokenizer_problem
-from pretrain.data.prepare import INDEX, _config_dict, data_dir, fingerprint, load_index, prepare
+from pretrain.data.prepare import INDEX, config_dict, data_dir, fingerprint, load_index, prepare
+from pretrain.data.source_checks import check_sources, missing_file_problems, tokenizer_problem
 
 log = logging.getLogger(__name__)
 # The keys of a mixture entry that describe how to prepare it (config/schema.py MixtureSource).
@@ -36,8 +35,8 @@ MIXTURE_ONLY = ("mixture", "stages", "cooldown_weights")
 
 def source_config(cfg: DataConfig, i: int, tokenizer: str) -> DataConfig:
     """The single-source data config that prepares ``data.mixture[i]``."""
-    base = {k: v for k, v in _config_dict(cfg).items() if k not in MIXTURE_ONLY}
-    entry = _config_dict(cfg.mixture[i]) if not isinstance(cfg.mixture[i], dict) \
+    base = {k: v for k, v in config_dict(cfg).items() if k not in MIXTURE_ONLY}
+    entry = config_dict(cfg.mixture[i]) if not isinstance(cfg.mixture[i], dict) \
         else dict(cfg.mixture[i])
     base.update({k: entry[k] for k in PREP_KEYS if entry.get(k) not in (None, [])})
     base.update(name=entry["name"], tokenizer=tokenizer)
@@ -50,8 +49,8 @@ def _prepared(cfg: DataConfig) -> list[bool]:
 
 
 def _problems(cfg: DataConfig, prepared: list[bool]) -> list[str]:
-    """What stops the job before any work: a source neither prepared nor preparable, and
-    prepared sources that disagree on the tokenizer."""
+    """What stops the job before any work: a source neither prepared nor preparable, local
+    files that are not there, and prepared sources that disagree on the tokenizer."""
     p = [f"data.mixture[{i}].name={s.name}: no prepared data at {Path(cfg.root) / s.name} "
          f"and no source to prepare it from; add `source:` (and its keys) to the entry, or "
          f"prepare it on its own (docs/mixtures.md)"
@@ -59,6 +58,7 @@ def _problems(cfg: DataConfig, prepared: list[bool]) -> list[str]:
          if not done and s.source is None]
     done = [(s.name, Path(cfg.root) / s.name) for s, ok in zip(cfg.mixture, prepared,
                                                               strict=True) if ok]
+    p += missing_file_problems(cfg)
     problem = tokenizer_problem([(n, path, load_index(path)) for n, path in done])
     return p + ([problem] if problem else [])
 
@@ -123,15 +123,3 @@ def needs_mixture_preparation(cfg: DataConfig) -> bool:
     return bool(cfg.mixture) and cfg.auto_prepare and any(
         s.source is not None and not ok for s, ok in zip(cfg.mixture, _prepared(cfg),
                                                          strict=True))
-
-
-def prepare_for_run(cfg: Config, plan: dict) -> None:
-    """A one-process run with data.auto_prepare: prepare the sources not prepared yet, then
-    restate the plan's per-source sizes and epochs (``plan``: the run's, updated)."""
-    if not needs_mixture_preparation(cfg.data):
-        return
-    prepare_mixture(cfg.data)
-    stages = [(int(step), tuple(w)) for step, w in plan["mixture_stages"]]
-    shares = source_shares(cfg.data, stages, cfg.train.global_batch_size, plan["steps"],
-                           cfg.model.seq_len)
-    plan.update(check_mixture_epochs(cfg.data, shares))

@@ -51,11 +51,13 @@ from pretrain.data.encode import (
     write_json_atomic,
 )
 from pretrain.data.errors import DataError
+from pretrain.data.mixture_checks import empty_mixture_problem, is_empty_mixture
 from pretrain.data.sources import apply_max_documents, expand_files, plan_pieces, stdlib_files
 from pretrain.data.tokenizer import make_tokenizer
 
-__all__ = ["DataError", "INDEX", "FORMAT_VERSION", "data_dir", "fingerprint", "is_prepared",
-           "load_index", "merge", "plan", "encode", "prepare", "staging_dir", "stdlib_files"]
+__all__ = ["DataError", "INDEX", "FORMAT_VERSION", "config_dict", "data_dir", "fingerprint",
+           "is_prepared", "load_index", "merge", "plan", "encode", "prepare", "staging_dir",
+           "stdlib_files"]
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +115,9 @@ def load_index(path: Path) -> dict:
 
 def prepared_index(cfg: DataConfig) -> dict | None:
     """The index of a finished preparation of exactly this config, else None."""
-    index_path = data_dir(cfg) / INDEX
-    if not index_path.exists():
+    if not (data_dir(cfg) / INDEX).exists():
         return None
-    index = json.loads(index_path.read_text())
+    index = load_index(data_dir(cfg))
     return index if index.get("fingerprint") == fingerprint(cfg) else None
 
 
@@ -136,9 +137,8 @@ def needs_preparation(cfg: DataConfig) -> bool:
 def _check_output(cfg: DataConfig, fp: str) -> bool:
     """True when already prepared; raise when the output dir holds something else."""
     out = data_dir(cfg)
-    index_path = out / INDEX
-    if index_path.exists():
-        index = json.loads(index_path.read_text())
+    if (out / INDEX).exists():
+        index = load_index(out)
         if index.get("fingerprint") == fp:
             log.info("data: %s already prepared (%s tokens train), nothing to do", out,
                      f"{index['splits']['train']['tokens']:,}")
@@ -158,7 +158,9 @@ def _check_output(cfg: DataConfig, fp: str) -> bool:
     return False
 
 
-def _config_dict(cfg: DataConfig) -> dict:
+def config_dict(cfg: DataConfig) -> dict:
+    """A data config (or a mixture entry) as a plain dict, from its dataclass or from
+    OmegaConf's structured node."""
     if dataclasses.is_dataclass(cfg):
         return dataclasses.asdict(cfg)
     from omegaconf import OmegaConf
@@ -171,6 +173,8 @@ def _config_dict(cfg: DataConfig) -> dict:
 
 def plan(cfg: DataConfig) -> Path | None:
     """Stage 1: tokenizer + pieces into the staging dir. None when already prepared."""
+    if is_empty_mixture(cfg):  # data=mixture lists no source: nothing to fetch or read
+        raise DataError(empty_mixture_problem())
     fp = fingerprint(cfg)
     if _check_output(cfg, fp):
         return None
@@ -193,7 +197,7 @@ def plan(cfg: DataConfig) -> Path | None:
     os.replace(tmp, staging / "tokenizer.json")
     write_json_atomic(staging / PLAN, {
         "format": FORMAT_VERSION, "fingerprint": fp,
-        "data": {k: v for k, v in _config_dict(cfg).items() if k in CONTENT_KEYS},
+        "data": {k: v for k, v in config_dict(cfg).items() if k in CONTENT_KEYS},
         "vocab_size": vocab, "eos_id": eos, "dtype": np.dtype(dtype).name,
         "bytes": total, "pieces": pieces,
     })
@@ -382,24 +386,3 @@ def _run_worker_processes(staging: Path, workers: int) -> None:
         missing = missing_pieces(staging, len(the_plan["pieces"]))
         raise DataError(f"encode worker(s) {failed} of {workers} failed (see above); pieces "
                         f"{_ranges(missing)} are not done. Run again to resume.")
-
-
-def require_prepared(cfg) -> None:
-    """A multi-process run reads prepared data and never tokenises: DataError, naming the
-    command that prepares it, when there is none for this data config (``cfg``: the run's
-    Config; with ``data.auto_prepare=false`` any prepared index at the path will do)."""
-    if cfg.data.mixture:  # its sources are prepared corpora, each checked by name
-        from pretrain.data.mixture import check_sources
-
-        check_sources(cfg.data)
-        return
-    path = data_dir(cfg.data)
-    if not needs_preparation(cfg.data) and (path / INDEX).exists():
-        return
-    what = ("was prepared with other settings" if (path / INDEX).exists()
-            else "holds no prepared data")
-    raise DataError(
-        f"{path} {what} (data.name={cfg.data.name}), and a multi-process run does not "
-        f"prepare data: prepare it first with `python tools/prepare_data.py <the same "
-        f"overrides>`, or start the run with `python tools/run_local.py` / "
-        f"`tools/launch.py`, which prepare first")

@@ -10,7 +10,7 @@ import logging
 import math
 
 from pretrain.config.schema import Config, ConfigError
-from pretrain.data.mixture import mixture_problems
+from pretrain.data.mixture_checks import mixture_problems
 from pretrain.data.sources import LOCAL_FORMATS
 from pretrain.model.parametrization import problems as parametrization_problems
 from pretrain.optim.specs import (
@@ -157,6 +157,10 @@ def _check_optim(cfg: Config, p: list[str]) -> None:
                  "with budget.kind=steps the tokens, and so the compute, depend on the batch")
     if not 0 <= cfg.train.noise_scale_ema < 1:
         p.append(f"train.noise_scale_ema={cfg.train.noise_scale_ema} must be in [0, 1)")
+    if cfg.train.update_ratio_interval < 0:
+        p.append(f"train.update_ratio_interval={cfg.train.update_ratio_interval} must be >= 0 "
+                 "(0: off; N: the update-to-weight ratios on logging steps that are multiples "
+                 "of N)")
     p.extend(lr_rule_problems(cfg.optim))
     if cfg.optim.lr_rule == "fixed" and (why := lr_out_of_range_problem(cfg.optim)):
         p.append(why)

@@ -23,9 +23,11 @@ from pretrain.budget.compute import Budget, resolve_budget
 from pretrain.budget.hparams import apply_rules, describe, hparam_compute
 from pretrain.checkpoint.branch import check_branch_config
 from pretrain.checkpoint.manager import describe_policy
+from pretrain.config.decision import RunDecision, SourceShare, WeightStage
 from pretrain.config.schema import Config, ConfigError
 from pretrain.data.epochs import check_epochs, check_mixture_epochs
-from pretrain.data.mixture import source_shares, weight_stages
+from pretrain.data.source_checks import missing_file_problems
+from pretrain.data.weights import source_shares, weight_stages
 from pretrain.decision.checks import check
 from pretrain.decision.schedule_checks import check_schedule
 from pretrain.decision.tasks import describe_line as describe_tasks_line
@@ -96,15 +98,35 @@ def _auto_layout(cfg: Config, world_size: int, device: torch.device | GpuSpec, t
     return with_parallel(cfg, parallel), candidates
 
 
-def describe_run(cfg: Config, world_size: int, budget: Budget) -> dict:
+def decide(cfg: Config, budget: Budget, attention: str | None = None,
+           branch_points: tuple[int, ...] = ()) -> RunDecision:
+    """The values a run reads back (config/decision.RunDecision): the LR its rule gives for
+    the batch, and for a mixture its weights over the run's steps and what the budget
+    takes from each source; ``attention``: the backend resolved for the device (None: no
+    device, the planner's facts); ``branch_points``: check_branch_config's. ConfigError,
+    before any work, when a mixture source still to prepare names local files that are
+    not there."""
+    if missing := missing_file_problems(cfg.data):
+        raise ConfigError(missing)
+    stages = mixture_stages(cfg, budget.steps) if cfg.data.mixture else ()
+    shares = source_shares(cfg.data, stages, cfg.train.global_batch_size, budget.steps,
+                           cfg.model.seq_len) if stages else ()
+    return RunDecision(
+        lr=scaled_lr(cfg.optim, budget.global_batch_tokens), attention=attention,
+        precision=cfg.precision.name, branch_points=branch_points,
+        branch_from=cfg.checkpoint.branch_from or None, mixture_stages=stages, sources=shares)
+
+
+def describe_run(cfg: Config, world_size: int, budget: Budget,
+                 decision: RunDecision | None = None) -> dict:
     """The plan's facts that do not depend on the device: what every plan states, the
-    run's and ``tools/plan.py``'s (which extends it with memory, cost and time);
+    run's and ``tools/plan.py``'s (which extends it with memory, cost and time), around
+    ``decision``'s own keys (RunDecision.as_plan; None: decided here, without a device);
     ``lr_warning`` only when the LR is outside the optimizer's usual range."""
-    lr = scaled_lr(cfg.optim, budget.global_batch_tokens)
-    warning = lr_range_warning(cfg.optim.name, lr)
+    decision = decision or decide(cfg, budget)
+    warning = lr_range_warning(cfg.optim.name, decision.lr)
     return {
         **budget.as_dict(),
-        "precision": cfg.precision.name,
         "compile": cfg.train.compile,
         "layout": resolve_layout(cfg, world_size).as_dict(),
         "activation_checkpointing": describe_checkpointing(
@@ -116,8 +138,7 @@ def describe_run(cfg: Config, world_size: int, budget: Budget) -> dict:
         "parametrization": str(cfg.model.parametrization),
         **describe_parametrization(cfg.model),  # its multipliers, under mup/completep
         "data": cfg.data.name,
-        **describe_data(cfg, budget),
-        "lr": lr,
+        **describe_data(cfg, budget, decision.sources),
         **({"lr_warning": warning} if warning else {}),
         "checkpoint": describe_policy(cfg.checkpoint),
         "global_batch_size": cfg.train.global_batch_size,
@@ -125,10 +146,11 @@ def describe_run(cfg: Config, world_size: int, budget: Budget) -> dict:
         # hyperparameter rules (src/pretrain/budget/hparams.py); tools/scaling_law.py --hparams
         # groups a sweep's runs by it
         "hparam_compute": hparam_compute(cfg)[0],
+        **decision.as_plan(),
     }
 
 
-def mixture_stages(cfg: Config, steps: int) -> list[tuple[int, tuple[float, ...]]]:
+def mixture_stages(cfg: Config, steps: int) -> tuple[WeightStage, ...]:
     """A mixture's weights over the run's ``steps``: data.stages, and data.cooldown_weights
     from the WSD decay start (ConfigError when a stage would fall inside the decay)."""
     start = wsd_decay_start(steps, cfg.schedule) if cfg.schedule.decay == "wsd" else None
@@ -140,36 +162,31 @@ def mixture_stages(cfg: Config, steps: int) -> list[tuple[int, tuple[float, ...]
     return weight_stages(cfg.data, start)
 
 
-def describe_data(cfg: Config, budget: Budget) -> dict:
-    """The plan's data entries: the corpus's size and epochs; for a mixture, per source
-    too (``data_sources``), and the weights' stages (``mixture_stages``: [step, weights])."""
+def describe_data(cfg: Config, budget: Budget, shares: tuple[SourceShare, ...]) -> dict:
+    """The plan's data entries: the corpus's size and epochs; for a mixture (``shares``:
+    per source, decide's), per source too (``data_sources``)."""
     if not cfg.data.mixture:
         return check_epochs(cfg.data, budget.tokens)
-    stages = mixture_stages(cfg, budget.steps)
-    shares = source_shares(cfg.data, stages, cfg.train.global_batch_size, budget.steps,
-                           cfg.model.seq_len)
-    return {**check_mixture_epochs(cfg.data, shares),
-            "mixture_stages": [[step, list(w)] for step, w in stages]}
+    return check_mixture_epochs(cfg.data, shares)
 
 
-def resolve_plan(cfg: Config, world_size: int | None = None
-                 ) -> tuple[dict, Budget, torch.device, Policy]:
-    """Everything a run on this machine decides before it starts: its plan, budget, device
-    and precision policy. ``world_size`` None: the layout as declared (see
-    decision/checks.py's check)."""
+def resolve_plan(cfg: Config, world_size: int | None = None) -> Resolved:
+    """Everything a run on this machine decides before it starts: its decision, plan (the
+    report), budget, device, precision policy and layout. ``world_size`` None: the layout
+    as declared (see decision/checks.py's check)."""
     if world_size is None:
         world_size = declared_world_size(cfg)
     check(cfg, world_size)
-    branch = check_branch_config(cfg)  # cooldown branches: their keys, their steps
+    branch_points = check_branch_config(cfg)  # cooldown branches: their keys, their steps
     device = pick_device(cfg.train.device)
     cfg, auto_precision = resolve_auto_precision(cfg, device)
     policy = resolve_policy(cfg.precision, device)
     budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
     schedule_warnings = check_schedule(cfg, budget)  # the schedule against the steps
-    plan = {**describe_run(cfg, world_size, budget),
-            "attention": resolve_backend(cfg.model.attention, device, policy.compute_dtype,
-                                         cfg.model.attention_mask == "document"),
-            "device": str(device), **branch}
+    decision = decide(cfg, budget, resolve_backend(
+        cfg.model.attention, device, policy.compute_dtype, cfg.model.attention_mask == "document"),
+        branch_points)
+    plan = {**describe_run(cfg, world_size, budget, decision), "device": str(device)}
     documents = describe_documents(cfg, cfg.parallel.micro_batch_size, device.type)
     if documents:  # model.attention_mask=document: what the planner counts for it
         plan["attention_mask"] = documents
@@ -188,15 +205,18 @@ def resolve_plan(cfg: Config, world_size: int | None = None
                         "train.compile=true (torchao's and torchtitan's advice)")
     if device.type == "cuda":
         plan["tf32"] = cfg.train.tf32
-    return plan, budget, device, policy
+    return Resolved(cfg, decision, plan, budget, device, policy,
+                    resolve_layout(cfg, world_size), world_size)
 
 
 @dataclass
 class Resolved:
-    """A run as decided before it starts."""
+    """A run as decided before it starts: what its parts read (``decision``, the budget,
+    device, policy and layout, all typed) and what it reports (``plan``)."""
 
     cfg: Config  # every ``auto`` replaced by its decision
-    plan: dict  # what plan.json and the first log line say
+    decision: RunDecision
+    plan: dict  # the report: plan.json and the first log line; written, never read back
     budget: Budget
     device: torch.device
     policy: Policy
@@ -211,10 +231,9 @@ def resolve_run(cfg: Config, world_size: int | None = None) -> Resolved:
     if world_size is None:
         world_size = world_size_from_env()
     cfg, notes = resolve_auto(cfg, world_size)
-    plan, budget, device, policy = resolve_plan(cfg, world_size)
-    plan.update(notes)
-    return Resolved(cfg, plan, budget, device, policy, resolve_layout(cfg, world_size),
-                    world_size)
+    run = resolve_plan(cfg, world_size)
+    run.plan.update(notes)
+    return run
 
 
 def announce(run: Resolved, device: torch.device, notes: tuple[str, ...] = ()) -> None:
@@ -244,9 +263,9 @@ def announce(run: Resolved, device: torch.device, notes: tuple[str, ...] = ()) -
         f"{cfg.model.pad_vocab_to}" if budget.n_params_padding else "",
         f"{budget.flops_per_token:,}", budget.rule, f"{budget.tokens:,}",
         budget.steps, f"{budget.global_batch_tokens:,}",
-        " ".join(filter(None, [plan["precision"], plan.get("fp8"),
+        " ".join(filter(None, [run.decision.precision, plan.get("fp8"),
                                "(auto)" if "precision_auto" in plan else None])),
-        " ".join(filter(None, [plan["attention"], plan.get("attention_mask")])),
+        " ".join(filter(None, [run.decision.attention, plan.get("attention_mask")])),
         f" | compile ({layout.compile_scope()})" if cfg.train.compile else "",
         layout.describe(), device,
     )

@@ -19,21 +19,20 @@ from pretrain.config.schema import Config
 from pretrain.data.prepare import data_dir
 from pretrain.data.task_scoring import TaskSet
 from pretrain.data.tasks import describe_source, load_task, request_source
+from pretrain.data.weights import mixture_sources
 
 
 def run_tokenizer(cfg: Config) -> Path:
     """The tokenizer.json the run will encode with (its data's; a mixture's first
     source's, which every source shares)."""
     if cfg.data.mixture:
-        from pretrain.data.mixture import mixture_sources
-
         return mixture_sources(cfg.data)[0][1] / "tokenizer.json"
     return data_dir(cfg.data) / "tokenizer.json"
 
 
 def scoring_steps(steps: int, interval: int) -> int:
     """How many times a run of ``steps`` scores its tasks: at step 0, every ``interval``
-    steps, and at the last step (train/downstream.TaskEvaluation.due)."""
+    steps, and at the last step (train/services/tasks.TaskEvaluation.due)."""
     return 1 + steps // interval + (1 if steps % interval else 0)
 
 

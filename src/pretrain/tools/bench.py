@@ -138,8 +138,8 @@ def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
         return {
             "mode": mode, "recipe_model": cfg.model.name, "device": str(device),
             "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "threads": torch.get_num_threads(), "precision": trainer.plan["precision"],
-            "attention": trainer.plan["attention"], "compile": cfg.train.compile,
+            "threads": torch.get_num_threads(), "precision": trainer.decision.precision,
+            "attention": trainer.decision.attention, "compile": cfg.train.compile,
             "n_params": trainer.budget.n_params, "seq_len": cfg.model.seq_len,
             "global_batch": gbs, "micro_batch": mbs, "steps": steps,
             "tokens_per_s": round(tps, 1), "step_s": round(dt / steps, 4),

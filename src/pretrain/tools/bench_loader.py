@@ -4,7 +4,7 @@
         --batches 10000 --every 1000
 
 It opens the recipe's prepared data the way the trainer does (a mixture: open_mixture with
-the run's plan; one corpus: TokenWindows) and reads ``--batches`` consecutive batches of
+the run's decided weights over steps; one corpus: TokenWindows) and reads ``--batches`` consecutive batches of
 the run's shape (train.global_batch_size samples of model.seq_len tokens, one process)
 through the trainer's Prefetcher (a reader thread ``depth`` batches ahead), consuming each
 batch as the trainer's step would receive it. Every ``--every`` batches it prints the
@@ -42,10 +42,10 @@ def memory() -> dict[str, float]:
 def open_data(cfg):
     """The training windows the trainer would read (nothing is prepared here)."""
     if cfg.data.mixture:
-        from pretrain.data.mixture import open_mixture
+        from pretrain.data.mixture_windows import open_mixture
         from pretrain.decision.resolve import resolve_plan
 
-        return open_mixture(cfg, resolve_plan(cfg, world_size=1)[0])
+        return open_mixture(cfg, resolve_plan(cfg, world_size=1).decision.mixture_stages)
     from pretrain.data.loader import TokenWindows
     from pretrain.data.prepare import data_dir
 

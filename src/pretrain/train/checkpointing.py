@@ -51,7 +51,7 @@ class Checkpointing:
                      f"{trainer.step * trainer.budget.global_batch_tokens:,}", meta.get("layout"))
         elif self.cfg.checkpoint.load_weights_only:
             load_weights(self.cfg.checkpoint.load_weights_only, self.cfg, trainer.module.parts,
-                         trainer.plan["attention"])
+                         trainer.decision.attention)
 
     def save(self, trainer, block: bool = False) -> None:
         """A checkpoint of this step, unless the last step was skipped for a non-finite loss
@@ -64,7 +64,7 @@ class Checkpointing:
                         "stays the last good one", trainer.step, skipping, self.manager.latest())
             return
         meta = {"step": trainer.step, "tokens": trainer.step * trainer.budget.global_batch_tokens,
-                "samples_seen": trainer.samples_seen, "layout": trainer.plan["layout"],
+                "samples_seen": trainer.samples_seen, "layout": trainer.layout.as_dict(),
                 "world_size": trainer.world_size, "branch": self.branch,
                 "config": OmegaConf.to_container(OmegaConf.structured(self.cfg)),
                 **{h.name: state for h in trainer.hooks if (state := h.state_dict())}}

@@ -1,6 +1,6 @@
-"""Evaluation and sampling: the validation loss of the model as it trains (of each source,
-in nats per token and bits per byte: ``SourceValidation``), and a sample of generated text
-at the end.
+"""Validation: the loss of the model as it trains, of each source in nats per token and bits
+per byte, and the run's ``val_loss`` as their ``mixture_mean`` (``Validation``, one path for
+a single corpus and a mixture alike; the trainer owns it).
 
 The validation loss is the mean over the first ``eval_batch_count()`` micro batches of the
 validation split, each counted once, spread over the DP ranks: the same batches, so the
@@ -22,7 +22,6 @@ import torch
 
 from pretrain.data.loader import TokenWindows
 from pretrain.data.prepare import load_index
-from pretrain.train.hooks import Hook
 
 log = logging.getLogger("pretrain")
 
@@ -114,44 +113,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def sample(module, train_cfg, tokenizer: Path, device: torch.device) -> str | None:
-    """``train.sample_tokens`` tokens generated from ``train.sample_prompt`` by the trained
-    model (None when not asked for, or the layout splits the model)."""
-    if train_cfg.sample_tokens <= 0:
-        return None
-    model, why_not = module.generator_model()
-    if model is None:
-        log.info("sampling skipped: %s", why_not)
-        return None
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer))
-    prompt = tok(train_cfg.sample_prompt, add_special_tokens=False)["input_ids"] or [0]
-    model.eval()
-    # Same seed on every rank: data-parallel replicas draw the same tokens in lockstep.
-    gen = torch.Generator(device=device).manual_seed(train_cfg.seed)
-    with module.autocast():  # the compute dtype training ran in
-        out = model.generate(
-            torch.tensor([prompt], device=device), train_cfg.sample_tokens,
-            temperature=train_cfg.sample_temperature, top_k=train_cfg.sample_top_k,
-            generator=gen)
-    return tok.decode(out[0].tolist())
-
-
-class SampleHook(Hook):
-    """``sample`` at the end of a run: logged, and in result.json as ``sample``. Every
-    rank generates (data-parallel replicas in lockstep)."""
-
-    name = "sample"
-
-    def finish(self, trainer, result: dict) -> None:
-        text = sample(trainer.module, trainer.cfg.train,
-                      trainer.train_data.path / "tokenizer.json", trainer.device)
-        if text is not None:
-            log.info("sample from the trained model:\n%s\n%s\n%s", "-" * 60, text, "-" * 60)
-            result["sample"] = text
-
-
 # -- validation per source, in loss and bits per byte -------------------------------------------
 
 
@@ -161,9 +122,15 @@ def bits_per_byte(loss: float, tokens: int, nbytes: int) -> float:
     return loss * (tokens / nbytes) / math.log(2)
 
 
-def weighted_mean(values: dict[str, float | None], weights: dict[str, float]) -> float | None:
-    """The mean of ``values`` by ``weights`` over the names of positive weight (a weight-0
-    source is validation only); None when one of them has no value."""
+def mixture_mean(values: dict[str, float | None], weights: dict[str, float]) -> float | None:
+    """THE definition of a run's ``val_loss`` (``first_val_loss``, ``final_val_loss``) and
+    ``final_val_bpb``: the mean of the sources' ``values`` weighted by ``weights``, the
+    run's ``data.mixture`` weights (``validation_sources``: fixed for the whole run, the
+    stable phase's, whatever ``data.stages`` or ``data.cooldown_weights`` train on later),
+    over the sources of positive weight (weight 0: validation only). Fixed weights make
+    every evaluation point, and runs or branches that differ in their later stages, a
+    measure of the same target. One source (a single corpus): its value, bit for bit.
+    None when a weighted source has no value."""
     names = [n for n, w in weights.items() if w > 0]
     if not names or any(values.get(n) is None for n in names):
         return None
@@ -191,28 +158,25 @@ def validation_sources(data_cfg) -> list[ValidationSource]:
     return [ValidationSource(data_cfg.name, Path(data_cfg.root) / data_cfg.name)]
 
 
-class SourceValidation(Hook):
-    """The validation loss of each source at every evaluation point, in nats per token and
-    in bits per byte (``bits_per_byte`` with the split's tokens and bytes as preparation
-    counted them), reported as ``val_loss/<name>`` and ``val_bpb/<name>`` (log line,
-    metrics.jsonl, wandb) and in result.json as ``val/<name>: {loss, bpb, weight}`` and
-    ``final_val_bpb``. The run's ``val_loss`` becomes the training-weighted mean over the
-    sources of positive weight: for one source, its loss, unchanged. The source the trainer
-    evaluates itself (the same split) is not evaluated twice: its loss is the trainer's."""
-
-    name = "validation"
+class Validation:
+    """The run's validation, one path for every source (a single corpus is a mixture of
+    one): each source's loss at every evaluation point, in nats per token and in bits per
+    byte (``bits_per_byte`` with the split's tokens and bytes as preparation counted them),
+    reported as ``val_loss/<name>`` and ``val_bpb/<name>`` (log line, metrics.jsonl, wandb)
+    and in result.json as ``val/<name>: {loss, bpb, weight}`` and ``final_val_bpb``; the
+    run's ``val_loss`` is their ``mixture_mean``."""
 
     def __init__(self, sets: dict[str, TokenWindows], weights: dict[str, float],
-                 make_evaluator: Callable[[TokenWindows], Evaluator], reuse: str | None = None):
-        self.sets, self.weights, self.reuse = sets, weights, reuse
-        self.evaluators = {n: make_evaluator(w) for n, w in sets.items() if n != reuse}
+                 make_evaluator: Callable[[TokenWindows], Evaluator]):
+        self.sets, self.weights = sets, weights
+        self.evaluators = {n: make_evaluator(w) for n, w in sets.items()}
         self.counts = {n: w.text_bytes() for n, w in sets.items()}
         self.loss: dict[str, float | None] = {}
         self.bpb: dict[str, float | None] = {}
-        self.described = False
 
     def describe(self) -> None:
-        """Once, on rank 0: the sources validated on, and which have no byte counts."""
+        """Once, on rank 0, before the first evaluation: the sources validated on, which
+        have no byte counts, and each evaluator's batch count when it is not the one asked."""
         log.info("validation per source: %s", ", ".join(
             f"{n} (weight {self.weights[n]:g}, {w.n_windows} windows)"
             for n, w in self.sets.items()))
@@ -222,27 +186,35 @@ class SourceValidation(Hook):
         for ev in self.evaluators.values():
             ev.describe()
 
-    def evaluate(self, trainer, metrics: dict) -> None:
-        if trainer.rank0 and not self.described:
-            self.describe()
-        self.described = True
-        for n in self.sets:
-            loss = trainer.last_val_loss if n == self.reuse else self.evaluators[n].evaluate()
+    def evaluate(self) -> dict[str, float | None]:
+        """Every source's loss (every rank calls it): the evaluation point's metrics,
+        ``val_loss`` (the ``mixture_mean``) first."""
+        metrics: dict[str, float | None] = {}
+        for n, ev in self.evaluators.items():
+            loss = self.loss[n] = ev.evaluate()
             counts = self.counts[n]
-            self.loss[n] = loss
-            self.bpb[n] = None if counts is None or loss is None else bits_per_byte(loss, *counts)
+            self.bpb[n] = None if counts is None else bits_per_byte(loss, *counts)
             metrics[f"val_loss/{n}"] = loss
             if self.bpb[n] is not None:
                 metrics[f"val_bpb/{n}"] = self.bpb[n]
-        metrics["val_loss"] = trainer.last_val_loss = weighted_mean(self.loss, self.weights)
+        return {"val_loss": mixture_mean(self.loss, self.weights), **metrics}
 
-    def finish(self, trainer, result: dict) -> None:
+    def batch_count(self) -> int | None:
+        """Validation batches an evaluation averages over, when every source uses the
+        same number (each split caps its own)."""
+        counts = {ev.batch_count() for ev in self.evaluators.values()}
+        return counts.pop() if len(counts) == 1 else None
+
+    def result(self) -> dict:
+        """result.json's validation keys (the last evaluation's)."""
+        out: dict = {}
         for n in self.sets:
             entry = {"loss": self.loss.get(n), "bpb": self.bpb.get(n), "weight": self.weights[n]}
             if self.counts[n] is None:
                 entry["bpb_unavailable"] = unavailable_note(n, self.sets[n].path)
-            result[f"val/{n}"] = entry
-        result["final_val_bpb"] = weighted_mean(self.bpb, self.weights)
+            out[f"val/{n}"] = entry
+        out["final_val_bpb"] = mixture_mean(self.bpb, self.weights)
+        return out
 
 
 def unavailable_note(name: str, path: Path) -> str:
@@ -251,32 +223,40 @@ def unavailable_note(name: str, path: Path) -> str:
             f"(`python tools/prepare_data.py data=...`) to get them")
 
 
-def source_validation(trainer, sources: list[ValidationSource] | None = None
-                      ) -> SourceValidation | None:
-    """The per-source validation of ``trainer``'s run: ``sources``, by default its config's
-    (``validation_sources``); None when none has a validation split. The trainer's own
-    validation set, when it is one of them, is not evaluated twice."""
-    own = trainer.val_data
+def open_validation_sets(sources: list[ValidationSource], seq_len: int,
+                         own: TokenWindows | None = None
+                         ) -> tuple[dict[str, TokenWindows], dict[str, float]]:
+    """(windows, weight) of each source that has a validation split; ``own``: windows the
+    run opened already (its single corpus's), used for the source whose split they are."""
     sets, weights = {}, {}
-    for src in sources if sources is not None else validation_sources(trainer.cfg.data):
-        # the trainer's own set when it is this source's split (a mixture's interleaved
-        # validation, which has no single path, never is)
-        own_path = getattr(own, "path", None)
+    own_path = getattr(own, "path", None)
+    for src in sources:
         same = own_path is not None and Path(src.path).resolve() == Path(own_path).resolve()
-        windows = own if same else open_validation(src.path, trainer.cfg.model.seq_len)
+        windows = own if same else open_validation(src.path, seq_len)
         if windows is not None:
             sets[src.name], weights[src.name] = windows, src.weight
+    return sets, weights
+
+
+def validation(cfg, module, *, dp_rank: int, device: torch.device,
+               own: TokenWindows | None = None,
+               sources: list[ValidationSource] | None = None) -> Validation | None:
+    """The run's validation: ``sources`` (by default its config's, ``validation_sources``)
+    evaluated by ``module`` (a TrainModule) on this DP rank; None when none has a
+    validation split. The one place an ``Evaluator`` is built for a run."""
+    if sources is None:
+        sources = validation_sources(cfg.data)
+    sets, weights = open_validation_sets(sources, cfg.model.seq_len, own)
     if not sets:
         return None
-    reuse = next((n for n, w in sets.items() if w is own and trainer.evaluator), None)
-    layout, place = trainer.layout, trainer.place
+    layout = module.layout
 
     def make(windows: TokenWindows) -> Evaluator:
-        return Evaluator(windows, trainer.module, eval_batches=trainer.cfg.train.eval_batches,
+        return Evaluator(windows, module, eval_batches=cfg.train.eval_batches,
                          micro_batch_size=layout.micro_batch_size, dp=layout.dp,
-                         dp_rank=place.dp_rank, device=trainer.device)
+                         dp_rank=dp_rank, device=device)
 
-    return SourceValidation(sets, weights, make, reuse)
+    return Validation(sets, weights, make)
 
 
 def open_validation(path: Path, seq_len: int) -> TokenWindows | None:

@@ -1,39 +1,111 @@
 """The loop's seam: a service beside the training loop is a ``Hook`` (OLMo-core's
-``Callback``, Lightning's callbacks), called at fixed points of ``Trainer.fit``. A new service
-(task evaluation, a spike guard, a profiler) attaches by subclassing ``Hook`` and being named
-in ``services.build_hooks``; the loop itself does not grow.
+``Callback``, Lightning's callbacks), called at fixed points of ``Trainer.fit`` with a
+``LoopContext``, the narrow view of the run a hook gets: never the trainer itself.
+
+A new service is one module in the ``pretrain.train.services`` package whose factory is
+decorated with ``@register(order)``: ``services.build_hooks`` imports every module of the
+package and builds what they registered, in ``order``; the loop, services/__init__.py and
+pyproject.toml's contract (which covers the package as a whole) do not change.
 
 Every rank calls every method at the same points (a hook may run collectives in them); rank 0
-alone logs and writes files (``trainer.rank0``). A hook adds what it measured to the dict it
-is handed: the keys reach the log line, metrics.jsonl and wandb (``metrics``) or result.json
-(``result``). Its ``state_dict`` is saved in each checkpoint's meta.json under the hook's
+alone logs and writes files (``ctx.rank0``). A hook reports what it measured with
+``ctx.record(name, value)``: at ``step_end`` on a logging step (``ctx.logging``) and at
+``evaluate`` the keys reach the log line, metrics.jsonl and wandb; at ``finish``,
+result.json. Its ``state_dict`` is saved in each checkpoint's meta.json under the hook's
 ``name`` and handed back to ``load_state_dict`` on resume, so a resumed run continues as the
 uninterrupted one would.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
+
+from pretrain.config.schema import Config
+from pretrain.parallel.layout import Layout
+from pretrain.train.train_module import TrainModule
+
+
+@dataclass(frozen=True)
+class LoopContext:
+    """What a hook sees of the run: read-only facts, the live step, and ``record``.
+
+    ``module`` is the train module (model parts, optimizer, the reductions every rank
+    calls together); ``step`` is the optimizer steps taken so far (1-based after a step);
+    ``logs(step)`` says whether step ``step`` gets a log line; ``tokenizer`` is the
+    prepared data's tokenizer.json."""
+
+    cfg: Config
+    module: TrainModule
+    device: torch.device
+    rank0: bool
+    layout: Layout
+    dp_rank: int  # which slice of each global batch (and of evaluation work) this rank has
+    world_size: int
+    total_steps: int
+    batch_tokens: int  # tokens per optimizer step, over every rank
+    tokenizer: Path
+    logs: Callable[[int], bool]
+    _step: Callable[[], int] = field(repr=False)
+    _sink: list = field(default_factory=lambda: [None], repr=False)
+
+    @property
+    def step(self) -> int:
+        return self._step()
+
+    @property
+    def tokens(self) -> int:
+        """Tokens trained on so far."""
+        return self.step * self.batch_tokens
+
+    @property
+    def logging(self) -> bool:
+        """Whether what is recorded now is kept: a logging step's ``step_end``, every
+        ``evaluate`` and ``finish``."""
+        return self._sink[0] is not None
+
+    def record(self, name: str, value: Any) -> None:
+        """``value`` under ``name`` on the log line / metrics.jsonl / wandb (``step_end``,
+        ``evaluate``) or in result.json (``finish``)."""
+        if self._sink[0] is None:
+            raise RuntimeError(f"record({name!r}) outside a logging point: check "
+                               "ctx.logging in step_end first")
+        self._sink[0][name] = value
+
+    def collecting(self, sink: dict | None) -> LoopContext:
+        """(The loop's) ``record`` writes into ``sink`` until the next call (None: off)."""
+        self._sink[0] = sink
+        return self
 
 
 class Hook:
     """A service the loop calls; every method is optional (the base does nothing)."""
 
-    name: str = "hook"  # the key of its state in meta.json and of its section in the plan
+    name: str = "hook"  # the key of its state in meta.json
 
-    def start(self, trainer: Any) -> None:
-        """After resume, before the first step (``trainer.step`` is where the run starts)."""
+    def __init__(self, ctx: LoopContext | None = None):
+        """A registered class is built with the run's context (``register``)."""
 
-    def step_end(self, trainer: Any, metrics: dict | None) -> None:
-        """After every optimizer step; ``metrics`` is the log line's dict on logging steps
-        (add keys to it), None on the others."""
+    def start(self, ctx: LoopContext) -> None:
+        """After resume, before the first step (``ctx.step`` is where the run starts)."""
 
-    def evaluate(self, trainer: Any, metrics: dict) -> None:
+    def before_step(self, ctx: LoopContext) -> None:
+        """Before every optimizer step (step ``ctx.step + 1``): arm a measurement."""
+
+    def step_end(self, ctx: LoopContext) -> None:
+        """After every optimizer step; on logging steps (``ctx.logging``) ``record``
+        adds to the log line."""
+
+    def evaluate(self, ctx: LoopContext) -> None:
         """At every evaluation point (step 0 and every ``train.eval_interval``, and the
-        last step), after the validation loss: add keys to ``metrics``."""
+        last step), after the validation loss."""
 
-    def finish(self, trainer: Any, result: dict) -> None:
-        """The budget is spent: add keys to ``result`` (result.json)."""
+    def finish(self, ctx: LoopContext) -> None:
+        """The budget is spent: ``record`` adds to result.json."""
 
     def state_dict(self) -> dict:
         """What a resumed run needs to continue exactly (JSON-serialisable)."""
@@ -45,3 +117,25 @@ class Hook:
 
     def close(self) -> None:
         """Give back what the hook holds (threads, files), whatever happened."""
+
+
+# A factory builds its hook from the context, or None when the run does not use it.
+Factory = Callable[[LoopContext], "Hook | None"]
+REGISTRY: dict[str, tuple[int, Factory]] = {}
+
+
+def register(order: int) -> Callable[[Factory], Factory]:
+    """Register a hook factory (or a Hook subclass, called with the context) where it is
+    defined; ``order`` places it among the others at every point (lower first)."""
+
+    def add(factory: Factory) -> Factory:
+        key = f"{factory.__module__}.{factory.__qualname__}"
+        REGISTRY[key] = (order, factory)
+        return factory
+
+    return add
+
+
+def registered() -> list[Factory]:
+    """The registered factories, in their order (ties: by name, for a fixed order)."""
+    return [f for _, (_, f) in sorted(REGISTRY.items(), key=lambda kv: (kv[1][0], kv[0]))]

@@ -12,18 +12,14 @@ and the simple noise scale B_simple = tr(Sigma) / |G|^2 is the ratio of their ex
 moving averages (each single-step estimate is noisy, the |G|^2 one can be negative). With B
 in tokens, B_simple is in tokens. The trainer supplies the two squared norms: the whole
 step's raw gradient (before clipping, after fp16 unscaling) for B_big, and the first micro
-batch's, over every data-parallel rank, for B_small (``NoiseScaleProbe``: when and how a
-run measures them).
+batch's, over every data-parallel rank, for B_small (services/noise_probe.py: when and how a
+run measures them, as a hook on the loop's seam).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-
-import torch
-
-from pretrain.train.hooks import Hook
 
 log = logging.getLogger("pretrain")
 
@@ -139,94 +135,3 @@ def probe_support(cfg, layout) -> tuple[int | None, str | None]:
         return layout.micro_batch_size // 2, None
     return None, ("not measured: one sequence per rank and step leaves no smaller batch "
                   "(raise parallel.micro_batch_size or train.global_batch_size)")
-
-
-class NoiseScaleProbe:
-    """The noise scale as a run measures it, on logging steps only (whose host syncs and
-    collectives are there anyway): the step strategy hands over the first micro batch's
-    squared norm, the train module the whole step's (``record``), and the logging step
-    folds them into the estimator (``update``: one host sync)."""
-
-    def __init__(self, cfg, layout, global_batch_tokens: int):
-        self.estimator = NoiseScale(cfg.train.noise_scale_ema)
-        self.small_seqs, self.why_not = probe_support(cfg, layout)
-        self.dp, self.seq_len = layout.dp, cfg.model.seq_len
-        self.micro_batches = layout.microbatches
-        self.big_tokens = global_batch_tokens
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def measured(self) -> bool:
-        return self.small_seqs is not None
-
-    @property
-    def value(self) -> float | None:
-        return self.estimator.value
-
-    def describe(self) -> str:
-        if self.small_seqs is None:
-            return f"gradient noise scale: {self.why_not}"
-        small = self.small_seqs * self.dp
-        how = "first micro batch" if self.micro_batches >= 2 else \
-            "first half of the batch (one micro batch, run as two halves on logging steps)"
-        return (f"gradient noise scale (McCandlish et al. 2018): on logging steps, B_small = "
-                f"each rank's {how} x dp={self.dp} = {small} sequences = "
-                f"{small * self.seq_len:,} tokens, B_big = the global batch, "
-                f"{self.big_tokens:,} tokens; EMA {self.estimator.beta:.2f}")
-
-    def restore(self, state: dict | None) -> None:
-        """A resumed run's averages, from its checkpoint (None: saved before they were)."""
-        if state is not None:
-            self.estimator.load_state_dict(state)
-
-    def record(self, small_sq: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
-        """A measuring step's squared norms, kept on the device: the first micro batch's
-        and the whole step's raw (unclipped) one."""
-        if small_sq is not None:
-            self.pending = (small_sq, grad_norm.float() ** 2)
-
-    def update(self, step: int) -> float | None:
-        """On a logging step: fold the pending squared norms into the EMAs (one host sync)
-        and return B_simple in tokens (None until it is defined)."""
-        if self.pending is None:
-            return self.estimator.value
-        small_sq, big_sq = torch.stack(self.pending).double().tolist()
-        self.pending = None
-        spikes = self.estimator.spikes
-        self.estimator.update(small_sq, big_sq, self.small_seqs * self.dp * self.seq_len,
-                              self.big_tokens)
-        if self.estimator.spikes > spikes:
-            log.info("noise scale: step %d's squared gradient norm %.4g is over %gx its "
-                     "average, a spike: left out of the averages", step, big_sq, SPIKE)
-        return self.estimator.value
-
-
-class NoiseScaleHook(Hook):
-    """The probe on the loop's seam: its estimate on every logging step's line, what it says
-    of the batch at the end (and result.json's ``noise_scale``), its averages in each
-    checkpoint's meta.json under "noise_scale" (the key they had before the seam, so older
-    checkpoints resume the same way). The trainer keeps the probe itself: the step measures
-    B_small (``NoiseScaleProbe.record``)."""
-
-    name = "noise_scale"
-
-    def __init__(self, probe: NoiseScaleProbe):
-        self.probe = probe
-
-    def step_end(self, trainer, metrics: dict | None) -> None:
-        if metrics is None:  # measured on logging steps only
-            return
-        value = self.probe.update(trainer.step)  # None: not measured, or not yet defined
-        if value is not None:
-            metrics["noise_scale"] = value
-
-    def finish(self, trainer, result: dict) -> None:
-        result["noise_scale"] = self.probe.value
-        if self.probe.value is not None:
-            log.info(compare_batch(trainer.budget.global_batch_tokens, self.probe.value))
-
-    def state_dict(self) -> dict:
-        return self.probe.estimator.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.probe.restore(state)

@@ -59,7 +59,7 @@ class AccumulationStep:
     in the last micro batch's backward.
 
     On a step that measures the gradient noise scale it also returns the squared norm of
-    the first micro batch's mean gradient (see noise_scale.NoiseScaleProbe): a batch that
+    the first micro batch's mean gradient (see services/noise_probe.NoiseScaleProbe): a batch that
     is one micro batch then runs as two halves (``small_seqs`` sequences first, each
     weighted by its size), and DDP/ZeRO-2 reduce the first micro batch's gradients at once
     instead of with the last's. Evaluation: one micro batch a forward, counted one by one

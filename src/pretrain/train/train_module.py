@@ -86,13 +86,12 @@ class TrainModule:
     Built from the resolved config and plan values: ``attention`` (the kernel), ``lr`` (the
     scaled peak LR), ``steps`` and ``batch_tokens`` (the schedule's length and warmup
     unit). ``initialise`` False allocates the weights without drawing them (a checkpoint is
-    about to overwrite them); ``small_seqs`` is the noise-scale probe's small batch per DP
-    rank (None: not measured); ``last_good()`` names the newest checkpoint for the error
+    about to overwrite them); ``last_good()`` names the newest checkpoint for the error
     that stops a run after too many non-finite steps."""
 
     def __init__(self, cfg: Config, layout: Layout, place: Place, policy: Policy, *,
                  attention: str, lr: float, steps: int, batch_tokens: int, initialise: bool,
-                 small_seqs: int | None, last_good: Callable[[], object] = lambda: None):
+                 last_good: Callable[[], object] = lambda: None):
         self.cfg, self.layout, self.policy = cfg, layout, policy
         self.last_good = last_good
         self.peak_lr = lr  # for the advice of a non-finite stop
@@ -111,7 +110,12 @@ class TrainModule:
         self.guard = SpikeGuard(self.device, o.spike_sigmas, o.spike_window, o.spike_warmup) \
             if o.spike_guard else None
         self.strategy = step_strategy(self.parallel, self.scaler, optimizer=self.optimizer,
-                                      small_seqs=small_seqs, grad_sq_norm=self.grad_sq_norm)
+                                      small_seqs=None, grad_sq_norm=self.grad_sq_norm)
+        self._measure_next = False  # measure_next: the next step measures the small batch
+        # the last step's small-batch squared gradient norm (None: not measured) and its
+        # global grad norm before clipping, device tensors (services/noise_probe.py)
+        self.small_sq: torch.Tensor | None = None
+        self.grad_norm: torch.Tensor | None = None
         # micro batches one evaluation call computes, and batches one round computes anyway
         self.eval_chunk, self.eval_round = strategy_class(layout).eval_sizes(layout)
         # FSDP fp8 all-gathers: weight scales precomputed once per step, in one all-reduce
@@ -204,6 +208,16 @@ class TrainModule:
 
     # -- the step ------------------------------------------------------------------------
 
+    def probe_small_batch(self, small_seqs: int) -> None:
+        """The noise scale's small batch per DP rank (sequences): a measuring step of one
+        micro batch runs it as its first half (step_strategy.AccumulationStep)."""
+        self.strategy.small_seqs = small_seqs
+
+    def measure_next(self) -> None:
+        """The next ``step`` also measures the first micro batch's squared gradient norm
+        (``small_sq``), as ``step(measure=True)`` does."""
+        self._measure_next = True
+
     def step(self, x: torch.Tensor, y: torch.Tensor, step: int, measure: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Optimizer step number ``step`` (1-based) over this rank's batch ``x``, ``y``;
@@ -217,8 +231,10 @@ class TrainModule:
         every gradient), so every rank skips a non-finite step on the device
         (pretrain/optim/nonfinite.py). A non-fused optimizer reads the decision on the host."""
         self.parallel.train()
+        measure, self._measure_next = measure or self._measure_next, False
         loss, small_sq = self.strategy.forward_backward(x, y, measure)
         grad_norm = self._clipped_grad_norm().detach()
+        self.small_sq, self.grad_norm = small_sq, grad_norm
         self._update(grad_norm, step, loss.detach())
         for part in self.parts:  # aux_free MoE layers: their biases follow the step's load
             update_biases(part, self.parallel.sum_over_replicas)

@@ -4,11 +4,13 @@ A linear story: resolve the run (decision/resolve.py: ``auto`` decided, plan pri
 the process group, read the prepared data, build the train module (train_module.py: model,
 optimizer, schedule, loss scaler and step strategy for this layout), resume or start, then
 loop: batch -> step -> log -> evaluate -> stop or save. Beside the loop: evaluation.py
-(validation loss), metrics.py (loss window, throughput, MFU, sinks), checkpoint/ (saving,
-resume decisions), preemption.py (stop, save and requeue policy), and the services on the
-hook seam (hooks.py; services.build_hooks lists them: noise scale, MoE expert load, garbage
-collection, the sample). The loop asks nothing about the layout; it imports nothing from
-``parallel/`` (tests/test_architecture.py). Rank 0 alone logs and writes files.
+(the validation loss of every source), metrics.py (loss window, throughput, MFU, sinks),
+checkpoint/ (saving, resume decisions), preemption.py (stop, save and requeue policy), and
+the services on the hook seam (hooks.py: each sees a ``LoopContext``, never the trainer;
+the services/ package holds them, each registered where it is defined: noise scale, MoE
+expert load, garbage collection, spike window, tasks, the sample, update ratios). The loop
+asks nothing about the layout; it imports nothing from ``parallel/``
+(tests/test_architecture.py). Rank 0 alone logs and writes files.
 """
 
 from __future__ import annotations
@@ -23,14 +25,13 @@ from omegaconf import OmegaConf
 
 from pretrain.checkpoint.folder import on_rank0
 from pretrain.config.schema import Config
-from pretrain.data.loader import training_data
-from pretrain.data.mixture import open_mixture
 from pretrain.data.prefetch import Prefetcher
-from pretrain.data.prepare import require_prepared
+from pretrain.data.run_data import mixture_training_data, require_prepared, training_data
 from pretrain.decision.resolve import announce, dry_run, resolve_run
 from pretrain.hardware.device import keep_freed_memory
 from pretrain.train.checkpointing import Checkpointing
-from pretrain.train.evaluation import Evaluator
+from pretrain.train.evaluation import validation
+from pretrain.train.hooks import LoopContext
 from pretrain.train.metrics import (
     LossWindow,
     MetricsLogger,
@@ -39,7 +40,6 @@ from pretrain.train.metrics import (
     log_startup_memory,
     memory_metrics,
 )
-from pretrain.train.noise_scale import NoiseScaleProbe
 from pretrain.train.preemption import (
     STOPPED,
     StopRequest,
@@ -64,17 +64,18 @@ class Trainer:
         self.stop_request = StopRequest(cfg.train.time_limit_minutes)
         self.run_dir = Path(run_dir)
         self.run = run = resolve_run(cfg)
-        self.cfg, self.plan, self.budget = run.cfg, run.plan, run.budget
+        # what the run reads (typed) and what it reports (plan.json)
+        self.cfg, self.decision, self.budget = run.cfg, run.decision, run.budget
+        self.plan = run.plan
         self.device, self.policy, self.layout = run.device, run.policy, run.layout
         self.world_size = run.world_size
         self.step = self.samples_seen = 0
         self.first_val_loss: float | None = None
         self.last_val_loss: float | None = None
         self.exit_code = 0
-        # the step measures the noise scale's small batch; its hook reports it
-        self.noise = NoiseScaleProbe(self.cfg, self.layout, self.budget.global_batch_tokens)
         self.prefetch = self.lock = None
         self.hooks: list = []  # services.build_hooks, once the train module exists
+        self.ctx: LoopContext | None = None  # what the hooks see of the run
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -92,23 +93,25 @@ class Trainer:
             # TF32 tensor cores for fp32 matmuls (10-bit mantissa products, fp32 accumulate),
             # as torchtitan and Megatron-LM do; train.tf32=false keeps full fp32.
             torch.set_float32_matmul_precision("high" if self.cfg.train.tf32 else "highest")
-        announce(self.run, self.device, notes=(self.noise.describe(),))
+        announce(self.run, self.device)
         self._load_data()
         self._build_training()
-        self.hooks = build_hooks(self)
+        self.ctx = self._context()
+        self.hooks = build_hooks(self.ctx)
         self._start_run()
 
     def _load_data(self) -> None:
         """The training and (when prepared) validation windows, read ahead on a thread."""
         cfg = self.cfg
-        if cfg.data.mixture:  # data/mixture.py; the plan says what each source gives
-            # each source's validation: evaluation.SourceValidation (services.build_hooks)
-            self.train_data = open_mixture(cfg, self.plan, self.world_size == 1)
+        if cfg.data.mixture:  # data/mixture_windows.py, for the decided weights over steps
+            # each source's validation split: evaluation.validation opens them
+            self.train_data, epochs = mixture_training_data(cfg, self.decision, self.world_size,
+                                                            self.budget.steps)
             self.val_data = None
         else:
             self.train_data, self.val_data, epochs = training_data(cfg, self.world_size,
                                                                    self.budget.tokens)
-            self.plan.update(epochs)
+        self.plan.update(epochs)  # the report: the data's size once it exists
         # the next batches read on a thread while a step runs, pinned for async copies
         self.prefetch = Prefetcher(self.train_data, self.layout.local_batch_size,
                                    cfg.train.global_batch_size, pin=self.device.type == "cuda")
@@ -116,26 +119,33 @@ class Trainer:
             keep_freed_memory()
 
     def _build_training(self) -> None:
-        """The train module, the evaluator and the MFU denominator."""
+        """The train module, the validation and the MFU denominator."""
         cfg, layout = self.cfg, self.layout
         self.checkpoints = Checkpointing(cfg, self.run_dir, self.device,
-                                         keep_steps=self.plan.get("branch_points", ()))
+                                         keep_steps=self.decision.branch_points)
         self.ckpt, self.branch = self.checkpoints.manager, self.checkpoints.branch
         self.module = TrainModule(
-            cfg, layout, self.place, self.policy, attention=self.plan["attention"],
-            lr=self.plan["lr"], steps=self.budget.steps,
+            cfg, layout, self.place, self.policy, attention=self.decision.attention,
+            lr=self.decision.lr, steps=self.budget.steps,
             batch_tokens=self.budget.global_batch_tokens,
-            initialise=self.checkpoints.resume_from is None, small_seqs=self.noise.small_seqs,
+            initialise=self.checkpoints.resume_from is None,
             last_good=lambda: self.ckpt.latest() if cfg.checkpoint.enabled else None)
-        self.evaluator = None if self.val_data is None else Evaluator(
-            self.val_data, self.module, eval_batches=cfg.train.eval_batches,
-            micro_batch_size=layout.micro_batch_size, dp=layout.dp,
-            dp_rank=self.place.dp_rank, device=self.device)
+        self.validation = validation(cfg, self.module, dp_rank=self.place.dp_rank,
+                                     device=self.device, own=self.val_data)
         log_startup_memory(self.device, max_over_ranks)
         self.peak = PeakFlops(self.device, self.policy, self.world_size, measure=self.rank0)
         # Every rank continues from the same RNG state (rank 0 alone drew random numbers to
         # time the peak), so dropout masks agree wherever activations are replicated (TP).
         torch.manual_seed(cfg.train.seed)
+
+    def _context(self) -> LoopContext:
+        """The hooks' view of the run (hooks.LoopContext): facts, the live step, record."""
+        return LoopContext(
+            cfg=self.cfg, module=self.module, device=self.device, rank0=self.rank0,
+            layout=self.layout, dp_rank=self.place.dp_rank, world_size=self.world_size,
+            total_steps=self.budget.steps, batch_tokens=self.budget.global_batch_tokens,
+            tokenizer=self.train_data.path / "tokenizer.json", logs=self.logging_step,
+            _step=lambda: self.step)
 
     def _start_run(self) -> None:
         """The run directory (this attempt not stopped, the tokenizer beside the
@@ -190,13 +200,11 @@ class Trainer:
 
     def train_step_local(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the global batch (``TrainModule.step``); returns (this
-        rank's share of the loss, not reduced; the global grad norm), device tensors. On a
-        logging step it also measures the noise scale, when the layout allows."""
+        rank's share of the loss, not reduced; the global grad norm), device tensors. The
+        hooks' ``before_step`` first (the noise scale arms its measurement there)."""
         x, y = self._local_batch()
-        measure = self.noise.measured and self.logging_step(self.step + 1)
-        loss, grad_norm, small_sq = self.module.step(x, y, self.step + 1, measure)
-        if measure:
-            self.noise.record(small_sq, grad_norm)
+        self._call_hooks("before_step")
+        loss, grad_norm, _ = self.module.step(x, y, self.step + 1)
         self.samples_seen += self.cfg.train.global_batch_size
         self.step += 1
         return loss, grad_norm
@@ -205,13 +213,14 @@ class Trainer:
         self.module.check_nonfinite(self.step)
 
     def logging_step(self, step: int) -> bool:
-        """Whether fit() logs after optimizer step ``step`` (1-based): the noise scale is
-        measured on those steps only, whose host syncs and collectives are there anyway."""
+        """Whether fit() logs after optimizer step ``step`` (1-based): hooks measure on
+        those steps only, whose host syncs and collectives are there anyway."""
         return step == 1 or step == self.budget.steps or step % self.cfg.logging.log_interval == 0
 
     def evaluate(self) -> float | None:
-        """The mean validation loss (evaluation.Evaluator; None without one): every rank."""
-        return self.evaluator.evaluate() if self.evaluator is not None else None
+        """The run's validation loss (evaluation.mixture_mean over its sources; None without
+        a validation split): every rank."""
+        return self.validation.evaluate()["val_loss"] if self.validation is not None else None
 
     # -- loop ----------------------------------------------------------------------------
 
@@ -224,8 +233,8 @@ class Trainer:
         stopped = self.stop_request.at_start(self.device, self.step)  # during start-up
         if stopped is not None:
             return self._exit_stopped(stopped)
-        if self.evaluator is not None and self.rank0:
-            self.evaluator.describe()
+        if self.validation is not None and self.rank0:
+            self.validation.describe()
         try:
             self._call_hooks("start")
             self._evaluate_at_start()
@@ -239,10 +248,17 @@ class Trainer:
         finally:
             self._close_hooks()
 
-    def _call_hooks(self, point: str, *args) -> None:
-        """Every service's ``point`` (hooks.Hook), in services.build_hooks's order."""
-        for hook in self.hooks:
-            getattr(hook, point)(self, *args)
+    def _call_hooks(self, point: str, sink: dict | None = None) -> None:
+        """Every service's ``point`` (hooks.Hook), in services.build_hooks's order; what
+        they ``record`` goes into ``sink`` (None: nothing is kept at this point)."""
+        if not self.hooks:
+            return
+        ctx = self.ctx.collecting(sink)
+        try:
+            for hook in self.hooks:
+                getattr(hook, point)(ctx)
+        finally:
+            ctx.collecting(None)
 
     def _close_hooks(self) -> None:
         """Once, at the end of fit or in close (whichever comes first)."""
@@ -295,10 +311,11 @@ class Trainer:
         }
 
     def _evaluate_and_log(self) -> None:
-        """The validation loss and what the hooks measure at an evaluation point, logged."""
-        self.last_val_loss = self.evaluate()
+        """The validation losses and what the hooks measure at an evaluation point, logged."""
+        val = self.validation.evaluate() if self.validation is not None else {}
+        self.last_val_loss = val.pop("val_loss", None)
         metrics = {"step": self.step, "val_loss": self.last_val_loss,
-                   "tokens": self.step * self.budget.global_batch_tokens}
+                   "tokens": self.step * self.budget.global_batch_tokens, **val}
         self._call_hooks("evaluate", metrics)
         metrics = {k: v for k, v in metrics.items() if v is not None}
         if len(metrics) > 2:  # more than the step and the tokens
@@ -328,8 +345,9 @@ class Trainer:
                   "first_val_loss": self.first_val_loss, "final_val_loss": self.last_val_loss,
                   "tokens": self.step * self.budget.global_batch_tokens,
                   **self.module.step_counts(),
-                  "val_batches": self.evaluator.batch_count() if self.evaluator else None,
-                  "final_lr": self.module.lr, **({"branch": self.branch} if self.branch else {})}
+                  "val_batches": self.validation.batch_count() if self.validation else None,
+                  "final_lr": self.module.lr, **({"branch": self.branch} if self.branch else {}),
+                  **(self.validation.result() if self.validation else {})}
         self._call_hooks("finish", result)
         if self.rank0:
             (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))

@@ -7,16 +7,15 @@ empty."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from pretrain.train.hooks import Hook
+from pretrain.train.hooks import Hook, LoopContext, register
 
 
+@register(order=50)
 class SpikeWindow(Hook):
     name = "spike_guard"
 
-    def __init__(self, module: Any):
-        self.module = module
+    def __init__(self, ctx: LoopContext):
+        self.module = ctx.module
 
     def state_dict(self) -> dict:
         return self.module.guard_state() or {}

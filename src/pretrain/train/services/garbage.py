@@ -14,7 +14,7 @@ import gc
 import logging
 import time
 
-from pretrain.train.hooks import Hook
+from pretrain.train.hooks import Hook, LoopContext, register
 
 log = logging.getLogger("pretrain")
 
@@ -38,21 +38,22 @@ class GarbageCollection:
             gc.enable()
 
 
+@register(order=40)
 class GarbageCollectionHook(Hook):
     """``GarbageCollection`` on the loop's seam: off from the start of training, collected
     after every ``interval``-th step, given back at the end."""
 
     name = "garbage_collection"
 
-    def __init__(self, interval: int):
-        self.interval = interval
+    def __init__(self, ctx: LoopContext):
+        self.interval = ctx.cfg.train.gc_interval
         self.collector: GarbageCollection | None = None
 
-    def start(self, trainer) -> None:
+    def start(self, ctx: LoopContext) -> None:
         self.collector = GarbageCollection(self.interval)
 
-    def step_end(self, trainer, metrics: dict | None) -> None:
-        self.collector.step(trainer.step)
+    def step_end(self, ctx: LoopContext) -> None:
+        self.collector.step(ctx.step)
 
     def close(self) -> None:
         if self.collector is not None:

@@ -8,36 +8,38 @@ from __future__ import annotations
 
 import logging
 
-from pretrain.train.hooks import Hook
+from pretrain.train.hooks import Hook, LoopContext, register
 
 log = logging.getLogger("pretrain")
 
 
+@register(order=20)
 class ExpertLoad(Hook):
     name = "expert_load"
 
-    def __init__(self):
+    def __init__(self, ctx: LoopContext):
         self.total = 0.0  # the sum over logged windows of the layers' mean busiest load
         self.windows = 0
 
-    def step_end(self, trainer, metrics: dict | None) -> None:
-        if metrics is None:  # a host read and collectives: on logging steps only
+    def step_end(self, ctx: LoopContext) -> None:
+        if not ctx.logging:  # a host read and collectives: on logging steps only
             return
-        routing = trainer.module.routing_stats()
+        routing = ctx.module.routing_stats()
         loads = [v for k, v in routing.items() if k.startswith("moe/max_load")]
         if loads:
             self.total += sum(loads) / len(loads)
             self.windows += 1
-        metrics.update(routing)
+        for key, value in routing.items():
+            ctx.record(key, value)
 
-    def finish(self, trainer, result: dict) -> None:
+    def finish(self, ctx: LoopContext) -> None:
         if not self.windows:
             return
-        result["expert_max_load"] = self.total / self.windows
+        ctx.record("expert_max_load", self.total / self.windows)
         log.info("expert load: the busiest expert of an MoE layer took %.2fx the mean tokens "
                  "(averaged over layers and the %d logged windows; 1 = balanced, %s "
-                 "balancing)", result["expert_max_load"], self.windows,
-                 trainer.cfg.model.moe_balance)
+                 "balancing)", self.total / self.windows, self.windows,
+                 ctx.cfg.model.moe_balance)
 
     def state_dict(self) -> dict:
         """A resumed run's average covers the windows logged before it stopped too."""
