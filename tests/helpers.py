@@ -14,6 +14,7 @@ import pickle
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -177,6 +178,16 @@ def run_script(script: Path | str, *args: str, nproc: int = 1, cwd: Path,
     cmd = [sys.executable, *(launcher if nproc > 1 else []), str(script), *args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env=launch_env(OMP_NUM_THREADS="1"))
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Until ``path`` exists, while ``proc`` runs; polled every 10 ms (a loop without a
+    sleep takes one of CI's two cores from the process it waits for)."""
+    t0 = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() - t0 < timeout, f"{path} never appeared"
+        time.sleep(0.01)
 
 
 def failed(proc: subprocess.CompletedProcess) -> str:

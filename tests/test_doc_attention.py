@@ -243,20 +243,35 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", ["nano", "llama-tiny"])
-def test_layouts_score_each_token_as_its_document_alone(tmp_path, name, layout):
-    cfg = Config(model=preset(name, n_layer=4), parallel=LAYOUTS[layout],
-                 train=TrainConfig(global_batch_size=2, compile=False))
+MODELS = ["nano", "llama-tiny"]
+
+
+def layout_case(name: str, layout: str) -> Config:
+    return Config(model=preset(name, n_layer=4), parallel=LAYOUTS[layout],
+                  train=TrainConfig(global_batch_size=2, compile=False))
+
+
+@pytest.fixture(scope="module")
+def layout_losses(tmp_path_factory) -> dict:
+    """Every (model, layout) case in one pair of processes (one start-up for all six)."""
+    out = tmp_path_factory.mktemp("doc_layouts")
     x, y, spans = packed_windows()
-    spec = write_spec(tmp_path / "spec.pkl", cfg=cfg, x=x, y=y, seed=SEED, attention="sdpa")
-    proc = run_script("tests/doc_attention_worker.py", str(tmp_path), str(spec), nproc=2,
+    cases = {f"{name}-{layout}": layout_case(name, layout)
+             for name in MODELS for layout in LAYOUTS}
+    spec = write_spec(out / "spec.pkl", cases=cases, x=x, y=y, seed=SEED, attention="sdpa")
+    proc = run_script("tests/doc_attention_worker.py", str(out), str(spec), nproc=2,
                       cwd=CONF_DIR.parent)
     assert proc.returncode == 0, failed(proc)
-    got = torch.load(tmp_path / "losses.pt")
-    reference = alone_losses(model_of(cfg.model), x, y, spans)
-    torch.testing.assert_close(got, reference, atol=1e-5, rtol=0)
+    return {case: torch.load(out / f"{case}.pt") for case in cases}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", MODELS)
+def test_layouts_score_each_token_as_its_document_alone(layout_losses, name, layout):
+    x, y, spans = packed_windows()
+    reference = alone_losses(model_of(layout_case(name, layout).model), x, y, spans)
+    torch.testing.assert_close(layout_losses[f"{name}-{layout}"], reference, atol=1e-5, rtol=0)
 
 
 def test_attention_module_names_every_mask_builder():

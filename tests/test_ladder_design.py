@@ -253,12 +253,14 @@ def test_a_real_byte_ladder_runs_branches_a_second_seed_and_predicts(tmp_path, c
     """The whole path at tiny scale with real training: tools/ladder.py runs recipes/
     ladder-bytes (on the standard library alone, in bytes) at three widths, their cooldown
     branches, a second seed of one width whose branches find their own source; then the fit
-    with the seed spread and a prediction of a larger run from its plan."""
+    with the seed spread and a prediction of a larger run from its plan. Kept small for CI:
+    the first 300 files of the standard library, one layer, sources to 8 tokens/param (the
+    branches' 1 and 4 below it; the recipe's 24 tripled the training for nothing checked)."""
     runs = tmp_path / "runs"
     data = ["data.root=" + str(tmp_path / "data"),
-            "data.mixture=[{name:stdlib,weight:1.0,source:stdlib}]",
+            "data.mixture=[{name:stdlib,weight:1.0,source:stdlib,max_documents:300}]",
             "model.n_layer=1", "checkpoint.branch_tokens_per_param=[1,4]",
-            "train.eval_batches=4", "train.device=cpu"]
+            "budget.tokens_per_param=8", "train.eval_batches=4", "train.device=cpu"]
     prep = compose_config(["+recipe=ladder-bytes", *data])
     from pretrain.data.mixture_prepare import prepare_mixture
 

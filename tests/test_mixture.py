@@ -16,7 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, VOCAB, by_step, compose_config, write_corpus, write_markov_data
+from helpers import (
+    REPO,
+    VOCAB,
+    by_step,
+    compose_config,
+    wait_for,
+    write_corpus,
+    write_markov_data,
+)
 
 from pretrain.config.decision import SourceShare, WeightStage
 from pretrain.config.schema import ConfigError
@@ -294,8 +302,7 @@ def test_the_recipe_trains_and_a_killed_run_resumes_exactly(prepared3):
     proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     step5 = run_dir / "checkpoints" / "step_0000005"
-    while not step5.exists():
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
+    wait_for(step5, proc)
     os.kill(proc.pid, signal.SIGKILL)  # the cooldown stage (step 9) is still ahead
     proc.wait()
     again = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=600)

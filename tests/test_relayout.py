@@ -1,15 +1,27 @@
 """Re-layout: a checkpoint saved by two zero3 ranks resumes on tp=2, on pp=2 and on one
 process, and every layout computes the same next loss as the original would (fp32, 1e-4).
-Also: an exact (1e-5) resume at dp=2 itself, since the original layout continues too."""
+Also: an exact (1e-5) resume at dp=2 itself, since the original layout continues too.
+Multi-process runs go through tools/run_local.py (torchrun); the one-process resumes run
+in pytest's process, through the same pretrain.train.trainer.run train.py calls."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import CORPUS_FILES, REPO, by_step, launch_env, read_metrics, write_corpus
+from helpers import (
+    CORPUS_FILES,
+    REPO,
+    by_step,
+    compose_config,
+    launch_env,
+    one_thread,
+    read_metrics,
+    write_corpus,
+)
 
 K = 4  # steps before the save
 RUN_LOCAL = str(REPO / "tools" / "run_local.py")
@@ -32,6 +44,25 @@ def launch(work: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, RUN_LOCAL, *COMMON, f"data.root={work / 'data'}",
                            f"runs_dir={work / 'runs'}", *args], cwd=work, capture_output=True,
                           text=True, env=launch_env(), timeout=600)
+
+
+def resume_here(work: Path, name: str, *args: str) -> dict:
+    """A one-process resume in this process (pretrain.train.trainer.run, what train.py
+    calls; one thread, as torchrun gives a rank), into runs/<name>: its losses by step.
+    Saves run_local's, torchrun's and train.py's start-ups (three imports of torch) each."""
+    from pretrain.train.trainer import run
+
+    cfg = compose_config([*COMMON, f"data.root={work / 'data'}", f"runs_dir={work / 'runs'}",
+                          *args, f"run_name={name}"])
+    cwd = os.getcwd()
+    os.chdir(work)  # data.data_files are relative to it
+    try:
+        with one_thread():
+            result = run(cfg, work / "runs" / name)
+    finally:
+        os.chdir(cwd)
+    assert result["exit_code"] == 0, result
+    return by_step(work / "runs" / name)
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +95,13 @@ def test_dp2_resume_matches_uninterrupted(saved, tmp_path):
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_resume_on_another_layout(saved, name):
     work = saved["work"]
-    proc = launch(work, *LAYOUTS[name], f"run_name={name}",
-                  f"checkpoint.resume_from={saved['ckpt']}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = by_step(work / "runs" / name)
+    resume = [*LAYOUTS[name], f"checkpoint.resume_from={saved['ckpt']}"]
+    if name == "one":
+        got = resume_here(work, name, *resume)
+    else:
+        proc = launch(work, *resume, f"run_name={name}")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        got = by_step(work / "runs" / name)
     assert sorted(got) == [K + 1, K + 2]  # continued from the checkpoint's step
     for step in (K + 1, K + 2):
         assert abs(got[step] - saved["losses"][step]) <= 1e-4, (step, got, saved["losses"])
@@ -99,10 +133,13 @@ def test_a_mixture_of_experts_resumes_on_another_layout(saved, saved_moe, name):
     """Saved without expert parallelism (EP=1), resumed on one process, on a pipeline,
     and with the experts split over two ranks (EP=2)."""
     layout = EP2 if name == "ep2" else LAYOUTS[name]
-    proc = launch(saved["work"], *MOE, *layout, f"run_name=moe-{name}",
-                  f"checkpoint.resume_from={saved_moe['ckpt']}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = by_step(saved["work"] / "runs" / f"moe-{name}")
+    resume = [*MOE, *layout, f"checkpoint.resume_from={saved_moe['ckpt']}"]
+    if name == "one":
+        got = resume_here(saved["work"], f"moe-{name}", *resume)
+    else:
+        proc = launch(saved["work"], *resume, f"run_name=moe-{name}")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        got = by_step(saved["work"] / "runs" / f"moe-{name}")
     assert sorted(got) == [K + 1, K + 2]
     # Every stage's layers in the log (a pipeline gathers them from both stages)
     logged = [m for m in read_metrics(saved["work"] / "runs" / f"moe-{name}") if "loss" in m][-1]
@@ -118,10 +155,8 @@ def test_an_expert_parallel_checkpoint_resumes_on_one_process(saved, saved_moe):
     first = launch(work, *MOE, *EP2, "run_name=moe-ep2-saved", f"train.exit_interval={K}")
     assert first.returncode == 75, first.stderr[-4000:]
     ckpt = work / "runs" / "moe-ep2-saved" / "checkpoints" / f"step_{K:07d}"
-    proc = launch(work, *MOE, *LAYOUTS["one"], "run_name=moe-from-ep2",
-                  f"checkpoint.resume_from={ckpt}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = by_step(work / "runs" / "moe-from-ep2")
+    got = resume_here(work, "moe-from-ep2", *MOE, *LAYOUTS["one"],
+                      f"checkpoint.resume_from={ckpt}")
     assert sorted(got) == [K + 1, K + 2]
     for step in (K + 1, K + 2):
         assert abs(got[step] - saved_moe["losses"][step]) <= 1e-4, (step, got, saved_moe)

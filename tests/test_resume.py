@@ -8,12 +8,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import CORPUS_FILES, REPO, by_step, compose_config, read_result, write_corpus
+from helpers import (
+    CORPUS_FILES,
+    REPO,
+    by_step,
+    compose_config,
+    read_result,
+    wait_for,
+    write_corpus,
+)
 from omegaconf import OmegaConf
 from two_ranks import blind_to_checkpoints, run_on_two_ranks
 
@@ -58,14 +65,6 @@ def straight(work) -> dict[int, float]:
     got = losses(work / "runs" / "straight")
     assert sorted(got) == list(range(1, STEPS + 1))
     return got
-
-
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
-    t0 = time.monotonic()
-    while not path.exists():
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.monotonic() - t0 < timeout, f"{path} never appeared"
-        time.sleep(0.01)
 
 
 def test_exit_interval_requeues_until_done(work, straight):
