@@ -107,7 +107,7 @@ def test_dry_run_states_the_warnings(tmp_path):
     warned = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warned) == 2 and "(50 steps) is not shorter than this run, 40 steps" in warned[0]
     plan = json.loads(proc.stdout)
-    assert plan["steps"] == 40 and plan["schedule_warnings"] == [w[9:] for w in warned]
+    assert plan["steps"] == 40 and plan["warnings"] == [w[9:] for w in warned]
 
 
 def test_dry_run_refuses_a_stage_past_the_end(tmp_path):

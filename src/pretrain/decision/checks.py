@@ -6,12 +6,13 @@ reported together, so a user fixes a recipe in one pass.
 
 from __future__ import annotations
 
-import logging
 import math
 
+from pretrain.budget.compute import Budget
 from pretrain.config.schema import Config, ConfigError
 from pretrain.data.mixture_checks import mixture_problems
 from pretrain.data.sources import LOCAL_FORMATS
+from pretrain.decision.schedule_checks import check_schedule
 from pretrain.model.parametrization import problems as parametrization_problems
 from pretrain.optim.specs import (
     ignored_key_warnings,
@@ -22,8 +23,6 @@ from pretrain.optim.specs import (
 )
 from pretrain.parallel.layout import declared_world_size
 from pretrain.parallel.rules import layout_problems
-
-log = logging.getLogger("pretrain")
 
 POSITIVE = (
     "model.n_layer", "model.n_head", "model.d_model", "model.vocab_size", "model.seq_len",
@@ -51,7 +50,6 @@ def check(cfg: Config, world_size: int | None = None) -> None:
     (tp * pp * dp), which is what a dry run checks."""
     if unknown := name_problems(cfg.optim.name):  # everything below reads its spec
         raise ConfigError(unknown)
-    warn_ignored_optim_keys(cfg)
     if world_size is None:
         world_size = declared_world_size(cfg)
     p: list[str] = []
@@ -173,14 +171,13 @@ def _check_optim(cfg: Config, p: list[str]) -> None:
                  "global batch (in tokens) that optim.lr was tuned for")
 
 
-def warn_ignored_optim_keys(cfg: Config) -> list[str]:
-    """A warning (one line naming the key and the optimizer) for each optim.* key the user
-    changed that the chosen optimizer does not read (its spec's ``reads``): the run goes
-    on, but the value does nothing. Returned too, for the callers that show them."""
-    found = ignored_key_warnings(cfg.optim)
-    for line in found:
-        log.warning(line)
-    return found
+def run_warnings(cfg: Config, budget: Budget) -> list[str]:
+    """Every warning of the decision, in one list (the plan's ``warnings``, logged by the run,
+    printed as ``warning:`` lines by the dry run and tools/plan.py): an optim.* key the user
+    changed that the chosen optimizer does not read (its spec's ``reads``), then the
+    schedule's (decision/schedule_checks.py, which raises for what it refuses). The run goes
+    on; each line names the key and the fix."""
+    return [*ignored_key_warnings(cfg.optim), *check_schedule(cfg, budget)]
 
 
 def _check_stability(cfg: Config, p: list[str]) -> None:

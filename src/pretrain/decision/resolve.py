@@ -28,8 +28,7 @@ from pretrain.config.schema import Config, ConfigError
 from pretrain.data.epochs import check_epochs, check_mixture_epochs
 from pretrain.data.source_checks import missing_file_problems
 from pretrain.data.weights import source_shares, weight_stages
-from pretrain.decision.checks import check
-from pretrain.decision.schedule_checks import check_schedule
+from pretrain.decision.checks import check, run_warnings
 from pretrain.decision.tasks import describe_line as describe_tasks_line
 from pretrain.decision.tasks import describe_tasks
 from pretrain.hardware.device import pick_device
@@ -182,7 +181,7 @@ def resolve_plan(cfg: Config, world_size: int | None = None) -> Resolved:
     cfg, auto_precision = resolve_auto_precision(cfg, device)
     policy = resolve_policy(cfg.precision, device)
     budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
-    schedule_warnings = check_schedule(cfg, budget)  # the schedule against the steps
+    warnings = run_warnings(cfg, budget)  # keys ignored; the schedule against the steps
     decision = decide(cfg, budget, resolve_backend(
         cfg.model.attention, device, policy.compute_dtype, cfg.model.attention_mask == "document"),
         branch_points)
@@ -192,8 +191,8 @@ def resolve_plan(cfg: Config, world_size: int | None = None) -> Resolved:
         plan["attention_mask"] = documents
     if auto_precision:
         plan["precision_auto"] = auto_precision
-    if schedule_warnings:
-        plan["schedule_warnings"] = schedule_warnings
+    if warnings:
+        plan["warnings"] = warnings
     tasks = describe_tasks(cfg, budget)  # a missing task stops the run here, as the dry run
     if tasks:
         plan["eval_tasks"] = tasks
@@ -246,7 +245,7 @@ def announce(run: Resolved, device: torch.device, notes: tuple[str, ...] = ()) -
         log.info("precision=auto -> %s", plan["precision_auto"])
     if "lr_warning" in plan:
         log.warning(plan["lr_warning"])
-    for warning in plan.get("schedule_warnings", ()):
+    for warning in plan.get("warnings", ()):
         log.warning(warning)
     if "hparam_rules" in plan:
         log.info(describe(plan["hparam_rules"]))
@@ -280,7 +279,7 @@ def dry_run(cfg: Config) -> dict:
             print(describe(plan["hparam_rules"]), file=sys.stderr, flush=True)
         if "eval_tasks" in plan:
             print(describe_tasks_line(plan["eval_tasks"]), file=sys.stderr, flush=True)
-        for warning in plan.get("schedule_warnings", ()):
+        for warning in plan.get("warnings", ()):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         print(json.dumps(plan), flush=True)
     return plan

@@ -1,5 +1,5 @@
 """The schedule against the run's length: what only the number of steps can tell, checked
-once the budget is known (decision/resolve.resolve_plan, tools/plan.py), before any data,
+once the budget is known (decision/checks.run_warnings: the run, tools/plan.py), before any data,
 weights or process group.
 
 Refused (ConfigError): a ``data.stages`` step at or past the end of the run (that stage never
@@ -10,7 +10,7 @@ refusals, as torchtitan's scheduler does (it warns when the warmup exceeds the s
 warmup plus decay does), because a run shorter than its warmup is sometimes meant: the
 smallest points of a scaling ladder (recipes/ladder-*.yaml) and the few-step smoke runs
 under the default ``schedule.warmup_steps=50``. Megatron asserts warmup < decay steps; here
-the warning names both numbers and the fix, in the log and in the plan (``schedule_warnings``).
+the warning names both numbers and the fix, in the log and in the plan (``warnings``, with decision/checks.run_warnings).
 """
 
 from __future__ import annotations

@@ -26,9 +26,8 @@ import sys
 from pretrain.budget.compute import BudgetError, resolve_budget
 from pretrain.config.compose import compose_config
 from pretrain.config.schema import ConfigError
-from pretrain.decision.checks import check
+from pretrain.decision.checks import check, run_warnings
 from pretrain.decision.resolve import describe_run, resolve_auto
-from pretrain.decision.schedule_checks import check_schedule
 from pretrain.errors import UserError, cli, report
 from pretrain.hardware.gpus import get_gpu
 from pretrain.parallel.layout import layout_world_size, resolve_layout
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, notes = resolve_auto(cfg, n, gpu, top=args.top)
         check(cfg, n)
         budget = resolve_budget(cfg.model, cfg.budget, cfg.train.global_batch_size)
-        warnings = check_schedule(cfg, budget)  # as the run's resolve_plan
+        warnings = run_warnings(cfg, budget)  # as the run's resolve_plan
         plan = {**build_plan(cfg, n, gpu, describe_run(cfg, n, budget), args.mfu), **notes}
     except (LayoutError, ConfigError, BudgetError) as e:
         return fail(str(e))
