@@ -53,7 +53,7 @@ import sys
 from pathlib import Path
 
 from pretrain.config.paths import REPO
-from pretrain.errors import cli
+from pretrain.errors import UserError, cli
 
 
 def branch_budgets(recipe: str, overrides: list[str] = ()) -> list[float]:
@@ -62,13 +62,13 @@ def branch_budgets(recipe: str, overrides: list[str] = ()) -> list[float]:
     from pretrain.config.compose import compose_config
 
     if not (REPO / "recipes" / f"{recipe}.yaml").exists():
-        raise SystemExit(f"--recipe {recipe}: no recipes/{recipe}.yaml")
+        raise UserError(f"--recipe {recipe}: no recipes/{recipe}.yaml")
     budgets = compose_config([f"+recipe={recipe}", *overrides]).checkpoint.branch_tokens_per_param
     if not budgets:
-        raise SystemExit(f"recipes/{recipe}.yaml sets no checkpoint.branch_tokens_per_param: "
+        raise UserError(f"recipes/{recipe}.yaml sets no checkpoint.branch_tokens_per_param: "
                          "a ladder recipe stores branch points for its cooldown branches")
     if not (REPO / "recipes" / f"{recipe}-cooldown.yaml").exists():
-        raise SystemExit(f"--recipe {recipe}: no recipes/{recipe}-cooldown.yaml for the branches")
+        raise UserError(f"--recipe {recipe}: no recipes/{recipe}-cooldown.yaml for the branches")
     return [float(b) for b in budgets]
 
 

@@ -24,6 +24,7 @@ from pretrain.analysis.ladder_design import (
     trained_tokens,
 )
 from pretrain.config.paths import REPO
+from pretrain.errors import UserError
 
 
 def compose_size(recipe: str, width: int, overrides: list[str]) -> tuple[Size, dict, object]:
@@ -83,7 +84,7 @@ def target_tpp(args: argparse.Namespace) -> tuple[float, str]:
         fit = json.loads(args.fit.read_text())
         pred = fit.get("chinchilla_law", {}).get("predictions", {})
         if "n_opt" not in pred:
-            raise SystemExit(f"--fit {args.fit}: no compute-optimal split in it (fit with "
+            raise UserError(f"--fit {args.fit}: no compute-optimal split in it (fit with "
                              "--target-flops, and enough runs for L(N, D))")
         n, d = pred["n_opt"]["value"], pred["d_opt"]["value"]
         return d / n, f"the compute-optimal split of {args.fit}"
@@ -108,7 +109,7 @@ def heldout_size(recipe: str, largest: Size, n_target: float, overrides: list[st
         if size.n_params > n_target:
             break
     if best is None:
-        raise SystemExit(f"no width above {largest.width} composes with recipe {recipe}")
+        raise UserError(f"no width above {largest.width} composes with recipe {recipe}")
     return best
 
 
@@ -117,7 +118,7 @@ def plan_main(args: argparse.Namespace) -> int:
     seed_w = sorted(int(s) for s in args.seed_sizes.split(",") if s)
     missing = set(seed_w) - set(sizes_w)
     if missing:
-        raise SystemExit(f"--seed-sizes {sorted(missing)} are not in --sizes")
+        raise UserError(f"--seed-sizes {sorted(missing)} are not in --sizes")
     overrides = [o for o in args.overrides if not o.startswith("runs_dir=")]
     rates = Rates(args.rates, args.recipe, overrides, not args.no_measure)
     composed = [compose_size(args.recipe, w, overrides) for w in sizes_w]

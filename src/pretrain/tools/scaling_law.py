@@ -58,7 +58,7 @@ from pretrain.analysis.scaling import (
     report_chinchilla_law,
     report_compute_law,
 )
-from pretrain.errors import cli
+from pretrain.errors import UserError, cli
 from pretrain.errors import report as report_error  # `report` is a local name here
 from pretrain.tools.fit_metrics import METRICS, metric_arg, metric_key, metric_problem
 from pretrain.tools.fit_reports import report_diagnosis, report_e_profile, report_seed_spread
@@ -324,7 +324,7 @@ def run_point(run: Path, count: str) -> tuple[float, float]:
 
     path = run / "plan.json"
     if not path.exists():
-        raise SystemExit(f"--predict-run {run}: no plan.json there (a run writes it at start)")
+        raise UserError(f"--predict-run {run}: no plan.json there (a run writes it at start)")
     plan = json.loads(path.read_text())
     return plan_params(plan, count), float(plan["tokens"])
 
