@@ -41,7 +41,7 @@ FILES = "files"  # meta.json's {file: size in bytes}, written with the save
 SAVED_AT = "saved_at"  # meta.json's time of the save (seconds since the epoch)
 # meta.json's own keys, the one list: what a run writes (train/checkpointing.py's save) and
 # what the manager adds (FILES, CHECKSUMS, SAVED_AT). Each hook's state sits under the
-# hook's name, which may be none of these (train/services.py); tests/test_meta_keys.py
+# hook's name, which may be none of these (train/services/__init__.py); tests/test_meta_keys.py
 # compares a real save's meta.json with this list.
 RUN_META_KEYS = ("step", "tokens", "samples_seen", "layout", "world_size", "branch", "config")
 META_KEYS = frozenset({*RUN_META_KEYS, FILES, CHECKSUMS, SAVED_AT})
