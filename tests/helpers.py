@@ -12,7 +12,6 @@ import json
 import os
 import pickle
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -177,18 +176,8 @@ def run_script(script: Path | str, *args: str, nproc: int = 1, cwd: Path,
     takes minutes."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = [sys.executable, *(launcher if nproc > 1 else []), str(script), *args]
-    # its own process group: on a timeout the whole group goes (subprocess.run kills only
-    # the launcher; a hung torchrun once left its two ranks running for 45 minutes)
-    with subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env=launch_env(OMP_NUM_THREADS="1"),
-                          start_new_session=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=launch_env(OMP_NUM_THREADS="1"))
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
