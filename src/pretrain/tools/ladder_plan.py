@@ -38,7 +38,8 @@ def compose_size(recipe: str, width: int, overrides: list[str]) -> tuple[Size, d
     size = Size(width=width, n_layer=cfg.model.n_layer, n_head=cfg.model.n_head,
                 n_params=int(plan["n_params"]),
                 n_params_non_embedding=int(plan["n_params_non_embedding"]),
-                flops_per_token=int(plan["flops_per_token"]), lr=float(plan["lr"]))
+                flops_per_token=int(plan["flops_per_token"]), lr=float(plan["lr"]),
+                batch_tokens=int(plan["global_batch_tokens"]))
     return size, plan, cfg
 
 
@@ -137,7 +138,7 @@ def plan_main(args: argparse.Namespace) -> int:
     held = heldout_size(args.recipe, largest, optimal_params(c_target, tpp), overrides)
     held = Size(**{**vars(held), "tokens_per_s": rates.get(held.width, args.heldout_threads)})
     held_tokens = trained_tokens(held, c_target / (6.0 * held.n_params) / held.n_params,
-                                 batch_tokens)
+                                 held.batch_tokens or batch_tokens)
     plan = composed[-1][1]
     sources = [{"name": s["name"], "weight": max(s.get("weights") or [0.0]),
                 "data_tokens": s.get("data_tokens")} for s in plan.get("data_sources") or []]

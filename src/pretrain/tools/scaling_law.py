@@ -61,7 +61,12 @@ from pretrain.analysis.scaling import (
 from pretrain.errors import UserError, cli
 from pretrain.errors import report as report_error  # `report` is a local name here
 from pretrain.tools.fit_metrics import METRICS, metric_arg, metric_key, metric_problem
-from pretrain.tools.fit_reports import report_diagnosis, report_e_profile, report_seed_spread
+from pretrain.tools.fit_reports import (
+    report_backtest,
+    report_diagnosis,
+    report_e_profile,
+    report_seed_spread,
+)
 
 
 def print_chinchilla(budgets: list[float]) -> list[dict]:
@@ -380,6 +385,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--diagnose", action="store_true",
                     help="residuals by size and tokens/param, each size left out of the fit "
                          "and predicted, and every count compared on the largest size")
+    ap.add_argument("--backtest", type=float, metavar="R",
+                    help="fit each candidate form to the runs at or under 1/R of the largest "
+                         "compute, predict the rest, and say whether a held-out run at R x "
+                         "the largest rung is supported (the top rungs within "
+                         "--backtest-tolerance); --predict points use the best form")
+    ap.add_argument("--backtest-tolerance", type=float, default=0.02, metavar="FRACTION",
+                    help="the top rungs' mean |error| a supported backtest allows (0.02)")
     ap.add_argument("--max-interval", type=float, default=0.05, metavar="FRACTION",
                     help="call a prediction extrapolated when its 95%% bootstrap interval is "
                          "wider than this fraction of the loss (default 0.05)")
@@ -430,6 +442,12 @@ def main(argv: list[str] | None = None) -> int:
     fit: dict = {"metric": metric_key(args.metric), "count": args.count,
                  "runs": [vars(p) for p in points], "target_flops": target}
     report_seed_spread(points, fit)
+    if args.backtest:
+        try:
+            report_backtest(points, args.backtest, args.predict, fit, args.backtest_tolerance,
+                            max(args.bootstrap // 2, 0))
+        except ValueError as e:
+            raise UserError(str(e)) from None
     compute, chinchilla = fit_laws(points, target, args.bootstrap, args.seed, fit)
     report_target_data(points, target, chinchilla, fit)
     report_extrapolation(points, target, {"L(C)": compute, "L(N, D)": chinchilla}, fit, args)
