@@ -51,14 +51,19 @@ class FittedForm:
 
 
 def _huber_fit(residual: Callable[[np.ndarray], np.ndarray], starts: Sequence[Sequence[float]],
-               bounds: tuple[Sequence[float], Sequence[float]]) -> np.ndarray:
+               bounds: tuple[Sequence[float], Sequence[float]], keep: int = 4) -> np.ndarray:
     """scipy's least squares with the Huber loss (delta as Hoffmann et al.) on residuals of
-    log loss, from each start; the best optimum found."""
+    log loss, from the ``keep`` starts of lowest initial cost (screened as
+    analysis/scaling.py screens its grid); the best optimum found."""
     from scipy.optimize import least_squares
 
+    lo, hi = np.asarray(bounds[0], float) + 1e-9, np.asarray(bounds[1], float) - 1e-9
+    clipped = [np.clip(np.asarray(s, float), lo, hi) for s in starts]
+    with np.errstate(all="ignore"):
+        costs = [float(np.sum(np.square(residual(s)))) for s in clipped]
+    order = [i for i in np.argsort(costs) if math.isfinite(costs[i])][:keep]
     best, best_cost = None, math.inf
-    for s in starts:
-        s = np.clip(np.asarray(s, float), np.asarray(bounds[0]) + 1e-9, np.asarray(bounds[1]) - 1e-9)
+    for s in (clipped[i] for i in order):
         try:
             res = least_squares(residual, s, bounds=bounds, loss="huber", f_scale=HUBER_DELTA,
                                 max_nfev=4000, xtol=1e-12, ftol=1e-12)
@@ -140,6 +145,22 @@ def fit_broken(points: Sequence[RunPoint]) -> FittedForm:
                                  "alpha": float(t[3]), "beta": float(t[4]), "Nb": math.exp(t[5]),
                                  "delta": float(t[6])},
                       lambda n_, d_: model(t, np.log(n_), np.log(d_)))
+
+
+def law_from_constants(form: str, c: dict[str, float]) -> Callable[[float, float], float]:
+    """L(N, D) of a fitted form from the constants it recorded (fit.json), to predict from a
+    committed fit without refitting."""
+    if form == "chinchilla" or form.startswith("E="):
+        return lambda n, d: c["E"] + c["A"] / n ** c["alpha"] + c["B"] / d ** c["beta"]
+    if form == "shared":
+        return lambda n, d: c["E"] + c["A"] / n ** c["a"] + c["B"] / d ** c["a"]
+    if form == "kaplan":
+        return lambda n, d: ((c["Nc"] / n) ** (c["alpha_N"] / c["alpha_D"]) + c["Dc"] / d) \
+            ** c["alpha_D"]
+    if form == "broken":
+        return lambda n, d: (c["E"] + c["A"] * n ** -c["alpha"] * (1 + n / c["Nb"]) ** -c["delta"]
+                             + c["B"] / d ** c["beta"])
+    raise ValueError(f"unknown form {form!r}; the forms: {', '.join(forms())}")
 
 
 def forms() -> dict[str, Callable[[Sequence[RunPoint]], FittedForm]]:

@@ -11,11 +11,18 @@ batch for every size.
   B / B_ref (Porian et al. 2024: beta2 of 0.99-0.999 at small batches was essential for
   clean laws down to 5M parameters).
 
-Used from recipes through resolvers (config/naming.py): ``${pretrain_ladder_batch:...}`` and
-``${pretrain_beta2:...}``.
+- Validation: the same windows for every size, whatever its batch: ``train.eval_batches``
+  micro-batches of the size's batch cover a fixed number of windows (a batch-1 rung
+  evaluated on 64 batches read 64 windows, a batch-6 one 384: each size was scored on
+  another sample of the validation set, a bias between sizes the fit took for scaling).
+
+Used from recipes through resolvers (config/naming.py): ``${pretrain_ladder_batch:...}``,
+``${pretrain_beta2:...}`` and ``${pretrain_eval_batches:...}``.
 """
 
 from __future__ import annotations
+
+import math
 
 BATCH_EXPONENT = 0.3271  # DeepSeek LLM (Bi et al. 2024): B_opt = 0.292 C^0.3271 tokens
 
@@ -38,3 +45,11 @@ def token_beta2(batch: int, ref_batch: int, ref_beta2: float) -> float:
         raise ValueError("pretrain_beta2: batches must be positive and the reference beta2 "
                          "in (0, 1)")
     return min(1.0 - (1.0 - ref_beta2) * batch / ref_batch, 0.9999)
+
+
+def eval_batches(windows: int, batch: int) -> int:
+    """Micro-batches of ``batch`` sequences that cover ``windows`` validation windows."""
+    windows, batch = int(windows), int(batch)
+    if windows < 1 or batch < 1:
+        raise ValueError("pretrain_eval_batches: windows and batch must be positive")
+    return math.ceil(windows / batch)

@@ -133,10 +133,11 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("pretrain_heads", heads)
         OmegaConf.register_new_resolver("pretrain_sweep_source", sweep_source)
     if not OmegaConf.has_resolver("pretrain_ladder_batch"):
-        from pretrain.config.ladder_rules import ladder_batch, token_beta2
+        from pretrain.config.ladder_rules import eval_batches, ladder_batch, token_beta2
 
         OmegaConf.register_new_resolver("pretrain_ladder_batch", ladder_batch)
         OmegaConf.register_new_resolver("pretrain_beta2", token_beta2)
+        OmegaConf.register_new_resolver("pretrain_eval_batches", eval_batches)
 
 
 class RecipeNameError(UserError, ValueError):

@@ -105,23 +105,35 @@ def report_backtest(points: list[RunPoint], ratio: float, predict: list[tuple[fl
     spread and by that form's own backtest error. Recorded in ``fit["backtest"]``."""
     import math
 
-    from pretrain.analysis.backtest import backtest, predict_with_interval
+    from pretrain.analysis.backtest import backtest, forms, predict_with_interval, rms_residual
 
     bt = backtest(points, ratio, tolerance=tolerance)
+    spread = fit.get("seed_spread", {}).get("relative", float("nan"))
+    rms = {}
+    for name, fit_form in forms().items():  # how well each form describes the whole ladder
+        try:
+            rms[name] = rms_residual(fit_form(points), points)
+        except ValueError:
+            rms[name] = float("nan")
     top_c = max(p.flops for p in points)
     print(f"\nbacktest at {ratio:g}x: fitted on the {bt.results[0].fitted} runs at C <= "
           f"{bt.cut:.4g} (1/{ratio:g} of {top_c:.4g}), predicting the other "
           f"{len(bt.results[0].errors) if bt.results[0].errors else '?'}; top rungs: C >= "
           f"{top_c / 2:.4g}; error = predicted / measured - 1")
-    print(f"  {'form':<11} {'top mean':>9} {'top |err|':>9} {'all |err|':>9}  constants")
+    print(f"  {'form':<11} {'top mean':>9} {'top |err|':>9} {'all |err|':>9}  rms residual, "
+          "fitted to every run (seed spread "
+          + (f"{100 * spread:.2f}%)" if math.isfinite(spread) else "not measured)"))
     for r in bt.results:
         if r.problem:
             print(f"  {r.form:<11} not fitted: {r.problem}")
             continue
+        ratio_text = f" ({rms[r.form] / spread:.1f}x the spread)" if math.isfinite(spread) else ""
         print(f"  {r.form:<11} {100 * r.top_mean:>+8.2f}% {100 * r.top_mae:>8.2f}% "
-              f"{100 * r.mae:>8.2f}%" + ("  <- best" if r is bt.best else ""))
+              f"{100 * r.mae:>8.2f}%  {100 * rms[r.form]:.2f}%{ratio_text}"
+              + ("  <- best" if r is bt.best else ""))
     best = bt.best
     record = bt.as_dict()
+    record["rms_all_runs"] = rms
     if best is not None:
         print(f"  per run, {best.form}:")
         for p, e in best.errors:
@@ -136,7 +148,6 @@ def report_backtest(points: list[RunPoint], ratio: float, predict: list[tuple[fl
     print(f"  {verdict}: a held-out run at {ratio:g}x the largest rung is "
           + ("within what this ladder has shown it can predict" if bt.supported else
              "an extrapolation this ladder cannot make on itself; its prediction is not a result"))
-    spread = fit.get("seed_spread", {}).get("relative", float("nan"))
     record["predict"] = []
     for n, d in predict if best is not None else ():
         pr = predict_with_interval(points, best.form, n, d, resamples=bootstrap)
