@@ -11,7 +11,6 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 from helpers import REPO, launch_env, read_result
 from wheels import make_wheel, sha256
