@@ -307,6 +307,20 @@ def _run_lines(d: Design) -> list[str]:
     return lines
 
 
+def _size_lines(d: Design) -> list[str]:
+    lines = [f"  {'width':>5} {'layers':>6} {'heads':>5} {'head':>4} {'N':>9} {'N non-emb':>9} "
+             f"{'emb':>4} {'FLOPs/tok':>10} {'lr':>8} {'tok/s':>8}"]
+    for s in d.sizes:
+        rate = f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "?"
+        lines.append(f"  {s.width:>5} {s.n_layer:>6} {s.n_head:>5} {s.head_width:>4} "
+                     f"{s.n_params:>9,} {s.n_params_non_embedding:>9,} "
+                     f"{s.embedding_fraction:>4.0%} {s.flops_per_token:>10,} {s.lr:>8.3g} {rate:>8}")
+    if len({d.batch_of(s.width) for s in d.sizes}) > 1:
+        lines.append("  batch per size (tokens): " + ", ".join(
+            f"{s.width}: {d.batch_of(s.width):,}" for s in d.sizes))
+    return lines
+
+
 def render(d: Design, recipe: str, parametrization: str) -> str:
     """The plan as text: the rule, the sizes, the runs, the held-out run, the totals."""
     s0 = d.sizes[0]
@@ -317,19 +331,7 @@ def render(d: Design, recipe: str, parametrization: str) -> str:
              f"  multiples: {_list(d.multiples)} tokens/param (WSD source runs to "
              f"{d.multiples[-1]:g}, cooldown branches at {_list(d.multiples[:-1])}, each decaying "
              f"over its last {d.decay_fraction:.0%}); batch {d.batch_tokens:,} tokens",
-             "",
-             f"  {'width':>5} {'layers':>6} {'heads':>5} {'head':>4} {'N':>9} {'N non-emb':>9} "
-             f"{'emb':>4} {'FLOPs/tok':>10} {'lr':>8} {'tok/s':>8}"]
-    for s in d.sizes:
-        rate = f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "?"
-        lines.append(f"  {s.width:>5} {s.n_layer:>6} {s.n_head:>5} {s.head_width:>4} "
-                     f"{s.n_params:>9,} {s.n_params_non_embedding:>9,} "
-                     f"{s.embedding_fraction:>4.0%} {s.flops_per_token:>10,} {s.lr:>8.3g} {rate:>8}")
-    batches = sorted({d.batch_of(s.width) for s in d.sizes})
-    if len(batches) > 1:
-        lines.append("  batch per size (tokens): " + ", ".join(
-            f"{s.width}: {d.batch_of(s.width):,}" for s in d.sizes))
-    lines += ["", *_run_lines(d)]
+             "", *_size_lines(d), "", *_run_lines(d)]
     short = d.short_runs()
     if short:
         lines.append(f"  left out of the fit (fewer than {d.min_steps} steps, still in the warm-up "

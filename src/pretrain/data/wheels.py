@@ -148,20 +148,23 @@ def text_members(z: zipfile.ZipFile) -> list[zipfile.ZipInfo]:
 
 def wheel_pieces(cfg: DataConfig) -> list[dict]:
     """Consecutive text members of each pinned archive, in groups of about piece_bytes."""
+    return [p for pin in pins(cfg) for p in _archive_pieces(locate(cfg, pin), pin,
+                                                             cfg.piece_bytes)]
+
+
+def _archive_pieces(path: Path, pin: Pin, piece_bytes: int) -> list[dict]:
     pieces: list[dict] = []
-    for pin in pins(cfg):
-        path = locate(cfg, pin)
-        with zipfile.ZipFile(path) as z:
-            record = _record(z)
-            group, size = [], 0
-            for info in text_members(z):
-                if group and size + info.file_size > cfg.piece_bytes:
-                    pieces.append(_piece(path, pin, group, size, record))
-                    group, size = [], 0
-                group.append(info.filename)
-                size += info.file_size
-            if group:
+    with zipfile.ZipFile(path) as z:
+        record = _record(z)
+        group, size = [], 0
+        for info in text_members(z):
+            if group and size + info.file_size > piece_bytes:
                 pieces.append(_piece(path, pin, group, size, record))
+                group, size = [], 0
+            group.append(info.filename)
+            size += info.file_size
+    if group:
+        pieces.append(_piece(path, pin, group, size, record))
     return pieces
 
 

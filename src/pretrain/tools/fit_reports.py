@@ -97,29 +97,28 @@ def report_diagnosis(points: list[RunPoint], chinchilla: FitReport | None, count
         print(f"  {c:>13}: {100 * mae:.2f}%" + ("  <- --count" if c == count else ""))
 
 
-def report_backtest(points: list[RunPoint], ratio: float, predict: list[tuple[float, float]],
-                    fit: dict, tolerance: float, bootstrap: int = 100) -> None:
-    """``--backtest R``: each form fitted to the runs at or under 1/R of the largest compute
-    and scored on the rest (pretrain/analysis/backtest.py); the form that predicts the top
-    rungs best, and with it each ``--predict`` point, its interval widened by the seed
-    spread and by that form's own backtest error. Recorded in ``fit["backtest"]``."""
+def _form_rms(points: list[RunPoint]) -> dict[str, float]:
+    """Each form fitted to every run: its rms residual (how well it describes the ladder)."""
+    from pretrain.analysis.backtest import forms, rms_residual
+
+    out = {}
+    for name, fit_form in forms().items():
+        try:
+            out[name] = rms_residual(fit_form(points), points)
+        except ValueError:
+            out[name] = float("nan")
+    return out
+
+
+def _print_backtest(bt, points: list[RunPoint], rms: dict[str, float], spread: float,
+                    tolerance: float) -> None:
     import math
 
-    from pretrain.analysis.backtest import backtest, forms, predict_with_interval, rms_residual
-
-    bt = backtest(points, ratio, tolerance=tolerance)
-    spread = fit.get("seed_spread", {}).get("relative", float("nan"))
-    rms = {}
-    for name, fit_form in forms().items():  # how well each form describes the whole ladder
-        try:
-            rms[name] = rms_residual(fit_form(points), points)
-        except ValueError:
-            rms[name] = float("nan")
     top_c = max(p.flops for p in points)
-    print(f"\nbacktest at {ratio:g}x: fitted on the {bt.results[0].fitted} runs at C <= "
-          f"{bt.cut:.4g} (1/{ratio:g} of {top_c:.4g}), predicting the other "
-          f"{len(bt.results[0].errors) if bt.results[0].errors else '?'}; top rungs: C >= "
-          f"{top_c / 2:.4g}; error = predicted / measured - 1")
+    print(f"\nbacktest at {bt.ratio:g}x: fitted on the {bt.results[0].fitted} runs at C <= "
+          f"{bt.cut:.4g} (1/{bt.ratio:g} of {top_c:.4g}), predicting the other "
+          f"{len(bt.results[0].errors)}; top rungs: C >= {top_c / 2:.4g}; error = predicted / "
+          "measured - 1")
     print(f"  {'form':<11} {'top mean':>9} {'top |err|':>9} {'all |err|':>9}  rms residual, "
           "fitted to every run (seed spread "
           + (f"{100 * spread:.2f}%)" if math.isfinite(spread) else "not measured)"))
@@ -132,36 +131,64 @@ def report_backtest(points: list[RunPoint], ratio: float, predict: list[tuple[fl
               f"{100 * r.mae:>8.2f}%  {100 * rms[r.form]:.2f}%{ratio_text}"
               + ("  <- best" if r is bt.best else ""))
     best = bt.best
-    record = bt.as_dict()
-    record["rms_all_runs"] = rms
     if best is not None:
         print(f"  per run, {best.form}:")
         for p, e in best.errors:
             print(f"    {p.name[-48:]:<48} N {p.n_params:>9.4g} D {p.tokens:>9.4g} "
                   f"C {p.flops:>9.4g} loss {p.loss:.4f}  {100 * e:+6.2f}%" +
                   ("  top" if any(q is p for q, _ in best.top) else ""))
-    verdict = (f"SUPPORTED: {best.form} predicts the top rungs from {ratio:g}x below within "
-               f"{100 * best.top_mae:.2f}% (tolerance {100 * tolerance:g}%)" if bt.supported else
-               f"NOT SUPPORTED: no form predicts the top rungs from {ratio:g}x below within "
-               f"{100 * tolerance:g}% (best: {best.form if best else 'none'}, "
-               f"{100 * best.top_mae:.2f}%)" if best else "NOT SUPPORTED: no form fitted")
-    print(f"  {verdict}: a held-out run at {ratio:g}x the largest rung is "
+    verdict = (f"SUPPORTED: {best.form} predicts the top rungs from {bt.ratio:g}x below "
+               f"within {100 * best.top_mae:.2f}% (tolerance {100 * tolerance:g}%)"
+               if bt.supported else
+               f"NOT SUPPORTED: no form predicts the top rungs from {bt.ratio:g}x below within "
+               f"{100 * tolerance:g}% (best: {best.form}, {100 * best.top_mae:.2f}%)"
+               if best else "NOT SUPPORTED: no form fitted")
+    print(f"  {verdict}: a held-out run at {bt.ratio:g}x the largest rung is "
           + ("within what this ladder has shown it can predict" if bt.supported else
              "an extrapolation this ladder cannot make on itself; its prediction is not a result"))
-    record["predict"] = []
-    for n, d in predict if best is not None else ():
-        pr = predict_with_interval(points, best.form, n, d, resamples=bootstrap)
-        lo, hi = pr["bootstrap"]
-        widen = [x for x in (spread, best.top_mae) if math.isfinite(x)]
-        rel = math.sqrt(sum(x * x for x in widen))
-        low = min(lo, pr["loss"] * (1 - 1.96 * rel)) if math.isfinite(lo) else pr["loss"] * (1 - 1.96 * rel)
-        high = max(hi, pr["loss"] * (1 + 1.96 * rel)) if math.isfinite(hi) else pr["loss"] * (1 + 1.96 * rel)
-        pr.update(n_params=n, tokens=d, flops=6 * n * d, interval=[low, high],
-                  supported=bt.supported, widened_by={"seed_spread": spread,
-                                                      "backtest_error": best.top_mae})
-        record["predict"].append(pr)
-        print(f"  {best.form} fitted to all {len(points)} runs (rms residual "
-              f"{100 * pr['rms']:.2f}%): N = {n:.4g}, D = {d:.4g} (C = {6 * n * d:.4g}): loss "
-              f"{pr['loss']:.4f}, bootstrap 95% [{lo:.4f}, {hi:.4f}] ({pr['resamples']} "
-              f"resamples); with the seed spread and the backtest error [{low:.4f}, {high:.4f}]")
+
+
+def _predict_backtested(points: list[RunPoint], best, n: float, d: float, spread: float,
+                        bootstrap: int, supported: bool) -> dict:
+    """The chosen form at (N, D): its bootstrap interval widened in quadrature by the seed
+    spread and the form's own backtest error."""
+    import math
+
+    from pretrain.analysis.backtest import predict_with_interval
+
+    pr = predict_with_interval(points, best.form, n, d, resamples=bootstrap)
+    lo, hi = pr["bootstrap"]
+    rel = math.sqrt(sum(x * x for x in (spread, best.top_mae) if math.isfinite(x)))
+    low, high = pr["loss"] * (1 - 1.96 * rel), pr["loss"] * (1 + 1.96 * rel)
+    if math.isfinite(lo):
+        low, high = min(lo, low), max(hi, high)
+    pr.update(n_params=n, tokens=d, flops=6 * n * d, interval=[low, high], supported=supported,
+              widened_by={"seed_spread": spread, "backtest_error": best.top_mae})
+    print(f"  {best.form} fitted to all {len(points)} runs (rms residual "
+          f"{100 * pr['rms']:.2f}%): N = {n:.4g}, D = {d:.4g} (C = {6 * n * d:.4g}): loss "
+          f"{pr['loss']:.4f}, bootstrap 95% [{lo:.4f}, {hi:.4f}] ({pr['resamples']} "
+          f"resamples); with the seed spread and the backtest error [{low:.4f}, {high:.4f}]")
+    return pr
+
+
+def report_backtest(points: list[RunPoint], ratio: float, predict: list[tuple[float, float]],
+                    fit: dict, tolerance: float, bootstrap: int = 100) -> None:
+    """``--backtest R``: each form fitted to the runs at or under 1/R of the largest compute
+    and scored on the rest (pretrain/analysis/backtest.py); the form that predicts the top
+    rungs best, and with it each ``--predict`` point, its interval widened by the seed
+    spread and by that form's own backtest error. Recorded in ``fit["backtest"]``."""
+    from pretrain.analysis.backtest import backtest, forms
+
+    bt = backtest(points, ratio, tolerance=tolerance)
+    spread = fit.get("seed_spread", {}).get("relative", float("nan"))
+    rms = _form_rms(points)
+    _print_backtest(bt, points, rms, spread, tolerance)
+    best = bt.best
+    record = {**bt.as_dict(), "rms_all_runs": rms, "predict": []}
+    if best is not None:  # the chosen form fitted to every run: what a later prediction uses
+        law = forms()[best.form](points)
+        fit["chosen"] = {"form": best.form, "constants": law.constants, "runs": len(points),
+                         "rms": rms[best.form]}
+        record["predict"] = [_predict_backtested(points, best, n, d, spread, bootstrap,
+                                                 bt.supported) for n, d in predict]
     fit["backtest"] = record

@@ -26,7 +26,7 @@ they change; one that names the source by its size alone (ladder-mix-cooldown) n
 overrides that leave what is trained unchanged. The flags of the
 fit (``--target-flops``, ``--predict``, ``--predict-run``, ``--bootstrap``, ``--max-interval``,
 ``--max-ratio``, ``--max-size-ratio``, ``--out``, ``--count``, ``--metric``, ``--min-steps``, ``--diagnose``,
-``--backtest``, ``--backtest-tolerance``,
+``--backtest``, ``--backtest-tolerance``, ``--min-params``,
 ``--no-plots``) go to
 tools/scaling_law.py. ``--dry-run`` prints the commands and
 runs nothing; ``--fit-only`` fits the runs already there. ``--seed-sizes 16,72`` adds a second
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fit-only", action="store_true", help="fit the finished runs only")
     for flag in ("--target-flops", "--bootstrap", "--max-interval", "--max-ratio",
                  "--max-size-ratio", "--out", "--count", "--metric", "--min-steps", "--backtest",
-                 "--backtest-tolerance"):
+                 "--backtest-tolerance", "--min-params"):
         ap.add_argument(flag, help=f"tools/scaling_law.py {flag}")
     ap.add_argument("--predict", action="append", default=[], metavar="N,D",
                     help="tools/scaling_law.py --predict, repeatable")
@@ -202,7 +202,7 @@ def fit_arguments(args: argparse.Namespace) -> list[str]:
     """The flags that go on to tools/scaling_law.py."""
     fit_args = [x for flag in ("target_flops", "bootstrap", "max_interval", "max_ratio",
                                "max_size_ratio", "out", "count", "metric", "min_steps",
-                               "backtest", "backtest_tolerance")
+                               "backtest", "backtest_tolerance", "min_params")
                 if getattr(args, flag) is not None
                 for x in (f"--{flag.replace('_', '-')}", getattr(args, flag))]
     fit_args += [x for p in args.predict for x in ("--predict", p)]

@@ -382,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-steps", type=int, default=0, metavar="S",
                     help="leave out runs of fewer than S optimizer steps (still in their "
                          "warm-up transient; the byte ladder uses 10x its warmup, 200)")
+    ap.add_argument("--min-params", type=float, default=0.0, metavar="N",
+                    help="leave out runs of fewer than N parameters (in --count): sizes the "
+                         "backtest or --diagnose shows are off the law")
     ap.add_argument("--diagnose", action="store_true",
                     help="residuals by size and tokens/param, each size left out of the fit "
                          "and predicted, and every count compared on the largest size")
@@ -405,6 +408,20 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def fitted_points(args: argparse.Namespace) -> list[RunPoint]:
+    """The runs of the folders and CSV files, less those left out by --min-steps,
+    --exclude-highest-loss and --min-params (each named); ``args.predict`` gains the
+    --predict-run points."""
+    points = collect_points(args, args.count)
+    args.predict = list(args.predict) + [run_point(r, args.count) for r in args.predict_run]
+    points = without_highest_losses(points + [p for f in args.points for p in read_points(f)],
+                                    args.exclude_highest_loss)
+    for p in points:
+        if p.n_params < args.min_params:
+            print(f"left out (--min-params {args.min_params:g}): {p.name}, N = {p.n_params:.4g}")
+    return [p for p in points if p.n_params >= args.min_params]
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
@@ -423,10 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = metric_problem(args.dirs, args.metric, bool(args.points))
     if problem:
         return report_error(problem)
-    points = collect_points(args, args.count)
-    args.predict = list(args.predict) + [run_point(r, args.count) for r in args.predict_run]
-    points = without_highest_losses(points + [p for f in args.points for p in read_points(f)],
-                                    args.exclude_highest_loss)
+    points = fitted_points(args)
     if not points:
         print(f"no finished runs (result.json + plan.json) under {', '.join(map(str, args.dirs))}",
               file=sys.stderr)
