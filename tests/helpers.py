@@ -38,7 +38,8 @@ CPU_RECIPES = {"tiny", "tiny-zero3", "llama-tiny", "nano-3d", "nano-zbv", "ladde
                "isoflop-tiny", "gpt2-124m-cpu", "hparam-tiny", "moe-tiny",
                "ladder-tiny-wsd", "ladder-tiny-cooldown", "transfer-tiny", "mixture-tiny",
                "mixture-local", "ladder-mix", "ladder-mix-cooldown", "ladder-mix-h1",
-               "ladder-mix-h1-cooldown", "ladder-bytes", "ladder-bytes-cooldown"}
+               "ladder-mix-h1-cooldown", "ladder-bytes", "ladder-bytes-cooldown",
+               "ladder-pinned", "ladder-pinned-cooldown"}
 GPU_RECIPES = sorted(set(RECIPES) - CPU_RECIPES)
 
 # The tiny corpus: 10 documents (one per file) of short, very regular sentences, so a nano
