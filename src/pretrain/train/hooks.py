@@ -51,6 +51,12 @@ class LoopContext:
     tokenizer: Path
     logs: Callable[[int], bool]
     _step: Callable[[], int] = field(repr=False)
+    # global samples consumed, and the last step's global batch (sequences): a batch ramp
+    # changes it from step to step (None: the full batch, batch_tokens, every step)
+    _samples: Callable[[], int] | None = field(default=None, repr=False)
+    _last_batch: Callable[[], int] | None = field(default=None, repr=False)
+    # micro batches per DP rank of the run's smallest step (a ramp's first)
+    fewest_microbatches: int | None = None
     _sink: list = field(default_factory=lambda: [None], repr=False)
 
     @property
@@ -60,7 +66,16 @@ class LoopContext:
     @property
     def tokens(self) -> int:
         """Tokens trained on so far."""
+        if self._samples is not None:
+            return self._samples() * self.cfg.model.seq_len
         return self.step * self.batch_tokens
+
+    @property
+    def last_batch_tokens(self) -> int:
+        """The last step's global batch in tokens (``batch_tokens`` without a ramp)."""
+        if self._last_batch is not None:
+            return self._last_batch() * self.cfg.model.seq_len
+        return self.batch_tokens
 
     @property
     def logging(self) -> bool:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from pretrain.budget.batch_ramp import BatchRamp
 from pretrain.checkpoint.folder import on_rank0
 from pretrain.config.schema import Config
 from pretrain.data.prefetch import Prefetcher
@@ -70,6 +71,13 @@ class Trainer:
         self.device, self.policy, self.layout = run.device, run.policy, run.layout
         self.world_size = run.world_size
         self.step = self.samples_seen = 0
+        # the batch over the run (budget/batch_ramp.py; None: the full batch every step). The
+        # run ends at the fixed-batch run's samples, whatever the steps' sizes.
+        self.ramp = BatchRamp(run.ramp) if run.ramp is not None else None
+        self.total_samples = self.budget.steps * self.cfg.train.global_batch_size
+        self.total_steps = run.plan["batch_ramp"].get("steps", self.budget.steps) \
+            if self.ramp is not None else self.budget.steps  # noise_scale: not known yet
+        self.last_batch = self.cfg.train.global_batch_size  # the last step's, sequences
         self.first_val_loss: float | None = None
         self.last_val_loss: float | None = None
         self.exit_code = 0
@@ -114,7 +122,8 @@ class Trainer:
         self.plan.update(epochs)  # the report: the data's size once it exists
         # the next batches read on a thread while a step runs, pinned for async copies
         self.prefetch = Prefetcher(self.train_data, self.layout.local_batch_size,
-                                   cfg.train.global_batch_size, pin=self.device.type == "cuda")
+                                   cfg.train.global_batch_size, pin=self.device.type == "cuda",
+                                   plan=self._ramp_plan if self.ramp is not None else None)
         if self.device.type == "cpu":
             keep_freed_memory()
 
@@ -129,7 +138,8 @@ class Trainer:
             lr=self.decision.lr, steps=self.budget.steps,
             batch_tokens=self.budget.global_batch_tokens,
             initialise=self.checkpoints.resume_from is None,
-            last_good=lambda: self.ckpt.latest() if cfg.checkpoint.enabled else None)
+            last_good=lambda: self.ckpt.latest() if cfg.checkpoint.enabled else None,
+            ramp=self.ramp.spec if self.ramp is not None else None)
         self.validation = validation(cfg, self.module, dp_rank=self.place.dp_rank,
                                      device=self.device, own=self.val_data)
         log_startup_memory(self.device, max_over_ranks)
@@ -143,9 +153,12 @@ class Trainer:
         return LoopContext(
             cfg=self.cfg, module=self.module, device=self.device, rank0=self.rank0,
             layout=self.layout, dp_rank=self.place.dp_rank, world_size=self.world_size,
-            total_steps=self.budget.steps, batch_tokens=self.budget.global_batch_tokens,
+            total_steps=self.total_steps, batch_tokens=self.budget.global_batch_tokens,
             tokenizer=self.train_data.path / "tokenizer.json", logs=self.logging_step,
-            _step=lambda: self.step)
+            _step=lambda: self.step, _samples=lambda: self.samples_seen,
+            _last_batch=lambda: self.last_batch,
+            fewest_microbatches=(self.ramp.spec.start // self.ramp.spec.unit
+                                 if self.ramp is not None else self.layout.microbatches))
 
     def _start_run(self) -> None:
         """The run directory (this attempt not stopped, the tokenizer beside the
@@ -163,7 +176,7 @@ class Trainer:
             if tok.exists():  # beside the checkpoints, for tools/export_hf.py
                 (self.run_dir / "tokenizer.json").write_bytes(tok.read_bytes())
         self.metrics = MetricsLogger(
-            self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), self.budget.steps,
+            self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), self.total_steps,
             self.step, cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.wandb_entity,
             cfg.logging.progress_bar, enabled=self.rank0,
         )
@@ -171,23 +184,56 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        ramp = {"batch_ramp": json.dumps(self.ramp.state_dict())} if self.ramp else {}
         return {"step": self.step, "samples_seen": self.samples_seen,
                 "first_val_loss": self.first_val_loss, **self.module.state_dict(),
-                "rng": torch.get_rng_state()}
+                "rng": torch.get_rng_state(), **ramp}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
         self.first_val_loss = state.get("first_val_loss")
         self.module.load_state_dict(state)
         torch.set_rng_state(state["rng"])
+        if self.ramp is not None and state.get("batch_ramp"):
+            self.ramp.load_state_dict(json.loads(state["batch_ramp"]))
+
+    # -- the batch -----------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        """The budget is spent: the fixed-batch run's samples (its steps, without a ramp)."""
+        if self.ramp is None:
+            return self.step >= self.budget.steps
+        return self.samples_seen >= self.total_samples
+
+    @property
+    def tokens(self) -> int:
+        """Tokens trained on so far."""
+        return self.samples_seen * self.cfg.model.seq_len
+
+    def _batch(self) -> int:
+        """Global sequences of the next step: the full batch, or the ramp's."""
+        if self.ramp is None:
+            return self.cfg.train.global_batch_size
+        return self.ramp.batch(self.samples_seen)
+
+    def _ramp_plan(self, key: int) -> tuple[int, int, int]:
+        """The prefetcher's plan under a ramp: the step after ``key`` samples -> (this
+        rank's first sample, its count, the next step's key)."""
+        batch = self.ramp.batch(key)
+        n = batch // self.layout.dp
+        return key + self.place.dp_rank * n, n, key + batch
 
     # -- steps ---------------------------------------------------------------------------
 
     def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This DP rank's slice of the global batch: samples are read by global index, so
-        the union over ranks is exactly the batch one process would read."""
+        the union over ranks is exactly the batch one process would read (under a ramp the
+        prefetcher's key is the step's first global sample: ``_ramp_plan``)."""
         n = self.layout.local_batch_size
-        x, y = self.prefetch.get(self.samples_seen + self.place.dp_rank * n)  # read ahead
+        key = self.samples_seen if self.ramp is not None else \
+            self.samples_seen + self.place.dp_rank * n
+        x, y = self.prefetch.get(key)  # read ahead
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def train_step(self) -> tuple[float, float]:
@@ -202,10 +248,14 @@ class Trainer:
         """One optimizer step over the global batch (``TrainModule.step``); returns (this
         rank's share of the loss, not reduced; the global grad norm), device tensors. The
         hooks' ``before_step`` first (the noise scale arms its measurement there)."""
+        batch = self._batch()
         x, y = self._local_batch()
         self._call_hooks("before_step")
-        loss, grad_norm, _ = self.module.step(x, y, self.step + 1)
-        self.samples_seen += self.cfg.train.global_batch_size
+        loss, grad_norm, _ = self.module.step(
+            x, y, self.step + 1,
+            samples_after=self.samples_seen + batch if self.ramp is not None else None)
+        self.samples_seen += batch
+        self.last_batch = batch
         self.step += 1
         return loss, grad_norm
 
@@ -215,7 +265,12 @@ class Trainer:
     def logging_step(self, step: int) -> bool:
         """Whether fit() logs after optimizer step ``step`` (1-based): hooks measure on
         those steps only, whose host syncs and collectives are there anyway."""
-        return step == 1 or step == self.budget.steps or step % self.cfg.logging.log_interval == 0
+        if self.ramp is None:
+            last = step == self.budget.steps
+        else:  # the step just taken, or the next one, ends the run
+            last = (step == self.step and self.finished) or (
+                step == self.step + 1 and self.samples_seen + self._batch() >= self.total_samples)
+        return step == 1 or last or step % self.cfg.logging.log_interval == 0
 
     def evaluate(self) -> float | None:
         """The run's validation loss (evaluation.mixture_mean over its sources; None without
@@ -228,7 +283,7 @@ class Trainer:
         """The run: the hooks' start, evaluate the starting model, then step after step:
         train, log (on logging steps), evaluate (when due), stop on a request or save (when
         due), until the budget is spent; then the final checkpoint and the result."""
-        if self.step >= self.budget.steps:  # resumed from the final checkpoint
+        if self.finished:  # resumed from the final checkpoint
             return self._exit(already_finished(self.run_dir, self.step, self.budget.steps))
         stopped = self.stop_request.at_start(self.device, self.step)  # during start-up
         if stopped is not None:
@@ -240,7 +295,7 @@ class Trainer:
             self._evaluate_at_start()
             window, clock = LossWindow(self.device), Throughput()
             stopped = None
-            while self.step < self.budget.steps and stopped is None:
+            while not self.finished and stopped is None:
                 stopped = self._train_one(window, clock)
             if stopped is not None:
                 return self._exit_stopped(stopped)
@@ -272,19 +327,33 @@ class Trainer:
         loss, grad_norm = self.train_step_local()
         window.add(loss, counted=torch.isfinite(grad_norm))
         clock.steps += 1
+        clock.tokens += self.last_batch * self.cfg.model.seq_len
         self.metrics.advance()
         metrics = (self._step_metrics(window, grad_norm, clock)
                    if self.logging_step(self.step) else None)
         self._call_hooks("step_end", metrics)
         if metrics is not None:
+            self._follow_noise_scale(metrics)
             self.metrics.log(metrics)
             clock.restart()
-        if self.step % self.cfg.train.eval_interval == 0 or self.step == self.budget.steps:
+        if self.step % self.cfg.train.eval_interval == 0 or self.finished:
             with clock.paused():  # eval time is not training throughput
                 self._evaluate_and_log()
-        if self.step == self.budget.steps:  # the end of fit saves
+        if self.finished:  # the end of fit saves
             return None
         return self.stop.stop_or_save(self.step, self._check_nonfinite, self.save_checkpoint)
+
+    def _follow_noise_scale(self, metrics: dict) -> None:
+        """batch_ramp=noise_scale: the logging step's smoothed noise scale (the hook's, on
+        the line) decides the next steps' batch; every rank reads the same value."""
+        if self.ramp is None or self.ramp.spec.kind != "noise_scale":
+            return
+        before = self.ramp.current
+        if self.ramp.observe(self.step, self.samples_seen, metrics.get("noise_scale")):
+            seq = self.cfg.model.seq_len
+            log.info("step %d: noise scale %.4g tokens >= %gx the batch: batch %s -> %s "
+                     "tokens from the next step", self.step, metrics["noise_scale"],
+                     self.ramp.spec.factor, f"{before * seq:,}", f"{self.ramp.current * seq:,}")
 
     def _evaluate_at_start(self) -> None:
         """The untrained model's validation loss, logged at step 0; a resumed run measured
@@ -299,6 +368,7 @@ class Trainer:
         """A logging step's line (the hooks add to it): the mean loss since the last one,
         throughput, MFU, memory (the fullest rank's)."""
         tps = clock.rate(self.budget.global_batch_tokens)
+        ramp = {"batch_tokens": self.last_batch * self.cfg.model.seq_len} if self.ramp else {}
         self._check_nonfinite()
         loss = window.reduce(self.module.global_loss)
         return {
@@ -306,7 +376,7 @@ class Trainer:
             "grad_norm": grad_norm.item(), "tokens_per_s": tps,
             "mfu": self.peak.mfu(tps * self.budget.flops_per_token),
             **memory_metrics(self.device, max_over_ranks),
-            "tokens": self.step * self.budget.global_batch_tokens,
+            "tokens": self.tokens, **ramp,
             "loss_scale": self.module.loss_scale, **self.module.step_counts(logging=True),
         }
 
@@ -315,7 +385,7 @@ class Trainer:
         val = self.validation.evaluate() if self.validation is not None else {}
         self.last_val_loss = val.pop("val_loss", None)
         metrics = {"step": self.step, "val_loss": self.last_val_loss,
-                   "tokens": self.step * self.budget.global_batch_tokens, **val}
+                   "tokens": self.tokens, **val}
         self._call_hooks("evaluate", metrics)
         metrics = {k: v for k, v in metrics.items() if v is not None}
         if len(metrics) > 2:  # more than the step and the tokens
@@ -343,8 +413,8 @@ class Trainer:
         self.ckpt.close()
         result = {"steps": self.step, "final_loss": final_loss,
                   "first_val_loss": self.first_val_loss, "final_val_loss": self.last_val_loss,
-                  "tokens": self.step * self.budget.global_batch_tokens,
-                  **self.module.step_counts(),
+                  "tokens": self.tokens, **self.module.step_counts(),
+                  **({"batch_ramp": self.ramp.state_dict()} if self.ramp else {}),
                   "val_batches": self.validation.batch_count() if self.validation else None,
                   "final_lr": self.module.lr, **({"branch": self.branch} if self.branch else {}),
                   **(self.validation.result() if self.validation else {})}
