@@ -8,16 +8,20 @@ tokens, and Merrill et al. 2025 grow it with the measured critical batch.
 
 The rules, each stated once here (docs/batch-ramp.md):
 
-* Every batch is a whole number of ``unit`` = micro batch x dp sequences: a larger batch is
-  more micro batches (gradient accumulation), never a larger micro batch, so no tensor
-  changes shape (a compiled model never recompiles for the ramp).
+* Every batch is a whole number of ``start`` batches (or the full batch), and ``start`` a
+  whole number of ``unit`` = micro batch x dp (x pp: a pipeline's micro batch count stays a
+  multiple of its ranks) sequences (``batch_ramp.start_tokens`` rounded up to it): a larger batch is more micro batches (gradient accumulation), never a larger
+  micro batch, so no tensor changes shape (a compiled model never recompiles for the ramp).
+  The ramp's batches depend on the layout only through that rounding: a run resumed on a
+  layout whose unit also divides ``start`` takes the same batches.
 * The sample stream is the fixed-batch run's: step ``k`` reads the ``B_k`` samples that
   follow the ``samples`` consumed before it (the data position stays global samples
   consumed), and the run ends at the fixed-batch run's samples, the last step cut to what
   is left. A ``tokens`` ramp's batch is a pure function of the samples consumed; a
   ``noise_scale`` ramp's is its state (the current batch), saved with each checkpoint.
 * ``tokens``: from ``start`` to ``full`` over the first ``ramp_samples``, linear in the
-  samples consumed (rounded down to whole units), or in ``stages`` equal stages.
+  samples consumed (rounded down to whole ``start`` batches), or in ``stages`` equal
+  stages.
 * ``noise_scale``: on a logging step whose smoothed B_simple is at least ``factor`` x the
   current batch (tokens), after ``min_measurements`` measurements at that batch, the batch
   doubles (up to ``full``). With the default factor 2 a doubled batch is still at most
@@ -77,7 +81,7 @@ class RampSpec:
                     // self.stages
             else:
                 b = self.start + grow * samples // self.ramp_samples
-            b = max(self.start, b // self.unit * self.unit)
+            b = min(self.full, max(self.start, b // self.start * self.start))
         return min(b, self.total_samples - samples)
 
     def lr_factor(self, batch: int) -> float:
@@ -94,7 +98,8 @@ def ramp_spec(cfg, layout, full_steps: int) -> RampSpec | None:
     from pretrain.optim.specs import spec as optimizer_spec
 
     seq, full = cfg.model.seq_len, cfg.train.global_batch_size
-    unit = layout.micro_batch_size * layout.dp
+    # a pipeline's micro batch count stays a multiple of its ranks (every schedule fills)
+    unit = layout.micro_batch_size * layout.dp * layout.pp
     if not r.start_tokens or r.start_tokens <= 0:
         raise RampError(f"batch_ramp={r.name} needs batch_ramp.start_tokens > 0 (the first "
                         "step's batch in tokens, e.g. 32768)")
@@ -231,11 +236,11 @@ def describe_line(entry: dict) -> str:
                 f"the full batch); 0 recompiles (the micro batch keeps its shape)")
     stages = entry["stages"]
     rounded = (f" (batch_ramp.start_tokens={entry['start_tokens_asked']:,} rounded to whole "
-               f"micro batches x dp)") if "start_tokens_asked" in entry else ""
+               f"micro batches x dp x pp)") if "start_tokens_asked" in entry else ""
     shown = stages if len(stages) <= 8 else stages[:4] + [None] + stages[-3:]
     lines = [f"batch ramp (tokens, {'linear' if entry['linear'] else 'stages'}): from "
              f"{entry['start_tokens']:,}{rounded} to {entry['full_tokens']:,} tokens over "
-             f"{entry['ramp_tokens']:,} tokens, in steps of {entry['unit_tokens']:,}; LR x "
+             f"{entry['ramp_tokens']:,} tokens, in steps of {entry['start_tokens']:,}; LR x "
              f"{entry['lr_scaling']}(B / full); {entry['steps']:,} steps "
              f"({entry['steps_fixed_batch']:,} at the full batch); 0 recompiles"]
     for s in shown:

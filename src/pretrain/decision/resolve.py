@@ -221,10 +221,9 @@ def resolve_ramp(cfg: Config, layout: Layout, budget: Budget) -> RampSpec | None
     spec = ramp_spec(cfg, layout, budget.steps)
     if spec is None:
         return None
-    if layout.pp > 1:
-        raise RampError("batch_ramp with parallel.pp > 1 is not supported yet (a pipeline "
-                        "schedule is built for one micro batch count): use batch_ramp=none, "
-                        "or a layout without pipeline stages")
+    if spec.kind == "noise_scale" and layout.pp > 1:
+        raise RampError("batch_ramp=noise_scale needs the noise scale, which is not measured "
+                        "under pipeline parallelism (parallel.pp > 1): use batch_ramp=tokens")
     if cfg.data.mixture and spec.kind == "noise_scale":
         raise RampError("batch_ramp=noise_scale with a data.mixture is not supported yet (the "
                         "mixer's batches must be known before the run): use batch_ramp=tokens")

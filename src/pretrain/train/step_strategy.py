@@ -11,6 +11,7 @@ also owns its evaluation forwards. The train module (train_module.py) picks one 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -174,6 +175,18 @@ class PipelineStep:
         self.z_total: torch.Tensor | None = None  # the last step's z-loss term (z-loss runs)
         self.schedule = build_schedule(parallel.parts, parallel.stage_ids, self.layout,
                                        parallel.mesh.pp, self.device, self.loss)
+        # a batch ramp's smaller steps: one schedule per micro batch count, built on first
+        # use (the same stages' modules; the micro batch keeps its shape)
+        self.schedules = {self.layout.microbatches: self.schedule}
+
+    def _schedule(self, n: int):
+        """The schedule of ``n`` micro batches (the layout's, or a batch ramp's fewer)."""
+        if n not in self.schedules:
+            pm = self.parallel
+            self.schedules[n] = build_schedule(
+                pm.parts, pm.stage_ids, dataclasses.replace(self.layout, microbatches=n),
+                pm.mesh.pp, self.device, self.loss)
+        return self.schedules[n]
 
     @staticmethod
     def eval_sizes(layout: Layout) -> tuple[int, int]:
@@ -200,7 +213,8 @@ class PipelineStep:
             try:  # return_outputs=False: the last stage keeps no micro batch's logits
                 # the schedule divides every gradient by the micro batch count itself
                 with aux_loss_scale(self.loss.scale or 1.0):
-                    self.schedule.step(*args, target=target, losses=losses,
+                    self._schedule(len(x) // self.layout.micro_batch_size).step(
+                        *args, target=target, losses=losses,
                                        return_outputs=False)
             finally:
                 scale, self.loss.scale = self.loss.scale or 1.0, None
