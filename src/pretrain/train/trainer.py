@@ -113,8 +113,9 @@ class Trainer:
         cfg = self.cfg
         if cfg.data.mixture:  # data/mixture_windows.py, for the decided weights over steps
             # each source's validation split: evaluation.validation opens them
-            self.train_data, epochs = mixture_training_data(cfg, self.decision, self.world_size,
-                                                            self.budget.steps)
+            self.train_data, epochs = mixture_training_data(
+                cfg, self.decision, self.world_size, self.budget.steps,
+                batch_of=self.ramp.batch if self.ramp is not None else None)
             self.val_data = None
         else:
             self.train_data, self.val_data, epochs = training_data(cfg, self.world_size,
