@@ -249,3 +249,11 @@ def describe_line(entry: dict) -> str:
                      f"{s['batch_tokens']:,} tokens ({s['batch']} sequences), "
                      f"{s['tokens']:,} tokens, peak LR {s['peak_lr']:.4g}")
     return "\n".join(lines)
+
+
+def planned_steps(spec: RampSpec) -> int:
+    """The steps a ramp takes: a ``tokens`` ramp's exactly; a ``noise_scale`` ramp's are
+    decided while it runs: those at the full batch, the fewest it can take."""
+    if spec.kind == "tokens":
+        return sum(s["steps"] for s in tokens_stages(spec))
+    return math.ceil(spec.total_samples / spec.full)

@@ -51,12 +51,10 @@ class LoopContext:
     tokenizer: Path
     logs: Callable[[int], bool]
     _step: Callable[[], int] = field(repr=False)
-    # global samples consumed, and the last step's global batch (sequences): a batch ramp
-    # changes it from step to step (None: the full batch, batch_tokens, every step)
+    # global samples consumed, and the run's batches (train/batches.Batches: a batch ramp
+    # changes the batch from step to step; None: batch_tokens every step)
     _samples: Callable[[], int] | None = field(default=None, repr=False)
-    _last_batch: Callable[[], int] | None = field(default=None, repr=False)
-    # micro batches per DP rank of the run's smallest step (a ramp's first)
-    fewest_microbatches: int | None = None
+    _batches: Any = field(default=None, repr=False)
     _sink: list = field(default_factory=lambda: [None], repr=False)
 
     @property
@@ -73,9 +71,14 @@ class LoopContext:
     @property
     def last_batch_tokens(self) -> int:
         """The last step's global batch in tokens (``batch_tokens`` without a ramp)."""
-        if self._last_batch is not None:
-            return self._last_batch() * self.cfg.model.seq_len
-        return self.batch_tokens
+        return self._batches.last_tokens if self._batches is not None else self.batch_tokens
+
+    @property
+    def fewest_microbatches(self) -> int:
+        """Micro batches per DP rank of the run's smallest step (a batch ramp's first)."""
+        if self._batches is None:
+            return self.layout.microbatches
+        return self._batches.fewest_microbatches(self.layout)
 
     @property
     def logging(self) -> bool:

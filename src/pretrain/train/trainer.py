@@ -2,16 +2,14 @@
 
 A linear story: resolve the run (decision/resolve.py: ``auto`` decided, plan printed), join
 the process group, read the prepared data, build the train module (train_module.py: model,
-optimizer, schedule, loss scaler and step strategy for this layout), resume or start, then
-loop: batch -> step -> log -> evaluate -> stop or save. Beside the loop: evaluation.py
-(the validation loss of every source), metrics.py (loss window, throughput, MFU, sinks),
-checkpoint/ (saving, resume decisions), preemption.py (stop, save and requeue policy), and
-the services on the hook seam (hooks.py: each sees a ``LoopContext``, never the trainer;
-the services/ package holds them, each registered where it is defined: noise scale, MoE
-expert load, garbage collection, spike window, tasks, the sample, update ratios). The loop
-asks nothing about the layout; it imports nothing from ``parallel/``
-(tests/test_architecture.py). Rank 0 alone logs and writes files.
-"""
+optimizer, schedule, loss scaler, step strategy), resume or start, then loop: batch -> step
+-> log -> evaluate -> stop or save. Beside the loop: batches.py (each step's batch: a batch
+ramp's), evaluation.py (every source's validation loss), metrics.py (loss window, throughput,
+MFU, sinks), checkpoint/ (saving, resume), preemption.py (stop, save, requeue), and the
+services on the hook seam (hooks.py: each sees a ``LoopContext``, never the trainer; the
+services/ package holds them: noise scale, MoE expert load, garbage collection, spike
+window, tasks, the sample, update ratios). The loop asks nothing about the layout and
+imports nothing from ``parallel/`` (tests/test_architecture.py). Rank 0 alone logs."""
 
 from __future__ import annotations
 
@@ -23,13 +21,13 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from pretrain.budget.batch_ramp import BatchRamp
 from pretrain.checkpoint.folder import on_rank0
 from pretrain.config.schema import Config
 from pretrain.data.prefetch import Prefetcher
 from pretrain.data.run_data import mixture_training_data, require_prepared, training_data
 from pretrain.decision.resolve import announce, dry_run, resolve_run
 from pretrain.hardware.device import keep_freed_memory
+from pretrain.train.batches import Batches
 from pretrain.train.checkpointing import Checkpointing
 from pretrain.train.evaluation import validation
 from pretrain.train.hooks import LoopContext
@@ -60,8 +58,7 @@ class Trainer:
     schedule, loss scale, RNG) is saved and restored with the model and optimizer."""
 
     def __init__(self, cfg: Config, run_dir: Path):
-        # First thing: a SIGTERM during start-up (minutes on a cluster) is a stop request
-        # like any other, not a kill that saves nothing.
+        # First: a SIGTERM during start-up (minutes on a cluster) is a stop request, not a kill
         self.stop_request = StopRequest(cfg.train.time_limit_minutes)
         self.run_dir = Path(run_dir)
         self.run = run = resolve_run(cfg)
@@ -71,13 +68,7 @@ class Trainer:
         self.device, self.policy, self.layout = run.device, run.policy, run.layout
         self.world_size = run.world_size
         self.step = self.samples_seen = 0
-        # the batch over the run (budget/batch_ramp.py; None: the full batch every step). The
-        # run ends at the fixed-batch run's samples, whatever the steps' sizes.
-        self.ramp = BatchRamp(run.ramp) if run.ramp is not None else None
-        self.total_samples = self.budget.steps * self.cfg.train.global_batch_size
-        self.total_steps = run.plan["batch_ramp"].get("steps", self.budget.steps) \
-            if self.ramp is not None else self.budget.steps  # noise_scale: not known yet
-        self.last_batch = self.cfg.train.global_batch_size  # the last step's, sequences
+        self.batches = Batches.of(run)  # each step's batch (a ramp's) and the budget's end
         self.first_val_loss: float | None = None
         self.last_val_loss: float | None = None
         self.exit_code = 0
@@ -114,8 +105,7 @@ class Trainer:
         if cfg.data.mixture:  # data/mixture_windows.py, for the decided weights over steps
             # each source's validation split: evaluation.validation opens them
             self.train_data, epochs = mixture_training_data(
-                cfg, self.decision, self.world_size, self.budget.steps,
-                batch_of=self.ramp.batch if self.ramp is not None else None)
+                cfg, self.decision, self.world_size, self.budget.steps, self.batches.sizes)
             self.val_data = None
         else:
             self.train_data, self.val_data, epochs = training_data(cfg, self.world_size,
@@ -124,7 +114,7 @@ class Trainer:
         # the next batches read on a thread while a step runs, pinned for async copies
         self.prefetch = Prefetcher(self.train_data, self.layout.local_batch_size,
                                    cfg.train.global_batch_size, pin=self.device.type == "cuda",
-                                   plan=self._ramp_plan if self.ramp is not None else None)
+                                   plan=self.batches.plan(self.layout.dp, self.place.dp_rank))
         if self.device.type == "cpu":
             keep_freed_memory()
 
@@ -140,7 +130,7 @@ class Trainer:
             batch_tokens=self.budget.global_batch_tokens,
             initialise=self.checkpoints.resume_from is None,
             last_good=lambda: self.ckpt.latest() if cfg.checkpoint.enabled else None,
-            ramp=self.ramp.spec if self.ramp is not None else None)
+            ramp=self.run.ramp)
         self.validation = validation(cfg, self.module, dp_rank=self.place.dp_rank,
                                      device=self.device, own=self.val_data)
         log_startup_memory(self.device, max_over_ranks)
@@ -154,12 +144,9 @@ class Trainer:
         return LoopContext(
             cfg=self.cfg, module=self.module, device=self.device, rank0=self.rank0,
             layout=self.layout, dp_rank=self.place.dp_rank, world_size=self.world_size,
-            total_steps=self.total_steps, batch_tokens=self.budget.global_batch_tokens,
+            total_steps=self.batches.total_steps, batch_tokens=self.budget.global_batch_tokens,
             tokenizer=self.train_data.path / "tokenizer.json", logs=self.logging_step,
-            _step=lambda: self.step, _samples=lambda: self.samples_seen,
-            _last_batch=lambda: self.last_batch,
-            fewest_microbatches=(self.ramp.spec.start // self.ramp.spec.unit
-                                 if self.ramp is not None else self.layout.microbatches))
+            _step=lambda: self.step, _samples=lambda: self.samples_seen, _batches=self.batches)
 
     def _start_run(self) -> None:
         """The run directory (this attempt not stopped, the tokenizer beside the
@@ -177,7 +164,7 @@ class Trainer:
             if tok.exists():  # beside the checkpoints, for tools/export_hf.py
                 (self.run_dir / "tokenizer.json").write_bytes(tok.read_bytes())
         self.metrics = MetricsLogger(
-            self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), self.total_steps,
+            self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), self.batches.total_steps,
             self.step, cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.wandb_entity,
             cfg.logging.progress_bar, enabled=self.rank0,
         )
@@ -185,56 +172,28 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        ramp = {"batch_ramp": json.dumps(self.ramp.state_dict())} if self.ramp else {}
         return {"step": self.step, "samples_seen": self.samples_seen,
                 "first_val_loss": self.first_val_loss, **self.module.state_dict(),
-                "rng": torch.get_rng_state(), **ramp}
+                "rng": torch.get_rng_state(), **self.batches.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
         self.first_val_loss = state.get("first_val_loss")
         self.module.load_state_dict(state)
         torch.set_rng_state(state["rng"])
-        if self.ramp is not None and state.get("batch_ramp"):
-            self.ramp.load_state_dict(json.loads(state["batch_ramp"]))
+        self.batches.load_state_dict(state)
 
-    # -- the batch -----------------------------------------------------------------------
-
-    @property
-    def finished(self) -> bool:
-        """The budget is spent: the fixed-batch run's samples (its steps, without a ramp)."""
-        if self.ramp is None:
-            return self.step >= self.budget.steps
-        return self.samples_seen >= self.total_samples
-
-    @property
-    def tokens(self) -> int:
-        """Tokens trained on so far."""
-        return self.samples_seen * self.cfg.model.seq_len
-
-    def _batch(self) -> int:
-        """Global sequences of the next step: the full batch, or the ramp's."""
-        if self.ramp is None:
-            return self.cfg.train.global_batch_size
-        return self.ramp.batch(self.samples_seen)
-
-    def _ramp_plan(self, key: int) -> tuple[int, int, int]:
-        """The prefetcher's plan under a ramp: the step after ``key`` samples -> (this
-        rank's first sample, its count, the next step's key)."""
-        batch = self.ramp.batch(key)
-        n = batch // self.layout.dp
-        return key + self.place.dp_rank * n, n, key + batch
+    # the budget is spent (batches.Batches.finished); tokens trained on so far
+    finished = property(lambda self: self.batches.finished(self.step, self.samples_seen))
+    tokens = property(lambda self: self.samples_seen * self.cfg.model.seq_len)
 
     # -- steps ---------------------------------------------------------------------------
 
     def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This DP rank's slice of the global batch: samples are read by global index, so
-        the union over ranks is exactly the batch one process would read (under a ramp the
-        prefetcher's key is the step's first global sample: ``_ramp_plan``)."""
-        n = self.layout.local_batch_size
-        key = self.samples_seen if self.ramp is not None else \
-            self.samples_seen + self.place.dp_rank * n
-        x, y = self.prefetch.get(key)  # read ahead
+        the union over ranks is exactly the batch one process would read."""
+        n = self.layout.local_batch_size  # read ahead:
+        x, y = self.prefetch.get(self.batches.key(self.samples_seen, self.place.dp_rank, n))
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def train_step(self) -> tuple[float, float]:
@@ -249,14 +208,12 @@ class Trainer:
         """One optimizer step over the global batch (``TrainModule.step``); returns (this
         rank's share of the loss, not reduced; the global grad norm), device tensors. The
         hooks' ``before_step`` first (the noise scale arms its measurement there)."""
-        batch = self._batch()
+        batch = self.batches.next(self.samples_seen)
         x, y = self._local_batch()
         self._call_hooks("before_step")
-        loss, grad_norm, _ = self.module.step(
-            x, y, self.step + 1,
-            samples_after=self.samples_seen + batch if self.ramp is not None else None)
-        self.samples_seen += batch
-        self.last_batch = batch
+        loss, grad_norm, _ = self.module.step(x, y, self.step + 1,
+                                              samples_after=self.samples_seen + batch)
+        self.samples_seen += self.batches.took(batch)
         self.step += 1
         return loss, grad_norm
 
@@ -266,12 +223,8 @@ class Trainer:
     def logging_step(self, step: int) -> bool:
         """Whether fit() logs after optimizer step ``step`` (1-based): hooks measure on
         those steps only, whose host syncs and collectives are there anyway."""
-        if self.ramp is None:
-            last = step == self.budget.steps
-        else:  # the step just taken, or the next one, ends the run
-            last = (step == self.step and self.finished) or (
-                step == self.step + 1 and self.samples_seen + self._batch() >= self.total_samples)
-        return step == 1 or last or step % self.cfg.logging.log_interval == 0
+        return step == 1 or self.batches.is_last(step, self.step, self.samples_seen) or \
+            step % self.cfg.logging.log_interval == 0
 
     def evaluate(self) -> float | None:
         """The run's validation loss (evaluation.mixture_mean over its sources; None without
@@ -327,14 +280,13 @@ class Trainer:
         between), evaluate (when due), stop or save."""
         loss, grad_norm = self.train_step_local()
         window.add(loss, counted=torch.isfinite(grad_norm))
-        clock.steps += 1
-        clock.tokens += self.last_batch * self.cfg.model.seq_len
+        clock.steps, clock.tokens = clock.steps + 1, clock.tokens + self.batches.last_tokens
         self.metrics.advance()
         metrics = (self._step_metrics(window, grad_norm, clock)
                    if self.logging_step(self.step) else None)
         self._call_hooks("step_end", metrics)
         if metrics is not None:
-            self._follow_noise_scale(metrics)
+            self.batches.observe(self.step, self.samples_seen, metrics.get("noise_scale"))
             self.metrics.log(metrics)
             clock.restart()
         if self.step % self.cfg.train.eval_interval == 0 or self.finished:
@@ -343,18 +295,6 @@ class Trainer:
         if self.finished:  # the end of fit saves
             return None
         return self.stop.stop_or_save(self.step, self._check_nonfinite, self.save_checkpoint)
-
-    def _follow_noise_scale(self, metrics: dict) -> None:
-        """batch_ramp=noise_scale: the logging step's smoothed noise scale (the hook's, on
-        the line) decides the next steps' batch; every rank reads the same value."""
-        if self.ramp is None or self.ramp.spec.kind != "noise_scale":
-            return
-        before = self.ramp.current
-        if self.ramp.observe(self.step, self.samples_seen, metrics.get("noise_scale")):
-            seq = self.cfg.model.seq_len
-            log.info("step %d: noise scale %.4g tokens >= %gx the batch: batch %s -> %s "
-                     "tokens from the next step", self.step, metrics["noise_scale"],
-                     self.ramp.spec.factor, f"{before * seq:,}", f"{self.ramp.current * seq:,}")
 
     def _evaluate_at_start(self) -> None:
         """The untrained model's validation loss, logged at step 0; a resumed run measured
@@ -369,7 +309,6 @@ class Trainer:
         """A logging step's line (the hooks add to it): the mean loss since the last one,
         throughput, MFU, memory (the fullest rank's)."""
         tps = clock.rate(self.budget.global_batch_tokens)
-        ramp = {"batch_tokens": self.last_batch * self.cfg.model.seq_len} if self.ramp else {}
         self._check_nonfinite()
         loss = window.reduce(self.module.global_loss)
         return {
@@ -377,7 +316,7 @@ class Trainer:
             "grad_norm": grad_norm.item(), "tokens_per_s": tps,
             "mfu": self.peak.mfu(tps * self.budget.flops_per_token),
             **memory_metrics(self.device, max_over_ranks),
-            "tokens": self.tokens, **ramp,
+            "tokens": self.tokens, **self.batches.line(),
             "loss_scale": self.module.loss_scale, **self.module.step_counts(logging=True),
         }
 
@@ -415,7 +354,7 @@ class Trainer:
         result = {"steps": self.step, "final_loss": final_loss,
                   "first_val_loss": self.first_val_loss, "final_val_loss": self.last_val_loss,
                   "tokens": self.tokens, **self.module.step_counts(),
-                  **({"batch_ramp": self.ramp.state_dict()} if self.ramp else {}),
+                  **self.batches.result(),
                   "val_batches": self.validation.batch_count() if self.validation else None,
                   "final_lr": self.module.lr, **({"branch": self.branch} if self.branch else {}),
                   **(self.validation.result() if self.validation else {})}
