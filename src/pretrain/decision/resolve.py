@@ -127,6 +127,7 @@ def describe_run(cfg: Config, world_size: int, budget: Budget,
     ``lr_warning`` only when the LR is outside the optimizer's usual range."""
     decision = decision or decide(cfg, budget)
     warning = lr_range_warning(cfg.optim.name, decision.lr)
+    ramp = resolve_ramp(cfg, resolve_layout(cfg, world_size), budget)
     return {
         **budget.as_dict(),
         "compile": cfg.train.compile,
@@ -149,6 +150,8 @@ def describe_run(cfg: Config, world_size: int, budget: Budget,
         # groups a sweep's runs by it
         "hparam_compute": hparam_compute(cfg)[0],
         **decision.as_plan(),
+        **({"batch_ramp": describe_ramp(ramp, decision.lr, budget.steps,
+                                        cfg.batch_ramp.start_tokens)} if ramp else {}),
     }
 
 
@@ -209,9 +212,6 @@ def resolve_plan(cfg: Config, world_size: int | None = None) -> Resolved:
         plan["tf32"] = cfg.train.tf32
     layout = resolve_layout(cfg, world_size)
     ramp = resolve_ramp(cfg, layout, budget)
-    if ramp is not None:
-        plan["batch_ramp"] = describe_ramp(ramp, decision.lr, budget.steps,
-                                           cfg.batch_ramp.start_tokens)
     return Resolved(cfg, decision, plan, budget, device, policy, layout, world_size, ramp)
 
 
