@@ -234,3 +234,25 @@ def test_the_gpt3_dry_run_states_brown_et_als_ramp(compose, capsys):
 def test_a_ramp_that_cannot_work_is_refused_before_any_work(compose, overrides, words):
     with pytest.raises(RampError, match=words.replace(".", r"\.")):
         dry_run(compose([*overrides, "dry_run=true"]))
+
+
+def test_every_layout_takes_the_ramp_like_one_process(tmp_path, markov_root):
+    """A pipeline (more pipeline micro batches a step) and ZeRO-2 over two ranks (more
+    accumulation) take the same ramp as one process, with its losses (fp32, 1e-4)."""
+    from helpers import MARKOV_DATA, VOCAB, run_group
+
+    common = ["model=nano", "model.n_layer=2", f"model.vocab_size={VOCAB}", "model.seq_len=32",
+              "model.attention=sdpa", "precision=fp32", *MARKOV_DATA, "budget=steps",
+              "budget.steps=3", "train.global_batch_size=16", "parallel.micro_batch_size=2",
+              "train.eval_batches=8", "train.eval_interval=1000", "train.sample_tokens=0",
+              "logging=quiet", "schedule.warmup_steps=0", "batch_ramp=tokens",
+              f"batch_ramp.start_tokens={4 * 32}", f"batch_ramp.ramp_tokens={32 * 32}",
+              f"data.root={markov_root}", f"runs_dir={tmp_path / 'runs'}"]
+    one = run_group(tmp_path, common, 1, {"single": ["parallel.dp=1"]})["single"]
+    two = run_group(tmp_path, common, 2, {
+        "pp2": ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=1f1b"],
+        "zero2": ["parallel.dp=2", "parallel.dp_mode=zero2"]})
+    assert one["batches"] == [4, 4, 4, 8, 8, 12, 8]  # 48 samples: 3 full-batch steps
+    for name, got in two.items():
+        assert got["batches"] == one["batches"], name
+        assert got["losses"] == pytest.approx(one["losses"], abs=1e-4), name
