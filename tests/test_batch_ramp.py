@@ -256,3 +256,24 @@ def test_every_layout_takes_the_ramp_like_one_process(tmp_path, markov_root):
     for name, got in two.items():
         assert got["batches"] == one["batches"], name
         assert got["losses"] == pytest.approx(one["losses"], abs=1e-4), name
+
+
+def test_a_compiled_model_compiles_nothing_more_for_a_ramp(compose, prepared, tmp_path,
+                                                          monkeypatch):
+    """The ramp changes the number of micro batches, never their shape: a compiled run
+    with a ramp compiles as many graphs as the same run at the fixed batch (dynamo's own
+    count; the ``eager`` backend, so no kernels are generated)."""
+    from functools import partial
+
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="eager"))
+    graphs = {}
+    for name, over in (("fixed", BASE), ("ramp", RAMP)):
+        torch._dynamo.reset()
+        counters.clear()
+        result = run(compose, prepared, tmp_path / name, [*over, "train.compile=true"])
+        graphs[name] = (counters["stats"]["unique_graphs"], result["steps"])
+    torch._dynamo.reset()
+    assert graphs["ramp"][0] == graphs["fixed"][0] > 0, graphs
+    assert graphs["ramp"][1] == len(RAMP_BATCHES)
