@@ -277,3 +277,16 @@ def test_a_compiled_model_compiles_nothing_more_for_a_ramp(compose, prepared, tm
     torch._dynamo.reset()
     assert graphs["ramp"][0] == graphs["fixed"][0] > 0, graphs
     assert graphs["ramp"][1] == len(RAMP_BATCHES)
+
+
+@pytest.mark.parametrize("name", ["125m", "350m", "1.3b", "1.3b-chinchilla", "2.7b", "6.7b",
+                                  "175b"])
+def test_the_gpt3_recipes_carry_brown_et_als_ramp(compose, name):
+    """From 32k tokens over 4-12B tokens, growing with the full batch (Brown et al. app. B)."""
+    cfg = compose([f"+recipe=gpt3-{name}"])
+    r = cfg.batch_ramp
+    assert (r.name, r.start_tokens, r.lr_scaling) == ("tokens", 32_768, "auto")
+    assert 4e9 <= r.ramp_tokens <= 12e9
+    full = cfg.train.global_batch_size * cfg.model.seq_len
+    assert r.ramp_tokens == {524_288: 4e9, 1_048_576: 7e9, 2_097_152: 10e9,
+                             3_145_728: 12e9}[full]

@@ -103,6 +103,10 @@ def ramp_spec(cfg, layout, full_steps: int) -> RampSpec | None:
     if not r.start_tokens or r.start_tokens <= 0:
         raise RampError(f"batch_ramp={r.name} needs batch_ramp.start_tokens > 0 (the first "
                         "step's batch in tokens, e.g. 32768)")
+    if full % unit:
+        raise RampError(f"batch_ramp under pp={layout.pp} needs train.global_batch_size={full} "
+                        f"to be a multiple of micro batch x dp x pp = {unit} (each step's "
+                        "pipeline micro batches a multiple of its ranks): change one of them")
     start = min(full, max(unit, math.ceil(r.start_tokens / seq / unit) * unit))
     rule = str(r.lr_scaling)
     if rule == "auto":
