@@ -130,11 +130,12 @@ def run_layout(cfg: Config, out: Path, name: str, spec_eval_also: list[int]) -> 
         measured.update(memory(trainer))
 
     hook = trainer.module.optimizer.register_step_pre_hook(measure)
-    losses, norms = [], []
-    for _ in range(trainer.budget.steps):
+    losses, norms, batches = [], [], []
+    while not trainer.finished:  # the budget's steps (a batch ramp's: more of them)
         loss, norm = trainer.train_step()
         losses.append(loss)
         norms.append(norm)
+        batches.append(trainer.batches.last)
     hook.remove()
     val = trainer.evaluate()
     extra_eval = [evaluate_with(trainer, n) for n in spec_eval_also]
@@ -145,7 +146,7 @@ def run_layout(cfg: Config, out: Path, name: str, spec_eval_also: list[int]) -> 
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, measured)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        torch.save({"losses": losses, "grad_norms": norms, "val_loss": val,
+        torch.save({"losses": losses, "grad_norms": norms, "batches": batches, "val_loss": val,
                     "val_batches": trainer.validation.batch_count(), "extra_eval": extra_eval,
                     "init": init,
                     "final": final, "memory": per_rank, "layout": trainer.layout.as_dict(),

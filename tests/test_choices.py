@@ -68,6 +68,8 @@ BAD_CHOICES = [
     ("schedule.decay_shape", "sqrt", "linear, 1-sqrt"),
     ("budget.kind", "epochs", "tokens, tokens_per_param, flops, steps"),
     ("budget.param_count", "all", "total, non_embedding"),
+    ("batch_ramp.name", "exponential", "none, tokens, noise_scale"),
+    ("batch_ramp.lr_scaling", "cube", "auto, none, sqrt, linear"),
     ("logging.wandb", "on", "disabled, offline, online"),
     ("train.batch_rule", "kaplan", "fixed, deepseek, power"),
     ("train.device", "tpu", "auto, cpu, cuda"),

@@ -60,3 +60,9 @@ MoeBalance = _choice("MoeBalance", "aux_loss aux_free none")
 # rules are pretrain/model/parametrization.py's.
 Parametrization = _choice("Parametrization", "sp mup completep")
 
+# batch_ramp (conf/batch_ramp/): none, tokens (a fixed ramp over tokens), noise_scale (grows
+# with the measured gradient noise scale)
+RampKind = _choice("RampKind", "none tokens noise_scale")
+# How the LR follows the batch during a ramp: auto is the optimizer's own rule
+# (OptimizerSpec.ramp_lr: sqrt for the Adam family, LAMB and Muon; linear for SGD and LARS)
+RampLr = _choice("RampLr", "auto none sqrt linear")

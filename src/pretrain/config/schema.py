@@ -41,6 +41,7 @@ from pretrain.config.choices import (  # re-exported: schema is where users impo
 )
 from pretrain.config.choices import Choice as Choice  # noqa: I001 re-exported
 from pretrain.config.data_schema import DataConfig, MixtureSource, MixtureStage  # noqa: F401 re-exported
+from pretrain.config.ramp_schema import BatchRampConfig
 from pretrain.errors import UserError
 
 
@@ -417,6 +418,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
+    batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -101,6 +101,10 @@ class BatchMixer:
         j = self._stage_of(b)
         return self.stages[j].counts(b - self.starts[j])
 
+    def locate(self, sample: int) -> tuple[int, int]:
+        """(batch, position in it) of global sample ``sample``."""
+        return divmod(sample, self.batch)
+
     def layout(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, index within the source) of each of batch b's positions."""
         if b not in self._cache:
@@ -110,6 +114,85 @@ class BatchMixer:
                 self.batch)]
             local = np.empty(self.batch, dtype=np.int64)
             start = self.before(b)
+            for s in range(len(counts)):
+                pos = np.flatnonzero(labels == s)
+                local[pos] = start[s] + np.arange(len(pos))
+            if len(self._cache) > 8:
+                self._cache.clear()
+            self._cache[b] = labels, local
+        return self._cache[b]
+
+
+class RampMixer:
+    """The mixer for batches of changing size (a batch ramp): batch ``b`` holds
+    ``batch_of(first sample of b)`` samples, each source ``floor(w_s B_b)`` plus 0/1 extras
+    by cumulative deficit, as BatchMixer's (the deficit summing each batch's remainders), so
+    every batch holds each source within one sample of ``w_s B_b`` whatever its size; with
+    a constant size it is BatchMixer, position for position (tests/test_batch_ramp.py).
+    ``stages``' steps are steps of the full batch ``full``: batch ``b`` takes the weights of
+    the stage its first sample falls in. Batches are laid out on first use, in order."""
+
+    def __init__(self, stages: Sequence[WeightStage], full: int, seed: int, batch_of):
+        self.stage_starts = [st.step * full for st in stages]
+        self.weights = [st.weights for st in stages]
+        self.full, self.seed, self.batch_of = full, seed, batch_of
+        self.firsts = [0]  # first sample of each batch laid out so far, and the next one's
+        self.rows: list[np.ndarray] = []  # per-source counts of each batch
+        self.befores: list[np.ndarray] = []  # per-source counts before each batch
+        self._quotas: dict[tuple[int, int], _Stage] = {}
+        self._stage = -1
+        self._frac_sum = self._extras = None
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _quota(self, j: int, size: int) -> _Stage:
+        if (j, size) not in self._quotas:
+            self._quotas[(j, size)] = _Stage(self.weights[j], size)
+        return self._quotas[(j, size)]
+
+    def _grow(self, sample: int) -> None:
+        """Lay out batches until one holds ``sample``."""
+        while self.firsts[-1] <= sample:
+            first = self.firsts[-1]
+            size = int(self.batch_of(first))
+            j = int(np.searchsorted(self.stage_starts, first, side="right")) - 1
+            q = self._quota(j, size)
+            n = len(q.base)
+            if j != self._stage:  # a new stage: its own deficits, as BatchMixer's _Stage
+                self._stage, self._frac_sum, self._extras = j, [0] * n, [0] * n
+            f, e = self._frac_sum, self._extras
+            for s in range(n):
+                f[s] += q.frac[s]
+            deficit = {s: f[s] - e[s] * SCALE for s in q.candidates}
+            add = np.zeros(n, dtype=np.int64)
+            for s in sorted(q.candidates, key=lambda s: (-deficit[s], s))[: q.r]:
+                e[s] += 1
+                add[s] = 1
+            before = self.befores[-1] + self.rows[-1] if self.rows else np.zeros(n, np.int64)
+            self.befores.append(before)
+            self.rows.append(q.base + add)
+            self.firsts.append(first + size)
+
+    def locate(self, sample: int) -> tuple[int, int]:
+        """(batch, position in it) of global sample ``sample``."""
+        self._grow(sample)
+        b = int(np.searchsorted(self.firsts, sample, side="right")) - 1
+        return b, sample - self.firsts[b]
+
+    def counts(self, b: int) -> np.ndarray:
+        """Samples per source in batch b."""
+        while len(self.rows) <= b:
+            self._grow(self.firsts[-1])  # one more batch
+        return self.rows[b]
+
+    def layout(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, index within the source) of each of batch b's positions."""
+        if b not in self._cache:
+            counts = self.counts(b)
+            size = int(counts.sum())
+            labels = np.repeat(np.arange(len(counts)), counts)
+            labels = labels[np.random.default_rng([self.seed, MIX_KEY, b]).permutation(size)]
+            local = np.empty(size, dtype=np.int64)
+            start = self.befores[b]
             for s in range(len(counts)):
                 pos = np.flatnonzero(labels == s)
                 local[pos] = start[s] + np.arange(len(pos))

@@ -50,19 +50,20 @@ def training_data(cfg: Config, world_size: int, budget_tokens: int
     return train, val, epochs
 
 
-def mixture_training_data(cfg: Config, decision: RunDecision, world_size: int, steps: int
-                          ) -> tuple[MixtureWindows, dict]:
+def mixture_training_data(cfg: Config, decision: RunDecision, world_size: int, steps: int,
+                          batch_of=None) -> tuple[MixtureWindows, dict]:
     """A mixture's training windows for ``decision``'s weights over steps, and the plan's
     data entries restated when this call prepared sources (else {}: the plan's stand).
     One process first prepares the sources that say how they are built and are not
-    prepared yet, when data.auto_prepare (mixture_prepare.py)."""
+    prepared yet, when data.auto_prepare (mixture_prepare.py). ``batch_of``: a batch
+    ramp's batch sizes (mixture_windows.open_mixture)."""
     shares, entries = decision.sources, {}
     if world_size == 1 and needs_mixture_preparation(cfg.data):
         prepare_mixture(cfg.data)
         shares = source_shares(cfg.data, decision.mixture_stages, cfg.train.global_batch_size,
                                steps, cfg.model.seq_len)
         entries = check_mixture_epochs(cfg.data, shares)
-    train = open_mixture(cfg, decision.mixture_stages)
+    train = open_mixture(cfg, decision.mixture_stages, batch_of)
     log.info("data: a mixture of %d sources\n%s", len(shares),
              "\n".join(describe_sources(source_entries(shares))))
     return train, entries

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pretrain.budget.batch_ramp import RampError, RampSpec, ramp_spec
+from pretrain.budget.batch_ramp import describe as describe_ramp
+from pretrain.budget.batch_ramp import describe_line as describe_ramp_line
 from pretrain.budget.compute import Budget, resolve_budget
 from pretrain.budget.hparams import apply_rules, describe, hparam_compute
 from pretrain.checkpoint.branch import check_branch_config
@@ -124,6 +127,7 @@ def describe_run(cfg: Config, world_size: int, budget: Budget,
     ``lr_warning`` only when the LR is outside the optimizer's usual range."""
     decision = decision or decide(cfg, budget)
     warning = lr_range_warning(cfg.optim.name, decision.lr)
+    ramp = resolve_ramp(cfg, resolve_layout(cfg, world_size), budget)
     return {
         **budget.as_dict(),
         "compile": cfg.train.compile,
@@ -146,6 +150,8 @@ def describe_run(cfg: Config, world_size: int, budget: Budget,
         # groups a sweep's runs by it
         "hparam_compute": hparam_compute(cfg)[0],
         **decision.as_plan(),
+        **({"batch_ramp": describe_ramp(ramp, decision.lr, budget.steps,
+                                        cfg.batch_ramp.start_tokens)} if ramp else {}),
     }
 
 
@@ -204,8 +210,33 @@ def resolve_plan(cfg: Config, world_size: int | None = None) -> Resolved:
                         "train.compile=true (torchao's and torchtitan's advice)")
     if device.type == "cuda":
         plan["tf32"] = cfg.train.tf32
-    return Resolved(cfg, decision, plan, budget, device, policy,
-                    resolve_layout(cfg, world_size), world_size)
+    layout = resolve_layout(cfg, world_size)
+    ramp = resolve_ramp(cfg, layout, budget)
+    return Resolved(cfg, decision, plan, budget, device, policy, layout, world_size, ramp)
+
+
+def resolve_ramp(cfg: Config, layout: Layout, budget: Budget) -> RampSpec | None:
+    """The run's batch ramp (budget/batch_ramp.py) on ``layout``; RampError for what it
+    does not support yet, before any work."""
+    spec = ramp_spec(cfg, layout, budget.steps)
+    if spec is None:
+        return None
+    if spec.kind == "noise_scale" and layout.pp > 1:
+        raise RampError("batch_ramp=noise_scale needs the noise scale, which is not measured "
+                        "under pipeline parallelism (parallel.pp > 1): use batch_ramp=tokens")
+    if cfg.data.mixture and spec.kind == "noise_scale":
+        raise RampError("batch_ramp=noise_scale with a data.mixture is not supported yet (the "
+                        "mixer's batches must be known before the run): use batch_ramp=tokens")
+    if cfg.checkpoint.branch_from or cfg.checkpoint.branch_tokens_per_param:
+        raise RampError("batch_ramp with cooldown branches (checkpoint.branch_from, "
+                        "checkpoint.branch_tokens_per_param) is not supported yet: their "
+                        "points are in steps of the full batch")
+    if spec.kind == "noise_scale" and cfg.train.compile and spec.start == spec.unit:
+        raise RampError("batch_ramp=noise_scale starting at one micro batch per rank with "
+                        "train.compile=true cannot measure the noise scale (the measuring "
+                        "step's half micro batch is a new shape): raise "
+                        "batch_ramp.start_tokens to 2 micro batches x dp")
+    return spec
 
 
 @dataclass
@@ -221,6 +252,7 @@ class Resolved:
     policy: Policy
     layout: Layout
     world_size: int
+    ramp: RampSpec | None = None  # the batch ramp (batch_ramp=none: None)
 
 
 def resolve_run(cfg: Config, world_size: int | None = None) -> Resolved:
@@ -249,6 +281,8 @@ def announce(run: Resolved, device: torch.device, notes: tuple[str, ...] = ()) -
         log.warning(warning)
     if "hparam_rules" in plan:
         log.info(describe(plan["hparam_rules"]))
+    if "batch_ramp" in plan:
+        log.info(describe_ramp_line(plan["batch_ramp"]))
     for note in notes:
         log.info(note)
     log.info(
@@ -281,5 +315,7 @@ def dry_run(cfg: Config) -> dict:
             print(describe_tasks_line(plan["eval_tasks"]), file=sys.stderr, flush=True)
         for warning in plan.get("warnings", ()):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
+        if "batch_ramp" in plan:
+            print(describe_ramp_line(plan["batch_ramp"]), file=sys.stderr, flush=True)
         print(json.dumps(plan), flush=True)
     return plan

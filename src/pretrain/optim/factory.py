@@ -90,3 +90,60 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total
                     global_batch_tokens: int) -> LambdaLR:
     warmup = warmup_steps(cfg, global_batch_tokens)
     return LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, warmup, cfg))
+
+
+def lr_multiplier_tokens(done: int, total_steps: int, batch_tokens: int, warmup: int,
+                         cfg: ScheduleConfig) -> float:
+    """``lr_multiplier`` with every position in tokens, for a run whose steps change length
+    (batch_ramp): the multiplier of the step that ends after ``done`` tokens, in the
+    schedule of the fixed-batch run of ``total_steps`` steps of ``batch_tokens`` (the full
+    batch) with ``warmup`` steps. Warmup, the WSD decay start and the cosine's end stay at
+    the tokens they are at in that run; at a fixed batch, ``done = (step + 1) x
+    batch_tokens`` gives ``lr_multiplier(step, ...)`` (tests/test_batch_ramp.py)."""
+    b = batch_tokens
+    warm, total = warmup * b, total_steps * b
+    if warm > 0 and done <= warm:
+        return done / warm
+    lo = cfg.min_lr_ratio
+    if cfg.decay == "constant":
+        return 1.0
+    if cfg.decay == "wsd":
+        start = wsd_decay_start(total_steps, cfg) * b
+        if done <= start:
+            return 1.0
+        frac = min(1.0, (done - start) / (total - start))
+        return lo + (1.0 - lo) * (1.0 - (math.sqrt(frac) if cfg.decay_shape == "1-sqrt"
+                                         else frac))
+    progress = min(1.0, (done - warm) / max(b, total - warm))
+    if cfg.decay == "cosine":
+        return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0 - (1.0 - lo) * progress
+
+
+class TokenLR(LambdaLR):
+    """The LR schedule of a run whose batch changes (batch_ramp): before each optimizer
+    step ``place`` sets every group's LR from the tokens the step ends at and the batch
+    factor (budget/batch_ramp.lr_factor); ``step`` keeps what was placed. The state is the
+    LambdaLR's plus the last factor, so a resumed run reports the same LR."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: ScheduleConfig,
+                 total_steps: int, batch_tokens: int, first: tuple[int, float]):
+        self.cfg, self.total_steps, self.batch_tokens = cfg, total_steps, batch_tokens
+        self.warmup = warmup_steps(cfg, batch_tokens)
+        self.factor = self._factor(*first)
+        super().__init__(optimizer, lambda _: self.factor)
+
+    def _factor(self, done: int, batch_factor: float) -> float:
+        return batch_factor * lr_multiplier_tokens(done, self.total_steps, self.batch_tokens,
+                                                   self.warmup, self.cfg)
+
+    def place(self, done: int, batch_factor: float) -> None:
+        """The LRs of the step that ends after ``done`` tokens at this batch's factor."""
+        self.factor = self._factor(done, batch_factor)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * self.factor
+        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in super().state_dict().items()
+                if k not in ("cfg", "total_steps", "batch_tokens", "warmup")}

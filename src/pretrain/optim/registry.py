@@ -43,7 +43,10 @@ class OptimizerSpec:
     (model/parametrization.py's groups); ``orthogonalises``: its step gathers and
     orthogonalises whole matrices (Muon: the planner's step transient); ``on_dtensor``: its
     step runs on DTensor parameters (FSDP2's and TP's shards), else the layout rules keep it
-    to whole tensors (one process, or DDP's replicas)."""
+    to whole tensors (one process, or DDP's replicas). ``ramp_lr``: how its LR follows the
+    batch while batch_ramp changes it (budget/batch_ramp.py): sqrt (the Adam family,
+    Malladi et al. 2022; LAMB, You et al. 2020; Muon, whose updates carry AdamW's RMS) or
+    linear (SGD and LARS, Goyal et al. 2017)."""
 
     name: str
     build: Build
@@ -57,6 +60,7 @@ class OptimizerSpec:
     mup: bool = False
     orthogonalises: bool = False
     on_dtensor: bool = True
+    ramp_lr: str = "sqrt"
 
 
 _SPECS: dict[str, OptimizerSpec] = {}

@@ -153,10 +153,33 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, run_plan: dict,
         "time_days": seconds / 86400, "gpu_hours": n_gpus * seconds / 3600,
         "step_model": cost.as_dict(),
         "time_days_at_model_bound": budget.steps * cost.total / 86400,
+        **_ramp_time(cfg, layout, gpu, budget, run_plan.get("batch_ramp")),
         "notes": list(mem.notes) + _vocab_note(cfg) + _selective_note(cfg, layout)
         + [n for n in [describe_documents(cfg, layout.micro_batch_size)] if n],
         "suggestions": [] if mem.fits else suggestions(cfg, layout, gpu, budget),
     }
+
+
+def _ramp_time(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget,
+               ramp: dict | None) -> dict:
+    """A ``tokens`` batch ramp's time by the cost model: each stage's steps at its own
+    batch's step time (fewer micro batches: less compute a step, the same optimizer step,
+    gradient reduction and pipeline fill), against the full batch's steps; {} without one
+    (a ``noise_scale`` ramp's stages are only known as it runs)."""
+    if not ramp or "stages" not in ramp:
+        return {}
+    step_s: dict[int, float] = {}
+    seconds = 0.0
+    for st in ramp["stages"]:
+        b = st["batch"]
+        if b not in step_s:
+            mb = b // (layout.micro_batch_size * layout.dp)
+            c = replace(cfg, train=replace(cfg.train, global_batch_size=b))
+            step_s[b] = step_cost(c, replace(layout, microbatches=mb), gpu, replace(
+                budget, global_batch_tokens=b * cfg.model.seq_len)).total
+        seconds += st["steps"] * step_s[b]
+    return {"ramp_steps": ramp["steps"], "ramp_days_at_model_bound": seconds / 86400,
+            "ramp_start_step_s": step_s[ramp["stages"][0]["batch"]]}
 
 
 def _verdict(p: dict) -> list[str]:
@@ -230,6 +253,14 @@ def format_plan(p: dict) -> str:
     ]
     if sm.get("host"):
         lines.append(_host_line(sm))
+    if "ramp_days_at_model_bound" in p:
+        r = p["batch_ramp"]
+        lines.append(
+            f"batch ramp (from {r['start_tokens']:,} to {r['full_tokens']:,} tokens over "
+            f"{r['ramp_tokens']:,}): {p['ramp_steps']:,} steps against {p['steps']:,}, "
+            f"{p['ramp_days_at_model_bound']:.2f} days by the cost model against "
+            f"{p['time_days_at_model_bound']:.2f} at the full batch (first stage "
+            f"{p['ramp_start_step_s']:.4g} s/step)")
     return "\n".join(lines)
 
 

@@ -48,7 +48,7 @@ class Checkpointing:
                     hook.load_state_dict(meta[hook.name])
             log.info("resumed from %s: step %d, %s tokens seen (saved with layout %s)",
                      path, trainer.step,
-                     f"{trainer.step * trainer.budget.global_batch_tokens:,}", meta.get("layout"))
+                     f"{trainer.tokens:,}", meta.get("layout"))
         elif self.cfg.checkpoint.load_weights_only:
             load_weights(self.cfg.checkpoint.load_weights_only, self.cfg, trainer.module.parts,
                          trainer.decision.attention)
@@ -63,7 +63,7 @@ class Checkpointing:
                         "non-finite loss or gradient (%d in a row): the newest one, %s, "
                         "stays the last good one", trainer.step, skipping, self.manager.latest())
             return
-        meta = {"step": trainer.step, "tokens": trainer.step * trainer.budget.global_batch_tokens,
+        meta = {"step": trainer.step, "tokens": trainer.tokens,
                 "samples_seen": trainer.samples_seen, "layout": trainer.layout.as_dict(),
                 "world_size": trainer.world_size, "branch": self.branch,
                 "config": OmegaConf.to_container(OmegaConf.structured(self.cfg)),

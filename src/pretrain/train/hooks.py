@@ -51,6 +51,10 @@ class LoopContext:
     tokenizer: Path
     logs: Callable[[int], bool]
     _step: Callable[[], int] = field(repr=False)
+    # global samples consumed, and the run's batches (train/batches.Batches: a batch ramp
+    # changes the batch from step to step; None: batch_tokens every step)
+    _samples: Callable[[], int] | None = field(default=None, repr=False)
+    _batches: Any = field(default=None, repr=False)
     _sink: list = field(default_factory=lambda: [None], repr=False)
 
     @property
@@ -60,7 +64,21 @@ class LoopContext:
     @property
     def tokens(self) -> int:
         """Tokens trained on so far."""
+        if self._samples is not None:
+            return self._samples() * self.cfg.model.seq_len
         return self.step * self.batch_tokens
+
+    @property
+    def last_batch_tokens(self) -> int:
+        """The last step's global batch in tokens (``batch_tokens`` without a ramp)."""
+        return self._batches.last_tokens if self._batches is not None else self.batch_tokens
+
+    @property
+    def fewest_microbatches(self) -> int:
+        """Micro batches per DP rank of the run's smallest step (a batch ramp's first)."""
+        if self._batches is None:
+            return self.layout.microbatches
+        return self._batches.fewest_microbatches(self.layout)
 
     @property
     def logging(self) -> bool:

@@ -75,10 +75,13 @@ class Throughput:
         self.restart()
 
     def restart(self) -> None:
-        self.start, self.steps = time.perf_counter(), 0
+        self.start, self.steps, self.tokens = time.perf_counter(), 0, 0
 
     def rate(self, tokens_per_step: int) -> float:
-        return self.steps * tokens_per_step / (time.perf_counter() - self.start)
+        """Tokens/s: ``tokens`` when the loop counts them (steps of changing size, a batch
+        ramp), else ``steps`` of ``tokens_per_step``."""
+        tokens = self.tokens or self.steps * tokens_per_step
+        return tokens / (time.perf_counter() - self.start)
 
     @contextmanager
     def paused(self) -> Iterator[None]:

@@ -106,7 +106,8 @@ def compare_batch(batch_tokens: int, noise_tokens: float) -> str:
             f"given loss (McCandlish et al. 2018, B_crit ~ B_simple): {verdict}")
 
 
-def probe_support(cfg, layout) -> tuple[int | None, str | None]:
+def probe_support(cfg, layout, microbatches: int | None = None
+                  ) -> tuple[int | None, str | None]:
     """(sequences per DP rank in the small batch, None), or (None, why not measured).
 
     B_big is the global batch; B_small is the first micro batch over every DP rank,
@@ -118,14 +119,17 @@ def probe_support(cfg, layout) -> tuple[int | None, str | None]:
     on measuring steps (same samples, same update), B_small = dp x half of it. A rank's
     own unreduced gradient would be a smaller batch, but FSDP2 and replicate reduce
     inside backward, where it cannot be read without a hook into their internals.
-    Pipelines run every micro batch's backward inside the schedule: not measured."""
+    Pipelines run every micro batch's backward inside the schedule: not measured.
+    ``microbatches``: the fewest per rank of any step (a batch ramp's first; None: the
+    layout's), which decides the small batch for the whole run."""
+    microbatches = layout.microbatches if microbatches is None else microbatches
     if not cfg.train.noise_scale:
         return None, "train.noise_scale=false"
     if layout.pp > 1:
         return None, ("not measured under pipeline parallelism: the schedule runs every "
                       "micro batch's backward in one call, so no smaller batch's gradient "
                       "is ever whole without an extra backward")
-    if layout.microbatches >= 2:
+    if microbatches >= 2:
         return layout.micro_batch_size, None
     if cfg.train.compile:
         return None, ("not measured: with one micro batch per step the measuring step "

@@ -11,6 +11,7 @@ also owns its evaluation forwards. The train module (train_module.py) picks one 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -61,7 +62,8 @@ class AccumulationStep:
     On a step that measures the gradient noise scale it also returns the squared norm of
     the first micro batch's mean gradient (see services/noise_probe.NoiseScaleProbe): a batch that
     is one micro batch then runs as two halves (``small_seqs`` sequences first, each
-    weighted by its size), and DDP/ZeRO-2 reduce the first micro batch's gradients at once
+    weighted by its size; under a batch ramp that starts at one micro batch, the first micro
+    batch of every measuring step does, so the small batch keeps its size), and DDP/ZeRO-2 reduce the first micro batch's gradients at once
     instead of with the last's. Evaluation: one micro batch a forward, counted one by one
     (``eval_sizes``: 1, 1)."""
 
@@ -92,7 +94,10 @@ class AccumulationStep:
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Gradients of the mean loss over this rank's batch; returns (that loss, the first
         micro batch's squared gradient norm when ``measure``, else None)."""
-        n = self.layout.microbatches
+        # this step's micro batches: the layout's, or fewer during a batch ramp
+        n = len(x) // self.layout.micro_batch_size
+        if measure and n == 1 and (self.small_seqs or 0) >= len(x):  # a ramp's cut last step:
+            measure = False  # no smaller batch of the probe's size in it, not measured
         chunks, split = self._micro_batches(x, y, measure)
         pm = self.parallel
         total = torch.zeros((), device=self.device)
@@ -126,10 +131,13 @@ class AccumulationStep:
                        ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
         """This rank's batch in micro batches, and whether they are the two halves of a
         measuring step of one micro batch (weighted by their sizes then)."""
-        n = self.layout.microbatches
-        if measure and n == 1:
+        m = self.layout.micro_batch_size
+        n = len(x) // m
+        if measure and self.small_seqs is not None and self.small_seqs < m:  # the first micro batch run as two halves
             k = self.small_seqs
-            return [(x[:k], y[:k]), (x[k:], y[k:])], True
+            rest = list(zip(x[m:].chunk(n - 1), y[m:].chunk(n - 1), strict=True)) \
+                if n > 1 else []
+            return [(x[:k], y[:k]), (x[k:m], y[k:m]), *rest], True
         return list(zip(x.chunk(n), y.chunk(n), strict=True)), False
 
     def _sync_gradients(self, reduce_now: bool) -> None:
@@ -167,6 +175,18 @@ class PipelineStep:
         self.z_total: torch.Tensor | None = None  # the last step's z-loss term (z-loss runs)
         self.schedule = build_schedule(parallel.parts, parallel.stage_ids, self.layout,
                                        parallel.mesh.pp, self.device, self.loss)
+        # a batch ramp's smaller steps: one schedule per micro batch count, built on first
+        # use (the same stages' modules; the micro batch keeps its shape)
+        self.schedules = {self.layout.microbatches: self.schedule}
+
+    def _schedule(self, n: int):
+        """The schedule of ``n`` micro batches (the layout's, or a batch ramp's fewer)."""
+        if n not in self.schedules:
+            pm = self.parallel
+            self.schedules[n] = build_schedule(
+                pm.parts, pm.stage_ids, dataclasses.replace(self.layout, microbatches=n),
+                pm.mesh.pp, self.device, self.loss)
+        return self.schedules[n]
 
     @staticmethod
     def eval_sizes(layout: Layout) -> tuple[int, int]:
@@ -193,7 +213,8 @@ class PipelineStep:
             try:  # return_outputs=False: the last stage keeps no micro batch's logits
                 # the schedule divides every gradient by the micro batch count itself
                 with aux_loss_scale(self.loss.scale or 1.0):
-                    self.schedule.step(*args, target=target, losses=losses,
+                    self._schedule(len(x) // self.layout.micro_batch_size).step(
+                        *args, target=target, losses=losses,
                                        return_outputs=False)
             finally:
                 scale, self.loss.scale = self.loss.scale or 1.0, None

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from pretrain import torch_compat
+from pretrain.budget.batch_ramp import RampSpec
 from pretrain.config.schema import Config
 from pretrain.model.initialization import local_region
 from pretrain.model.moe import routing_stats, update_biases
-from pretrain.optim.factory import build_scheduler
+from pretrain.optim.factory import TokenLR, build_scheduler
 from pretrain.optim.nonfinite import (
     NonFiniteSteps,
     device_skip_supported,
@@ -91,7 +92,7 @@ class TrainModule:
 
     def __init__(self, cfg: Config, layout: Layout, place: Place, policy: Policy, *,
                  attention: str, lr: float, steps: int, batch_tokens: int, initialise: bool,
-                 last_good: Callable[[], object] = lambda: None):
+                 last_good: Callable[[], object] = lambda: None, ramp: RampSpec | None = None):
         self.cfg, self.layout, self.policy = cfg, layout, policy
         self.last_good = last_good
         self.peak_lr = lr  # for the advice of a non-finite stop
@@ -101,7 +102,11 @@ class TrainModule:
             torch.nn.ModuleList(self.parts), cfg.optim, lr, self.parallel.param_device,
             also_embeddings=self.parallel.tied.params if self.parallel.tied is not None else (),
         )
-        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, steps, batch_tokens)
+        # a batch ramp's schedule runs in tokens, its LR x the batch's factor (TokenLR.place)
+        self.ramp = ramp
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, steps, batch_tokens) \
+            if ramp is None else TokenLR(self.optimizer, cfg.schedule, steps, batch_tokens,
+                                         (ramp.start * ramp.seq_len, ramp.lr_factor(ramp.start)))
         self.scaler = self._grad_scaler(place.mesh)
         self.skipped_steps = 0
         self.nonfinite_in_a_row = 0
@@ -218,7 +223,8 @@ class TrainModule:
         (``small_sq``), as ``step(measure=True)`` does."""
         self._measure_next = True
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, step: int, measure: bool = False
+    def step(self, x: torch.Tensor, y: torch.Tensor, step: int, measure: bool = False,
+             samples_after: int | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Optimizer step number ``step`` (1-based) over this rank's batch ``x``, ``y``;
         returns (this rank's share of the loss, a detached device tensor, not reduced: see
@@ -229,9 +235,14 @@ class TrainModule:
         the whole model inside clip_grad_norm, and it is not finite whenever the loss is not
         (a NaN or inf loss back-propagates into the gradients, and every rank's norm covers
         every gradient), so every rank skips a non-finite step on the device
-        (pretrain/optim/nonfinite.py). A non-fused optimizer reads the decision on the host."""
+        (pretrain/optim/nonfinite.py). A non-fused optimizer reads the decision on the host.
+        Under a batch ramp ``samples_after`` (global samples consumed once this step is done)
+        places the step's LR (TokenLR)."""
         self.parallel.train()
         measure, self._measure_next = measure or self._measure_next, False
+        if self.ramp is not None:  # this step's LR: its batch, the tokens it ends at
+            batch = len(x) * self.layout.dp
+            self.scheduler.place(samples_after * self.ramp.seq_len, self.ramp.lr_factor(batch))
         loss, small_sq = self.strategy.forward_backward(x, y, measure)
         grad_norm = self._clipped_grad_norm().detach()
         self.small_sq, self.grad_norm = small_sq, grad_norm

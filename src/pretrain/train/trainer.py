@@ -2,16 +2,14 @@
 
 A linear story: resolve the run (decision/resolve.py: ``auto`` decided, plan printed), join
 the process group, read the prepared data, build the train module (train_module.py: model,
-optimizer, schedule, loss scaler and step strategy for this layout), resume or start, then
-loop: batch -> step -> log -> evaluate -> stop or save. Beside the loop: evaluation.py
-(the validation loss of every source), metrics.py (loss window, throughput, MFU, sinks),
-checkpoint/ (saving, resume decisions), preemption.py (stop, save and requeue policy), and
-the services on the hook seam (hooks.py: each sees a ``LoopContext``, never the trainer;
-the services/ package holds them, each registered where it is defined: noise scale, MoE
-expert load, garbage collection, spike window, tasks, the sample, update ratios). The loop
-asks nothing about the layout; it imports nothing from ``parallel/``
-(tests/test_architecture.py). Rank 0 alone logs and writes files.
-"""
+optimizer, schedule, loss scaler, step strategy), resume or start, then loop: batch -> step
+-> log -> evaluate -> stop or save. Beside the loop: batches.py (each step's batch: a batch
+ramp's), evaluation.py (every source's validation loss), metrics.py (loss window, throughput,
+MFU, sinks), checkpoint/ (saving, resume), preemption.py (stop, save, requeue), and the
+services on the hook seam (hooks.py: each sees a ``LoopContext``, never the trainer; the
+services/ package holds them: noise scale, MoE expert load, garbage collection, spike
+window, tasks, the sample, update ratios). The loop asks nothing about the layout and
+imports nothing from ``parallel/`` (tests/test_architecture.py). Rank 0 alone logs."""
 
 from __future__ import annotations
 
@@ -29,6 +27,7 @@ from pretrain.data.prefetch import Prefetcher
 from pretrain.data.run_data import mixture_training_data, require_prepared, training_data
 from pretrain.decision.resolve import announce, dry_run, resolve_run
 from pretrain.hardware.device import keep_freed_memory
+from pretrain.train.batches import Batches
 from pretrain.train.checkpointing import Checkpointing
 from pretrain.train.evaluation import validation
 from pretrain.train.hooks import LoopContext
@@ -59,8 +58,7 @@ class Trainer:
     schedule, loss scale, RNG) is saved and restored with the model and optimizer."""
 
     def __init__(self, cfg: Config, run_dir: Path):
-        # First thing: a SIGTERM during start-up (minutes on a cluster) is a stop request
-        # like any other, not a kill that saves nothing.
+        # First: a SIGTERM during start-up (minutes on a cluster) is a stop request, not a kill
         self.stop_request = StopRequest(cfg.train.time_limit_minutes)
         self.run_dir = Path(run_dir)
         self.run = run = resolve_run(cfg)
@@ -70,6 +68,7 @@ class Trainer:
         self.device, self.policy, self.layout = run.device, run.policy, run.layout
         self.world_size = run.world_size
         self.step = self.samples_seen = 0
+        self.batches = Batches.of(run)  # each step's batch (a ramp's) and the budget's end
         self.first_val_loss: float | None = None
         self.last_val_loss: float | None = None
         self.exit_code = 0
@@ -105,8 +104,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.data.mixture:  # data/mixture_windows.py, for the decided weights over steps
             # each source's validation split: evaluation.validation opens them
-            self.train_data, epochs = mixture_training_data(cfg, self.decision, self.world_size,
-                                                            self.budget.steps)
+            self.train_data, epochs = mixture_training_data(
+                cfg, self.decision, self.world_size, self.budget.steps, self.batches.sizes)
             self.val_data = None
         else:
             self.train_data, self.val_data, epochs = training_data(cfg, self.world_size,
@@ -114,7 +113,8 @@ class Trainer:
         self.plan.update(epochs)  # the report: the data's size once it exists
         # the next batches read on a thread while a step runs, pinned for async copies
         self.prefetch = Prefetcher(self.train_data, self.layout.local_batch_size,
-                                   cfg.train.global_batch_size, pin=self.device.type == "cuda")
+                                   cfg.train.global_batch_size, pin=self.device.type == "cuda",
+                                   plan=self.batches.plan(self.layout.dp, self.place.dp_rank))
         if self.device.type == "cpu":
             keep_freed_memory()
 
@@ -129,7 +129,8 @@ class Trainer:
             lr=self.decision.lr, steps=self.budget.steps,
             batch_tokens=self.budget.global_batch_tokens,
             initialise=self.checkpoints.resume_from is None,
-            last_good=lambda: self.ckpt.latest() if cfg.checkpoint.enabled else None)
+            last_good=lambda: self.ckpt.latest() if cfg.checkpoint.enabled else None,
+            ramp=self.run.ramp)
         self.validation = validation(cfg, self.module, dp_rank=self.place.dp_rank,
                                      device=self.device, own=self.val_data)
         log_startup_memory(self.device, max_over_ranks)
@@ -143,9 +144,9 @@ class Trainer:
         return LoopContext(
             cfg=self.cfg, module=self.module, device=self.device, rank0=self.rank0,
             layout=self.layout, dp_rank=self.place.dp_rank, world_size=self.world_size,
-            total_steps=self.budget.steps, batch_tokens=self.budget.global_batch_tokens,
+            total_steps=self.batches.total_steps, batch_tokens=self.budget.global_batch_tokens,
             tokenizer=self.train_data.path / "tokenizer.json", logs=self.logging_step,
-            _step=lambda: self.step)
+            _step=lambda: self.step, _samples=lambda: self.samples_seen, _batches=self.batches)
 
     def _start_run(self) -> None:
         """The run directory (this attempt not stopped, the tokenizer beside the
@@ -163,7 +164,7 @@ class Trainer:
             if tok.exists():  # beside the checkpoints, for tools/export_hf.py
                 (self.run_dir / "tokenizer.json").write_bytes(tok.read_bytes())
         self.metrics = MetricsLogger(
-            self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), self.budget.steps,
+            self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), self.batches.total_steps,
             self.step, cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.wandb_entity,
             cfg.logging.progress_bar, enabled=self.rank0,
         )
@@ -173,21 +174,26 @@ class Trainer:
     def state_dict(self) -> dict:
         return {"step": self.step, "samples_seen": self.samples_seen,
                 "first_val_loss": self.first_val_loss, **self.module.state_dict(),
-                "rng": torch.get_rng_state()}
+                "rng": torch.get_rng_state(), **self.batches.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
         self.first_val_loss = state.get("first_val_loss")
         self.module.load_state_dict(state)
         torch.set_rng_state(state["rng"])
+        self.batches.load_state_dict(state)
+
+    # the budget is spent (batches.Batches.finished); tokens trained on so far
+    finished = property(lambda self: self.batches.finished(self.step, self.samples_seen))
+    tokens = property(lambda self: self.samples_seen * self.cfg.model.seq_len)
 
     # -- steps ---------------------------------------------------------------------------
 
     def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This DP rank's slice of the global batch: samples are read by global index, so
         the union over ranks is exactly the batch one process would read."""
-        n = self.layout.local_batch_size
-        x, y = self.prefetch.get(self.samples_seen + self.place.dp_rank * n)  # read ahead
+        n = self.layout.local_batch_size  # read ahead:
+        x, y = self.prefetch.get(self.batches.key(self.samples_seen, self.place.dp_rank, n))
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def train_step(self) -> tuple[float, float]:
@@ -202,10 +208,12 @@ class Trainer:
         """One optimizer step over the global batch (``TrainModule.step``); returns (this
         rank's share of the loss, not reduced; the global grad norm), device tensors. The
         hooks' ``before_step`` first (the noise scale arms its measurement there)."""
+        batch = self.batches.next(self.samples_seen)
         x, y = self._local_batch()
         self._call_hooks("before_step")
-        loss, grad_norm, _ = self.module.step(x, y, self.step + 1)
-        self.samples_seen += self.cfg.train.global_batch_size
+        loss, grad_norm, _ = self.module.step(x, y, self.step + 1,
+                                              samples_after=self.samples_seen + batch)
+        self.samples_seen += self.batches.took(batch)
         self.step += 1
         return loss, grad_norm
 
@@ -215,7 +223,8 @@ class Trainer:
     def logging_step(self, step: int) -> bool:
         """Whether fit() logs after optimizer step ``step`` (1-based): hooks measure on
         those steps only, whose host syncs and collectives are there anyway."""
-        return step == 1 or step == self.budget.steps or step % self.cfg.logging.log_interval == 0
+        return step == 1 or self.batches.is_last(step, self.step, self.samples_seen) or \
+            step % self.cfg.logging.log_interval == 0
 
     def evaluate(self) -> float | None:
         """The run's validation loss (evaluation.mixture_mean over its sources; None without
@@ -228,7 +237,7 @@ class Trainer:
         """The run: the hooks' start, evaluate the starting model, then step after step:
         train, log (on logging steps), evaluate (when due), stop on a request or save (when
         due), until the budget is spent; then the final checkpoint and the result."""
-        if self.step >= self.budget.steps:  # resumed from the final checkpoint
+        if self.finished:  # resumed from the final checkpoint
             return self._exit(already_finished(self.run_dir, self.step, self.budget.steps))
         stopped = self.stop_request.at_start(self.device, self.step)  # during start-up
         if stopped is not None:
@@ -240,7 +249,7 @@ class Trainer:
             self._evaluate_at_start()
             window, clock = LossWindow(self.device), Throughput()
             stopped = None
-            while self.step < self.budget.steps and stopped is None:
+            while not self.finished and stopped is None:
                 stopped = self._train_one(window, clock)
             if stopped is not None:
                 return self._exit_stopped(stopped)
@@ -271,18 +280,19 @@ class Trainer:
         between), evaluate (when due), stop or save."""
         loss, grad_norm = self.train_step_local()
         window.add(loss, counted=torch.isfinite(grad_norm))
-        clock.steps += 1
+        clock.steps, clock.tokens = clock.steps + 1, clock.tokens + self.batches.last_tokens
         self.metrics.advance()
         metrics = (self._step_metrics(window, grad_norm, clock)
                    if self.logging_step(self.step) else None)
         self._call_hooks("step_end", metrics)
         if metrics is not None:
+            self.batches.observe(self.step, self.samples_seen, metrics.get("noise_scale"))
             self.metrics.log(metrics)
             clock.restart()
-        if self.step % self.cfg.train.eval_interval == 0 or self.step == self.budget.steps:
+        if self.step % self.cfg.train.eval_interval == 0 or self.finished:
             with clock.paused():  # eval time is not training throughput
                 self._evaluate_and_log()
-        if self.step == self.budget.steps:  # the end of fit saves
+        if self.finished:  # the end of fit saves
             return None
         return self.stop.stop_or_save(self.step, self._check_nonfinite, self.save_checkpoint)
 
@@ -306,7 +316,7 @@ class Trainer:
             "grad_norm": grad_norm.item(), "tokens_per_s": tps,
             "mfu": self.peak.mfu(tps * self.budget.flops_per_token),
             **memory_metrics(self.device, max_over_ranks),
-            "tokens": self.step * self.budget.global_batch_tokens,
+            "tokens": self.tokens, **self.batches.line(),
             "loss_scale": self.module.loss_scale, **self.module.step_counts(logging=True),
         }
 
@@ -315,7 +325,7 @@ class Trainer:
         val = self.validation.evaluate() if self.validation is not None else {}
         self.last_val_loss = val.pop("val_loss", None)
         metrics = {"step": self.step, "val_loss": self.last_val_loss,
-                   "tokens": self.step * self.budget.global_batch_tokens, **val}
+                   "tokens": self.tokens, **val}
         self._call_hooks("evaluate", metrics)
         metrics = {k: v for k, v in metrics.items() if v is not None}
         if len(metrics) > 2:  # more than the step and the tokens
@@ -343,8 +353,8 @@ class Trainer:
         self.ckpt.close()
         result = {"steps": self.step, "final_loss": final_loss,
                   "first_val_loss": self.first_val_loss, "final_val_loss": self.last_val_loss,
-                  "tokens": self.step * self.budget.global_batch_tokens,
-                  **self.module.step_counts(),
+                  "tokens": self.tokens, **self.module.step_counts(),
+                  **self.batches.result(),
                   "val_batches": self.validation.batch_count() if self.validation else None,
                   "final_lr": self.module.lr, **({"branch": self.branch} if self.branch else {}),
                   **(self.validation.result() if self.validation else {})}

@@ -36,4 +36,5 @@ register(OptimizerSpec(
     reads=frozenset({"momentum", "trust_coefficient", "weight_decay"}),
     lr_rules=frozenset({"fixed", "power"}), lr_scalings=frozenset({"none", "linear"}),
     why="LARS's step is lr x eta x each tensor's norm: deepseek's AdamW LR law "
-        "does not apply, and its batch scaling is linear, SGD's (You et al. 2017)"))
+        "does not apply, and its batch scaling is linear, SGD's (You et al. 2017)",
+    ramp_lr="linear"))

@@ -43,4 +43,4 @@ register(OptimizerSpec(
     lr_rules=frozenset({"fixed", "power"}), lr_scalings=frozenset({"none", "linear"}),
     why="SGD's step is lr x the gradient, not Adam's normalised one: deepseek's AdamW LR "
         "law does not apply, and its batch scaling is linear (Goyal et al. 2017)",
-    elementwise=True))
+    elementwise=True, ramp_lr="linear"))

@@ -22,11 +22,12 @@ class NoiseScaleProbe:
     squared norm, the train module the whole step's (``record``), and the logging step
     folds them into the estimator (``update``: one host sync)."""
 
-    def __init__(self, cfg, layout, global_batch_tokens: int):
+    def __init__(self, cfg, layout, global_batch_tokens: int,
+                 microbatches: int | None = None):
         self.estimator = NoiseScale(cfg.train.noise_scale_ema)
-        self.small_seqs, self.why_not = probe_support(cfg, layout)
+        self.micro_batches = layout.microbatches if microbatches is None else microbatches
+        self.small_seqs, self.why_not = probe_support(cfg, layout, self.micro_batches)
         self.dp, self.seq_len = layout.dp, cfg.model.seq_len
-        self.micro_batches = layout.microbatches
         self.big_tokens = global_batch_tokens
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -47,7 +48,7 @@ class NoiseScaleProbe:
         return (f"gradient noise scale (McCandlish et al. 2018): on logging steps, B_small = "
                 f"each rank's {how} x dp={self.dp} = {small} sequences = "
                 f"{small * self.seq_len:,} tokens, B_big = the global batch, "
-                f"{self.big_tokens:,} tokens; EMA {self.estimator.beta:.2f}")
+                f"{self.big_tokens:,} tokens (a batch ramp: each step's); EMA {self.estimator.beta:.2f}")
 
     def restore(self, state: dict | None) -> None:
         """A resumed run's averages, from its checkpoint (None: saved before they were)."""
@@ -86,7 +87,8 @@ class NoiseScaleHook(Hook):
     name = "noise_scale"
 
     def __init__(self, ctx: LoopContext):
-        self.probe = NoiseScaleProbe(ctx.cfg, ctx.layout, ctx.batch_tokens)
+        self.probe = NoiseScaleProbe(ctx.cfg, ctx.layout, ctx.batch_tokens,
+                                     ctx.fewest_microbatches)
         if self.probe.measured:
             ctx.module.probe_small_batch(self.probe.small_seqs)
 
@@ -100,6 +102,7 @@ class NoiseScaleHook(Hook):
     def step_end(self, ctx: LoopContext) -> None:
         if not ctx.logging:  # measured on logging steps only
             return
+        self.probe.big_tokens = ctx.last_batch_tokens  # a batch ramp changes it
         self.probe.record(ctx.module.small_sq, ctx.module.grad_norm)
         value = self.probe.update(ctx.step)  # None: not measured, or not yet defined
         if value is not None:
