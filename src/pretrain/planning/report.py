@@ -204,16 +204,7 @@ def format_plan(p: dict) -> str:
     lines = [f"plan: {p['model']} ({p['n_params']:,} params{active}), {p['precision']}{auto}, "
              f"{p['gpus']} x {p['gpu']} ({p['gpu_memory_gib']:g} GiB)",
              f"layout: {p['layout_text']}"]
-    if p.get("parallel_auto"):
-        lines.append("parallel=auto, top candidates (model step time; memory per GPU):")
-        for i, c in enumerate(p["parallel_auto"], 1):
-            cst = c["cost"]
-            ep = f", EP {cst['ep_comm']:.3g}" if cst.get("ep_comm") else ""
-            lines.append(f"  {i}. {c['layout']}: {c['step_s']:.4g} s/step (compute "
-                         f"{cst['compute'] + cst['recompute']:.4g}, TP {cst['tp_comm']:.3g}, "
-                         f"bubble {cst['pp_bubble']:.3g}, p2p {cst['pp_p2p']:.3g}, DP exposed "
-                         f"{cst['dp_exposed']:.3g}{ep}); {c['memory_gib']:.1f} GiB")
-        lines.append(f"  why #1: {p['auto_why']}")
+    lines += _auto_lines(p)
     if p.get("hparam_rules"):
         from pretrain.budget.hparams import describe
 
@@ -253,15 +244,35 @@ def format_plan(p: dict) -> str:
     ]
     if sm.get("host"):
         lines.append(_host_line(sm))
-    if "ramp_days_at_model_bound" in p:
-        r = p["batch_ramp"]
-        lines.append(
-            f"batch ramp (from {r['start_tokens']:,} to {r['full_tokens']:,} tokens over "
+    lines += _ramp_lines(p)
+    return "\n".join(lines)
+
+
+def _auto_lines(p: dict) -> list[str]:
+    """parallel=auto's top candidates and why the first won."""
+    if not p.get("parallel_auto"):
+        return []
+    lines = ["parallel=auto, top candidates (model step time; memory per GPU):"]
+    for i, c in enumerate(p["parallel_auto"], 1):
+        cst = c["cost"]
+        ep = f", EP {cst['ep_comm']:.3g}" if cst.get("ep_comm") else ""
+        lines.append(f"  {i}. {c['layout']}: {c['step_s']:.4g} s/step (compute "
+                     f"{cst['compute'] + cst['recompute']:.4g}, TP {cst['tp_comm']:.3g}, "
+                     f"bubble {cst['pp_bubble']:.3g}, p2p {cst['pp_p2p']:.3g}, DP exposed "
+                     f"{cst['dp_exposed']:.3g}{ep}); {c['memory_gib']:.1f} GiB")
+    return lines + [f"  why #1: {p['auto_why']}"]
+
+
+def _ramp_lines(p: dict) -> list[str]:
+    """The batch ramp's steps and time by the cost model, beside the full batch's."""
+    if "ramp_days_at_model_bound" not in p:
+        return []
+    r = p["batch_ramp"]
+    return [f"batch ramp (from {r['start_tokens']:,} to {r['full_tokens']:,} tokens over "
             f"{r['ramp_tokens']:,}): {p['ramp_steps']:,} steps against {p['steps']:,}, "
             f"{p['ramp_days_at_model_bound']:.2f} days by the cost model against "
             f"{p['time_days_at_model_bound']:.2f} at the full batch (first stage "
-            f"{p['ramp_start_step_s']:.4g} s/step)")
-    return "\n".join(lines)
+            f"{p['ramp_start_step_s']:.4g} s/step)"]
 
 
 def _host_line(sm: dict) -> str:
