@@ -142,6 +142,23 @@ PRIVATE: dict[str, Private] = {
         ("torch.cpu:_is_amx_tile_supported",), ("2.11", "2.13"),
         "precision=auto on a CPU (hardware/device.py)",
         "name the precision (precision=bf16 or fp32): precision=auto then takes fp32 here"),
+    "set_pg_timeout": Private(
+        ("torch.distributed.distributed_c10d:_set_pg_timeout",), ("2.11", "2.13"),
+        "comm.train_timeout_s after the first step (train/hang.py; torchtitan's way)",
+        "none needed: every collective then keeps comm.init_timeout_s"),
+    "c10d_world": Private(
+        ("torch.distributed.distributed_c10d:_world",), ("2.11", "2.13"),
+        "every process group of the run, for comm.train_timeout_s (train/hang.py)",
+        "none needed: every collective then keeps comm.init_timeout_s"),
+    "c10d_default_store": Private(
+        ("torch.distributed.distributed_c10d:_get_default_store",), ("2.11", "2.13"),
+        "naming the ranks that did not arrive at a collective that timed out (train/hang.py)"),
+    "record_memory_history": Private(
+        ("torch.cuda.memory:_record_memory_history",), ("2.11", "2.13"),
+        "profile.memory_snapshot (train/services/memory_snapshot.py)"),
+    "dump_snapshot": Private(
+        ("torch.cuda.memory:_dump_snapshot",), ("2.11", "2.13"),
+        "profile.memory_snapshot (train/services/memory_snapshot.py)"),
     "cpu_amx_fp16": Private(
         ("torch.cpu:_is_amx_fp16_supported",), ("2.11", "2.13"),
         "precision=auto on a CPU (hardware/device.py)",

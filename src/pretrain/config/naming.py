@@ -24,7 +24,8 @@ NEUTRAL_KEYS = ("recipe", "run_name", "runs_dir", "dry_run", "hydra", "logging",
                 "eval", "checkpoint.resume", "checkpoint.resume_from", "data.num_proc", "data.root",
                 "train.device", "train.sample_tokens", "train.sample_prompt",
                 "train.sample_temperature", "train.sample_top_k", "train.time_limit_minutes",
-                "train.exit_interval", "train.stop_check_interval", "train.gc_interval")
+                "train.exit_interval", "train.stop_check_interval", "train.gc_interval",
+                "profile", "comm")
 
 
 def neutral_keys() -> list[str]:

@@ -30,6 +30,17 @@ from pretrain.parallel.layout import Layout
 from pretrain.train.train_module import TrainModule
 
 
+@dataclass
+class StepTiming:
+    """This rank's host clock for the current step (``time.perf_counter`` seconds), set by
+    the loop: when the step began (before its batch was read), how long it waited for the
+    batch, and when its forward began (after the hooks' ``before_step``)."""
+
+    start: float = 0.0
+    data_wait: float = 0.0
+    ready: float = 0.0
+
+
 @dataclass(frozen=True)
 class LoopContext:
     """What a hook sees of the run: read-only facts, the live step, and ``record``.
@@ -52,6 +63,9 @@ class LoopContext:
     logs: Callable[[int], bool]
     _step: Callable[[], int] = field(repr=False)
     _sink: list = field(default_factory=lambda: [None], repr=False)
+    run_dir: Path | None = None  # where the run writes (traces, snapshots)
+    timing: StepTiming = field(default_factory=StepTiming)
+    rank: int = 0  # this process's global rank
 
     @property
     def step(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -31,7 +32,8 @@ from pretrain.decision.resolve import announce, dry_run, resolve_run
 from pretrain.hardware.device import keep_freed_memory
 from pretrain.train.checkpointing import Checkpointing
 from pretrain.train.evaluation import validation
-from pretrain.train.hooks import LoopContext
+from pretrain.train.hang import CollectiveWatch
+from pretrain.train.hooks import LoopContext, StepTiming
 from pretrain.train.metrics import (
     LossWindow,
     MetricsLogger,
@@ -76,6 +78,9 @@ class Trainer:
         self.prefetch = self.lock = None
         self.hooks: list = []  # services.build_hooks, once the train module exists
         self.ctx: LoopContext | None = None  # what the hooks see of the run
+        self.timing = StepTiming()  # this step's host clock (hooks.StepTiming)
+        # collective timeouts: comm.init_timeout_s until the first step, then the train one
+        self.watch = CollectiveWatch(cfg.comm.init_timeout_s, cfg.comm.train_timeout_s)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -85,8 +90,10 @@ class Trainer:
         from a checkpoint (or start afresh) and open the metrics."""
         if self.world_size > 1:
             require_prepared(self.cfg)  # before the process group: every rank fails at once
-        place = join(self.layout, self.device, self.policy, self.world_size)
+        place = join(self.layout, self.device, self.policy, self.world_size,
+                     timeout_s=self.cfg.comm.init_timeout_s)
         self.place, self.device, self.rank0 = place, place.device, place.rank0
+        self.watch.start()
         if not self.rank0:  # one voice: the other ranks report only warnings and errors
             log.setLevel(logging.WARNING)
         if self.device.type == "cuda":
@@ -145,7 +152,8 @@ class Trainer:
             layout=self.layout, dp_rank=self.place.dp_rank, world_size=self.world_size,
             total_steps=self.budget.steps, batch_tokens=self.budget.global_batch_tokens,
             tokenizer=self.train_data.path / "tokenizer.json", logs=self.logging_step,
-            _step=lambda: self.step)
+            _step=lambda: self.step, run_dir=self.run_dir, timing=self.timing,
+            rank=self.place.rank)
 
     def _start_run(self) -> None:
         """The run directory (this attempt not stopped, the tokenizer beside the
@@ -202,8 +210,12 @@ class Trainer:
         """One optimizer step over the global batch (``TrainModule.step``); returns (this
         rank's share of the loss, not reduced; the global grad norm), device tensors. The
         hooks' ``before_step`` first (the noise scale arms its measurement there)."""
+        t = self.timing
+        t.start = time.perf_counter()
         x, y = self._local_batch()
+        t.data_wait = time.perf_counter() - t.start
         self._call_hooks("before_step")
+        t.ready = time.perf_counter()
         loss, grad_norm, _ = self.module.step(x, y, self.step + 1)
         self.samples_seen += self.cfg.train.global_batch_size
         self.step += 1
@@ -242,9 +254,13 @@ class Trainer:
             stopped = None
             while self.step < self.budget.steps and stopped is None:
                 stopped = self._train_one(window, clock)
+                self.watch.after_first_step()
             if stopped is not None:
                 return self._exit_stopped(stopped)
             return self._finish(window.final)
+        except Exception as e:  # a collective that timed out: one line, exit 76 (hang.py)
+            self.watch.fail(e, self.step + 1)
+            raise
         finally:
             self._close_hooks()
 
@@ -304,6 +320,7 @@ class Trainer:
         return {
             "step": self.step, "loss": loss, "lr": self.module.lr,
             "grad_norm": grad_norm.item(), "tokens_per_s": tps,
+            "tokens_per_s_per_device": tps / self.world_size,
             "mfu": self.peak.mfu(tps * self.budget.flops_per_token),
             **memory_metrics(self.device, max_over_ranks),
             "tokens": self.step * self.budget.global_batch_tokens,
