@@ -159,6 +159,10 @@ PRIVATE: dict[str, Private] = {
     "dump_snapshot": Private(
         ("torch.cuda.memory:_dump_snapshot",), ("2.11", "2.13"),
         "profile.memory_snapshot (train/services/memory_snapshot.py)"),
+    "cuda_oom_observer": Private(
+        ("torch._C:_cuda_attach_out_of_memory_observer",), ("2.11", "2.13"),
+        "a memory snapshot when CUDA runs out of memory (profile.memory_snapshot)",
+        "none needed: the snapshots of profile.memory_snapshot_steps are still written"),
     "cpu_amx_fp16": Private(
         ("torch.cpu:_is_amx_fp16_supported",), ("2.11", "2.13"),
         "precision=auto on a CPU (hardware/device.py)",

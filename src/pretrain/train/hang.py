@@ -90,8 +90,9 @@ def set_timeouts(seconds: float) -> bool:
 class CollectiveWatch:
     """The run's timeouts and, when a collective fails, the one line and the exit."""
 
-    def __init__(self, init_timeout_s: float, train_timeout_s: float):
-        self.init_timeout_s, self.train_timeout_s = init_timeout_s, train_timeout_s
+    def __init__(self, comm):
+        """``comm``: the run's ``comm`` config (init_timeout_s, train_timeout_s)."""
+        self.init_timeout_s, self.train_timeout_s = comm.init_timeout_s, comm.train_timeout_s
         self.armed = False
 
     @property

@@ -18,6 +18,7 @@ uninterrupted one would.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,17 @@ class StepTiming:
     start: float = 0.0
     data_wait: float = 0.0
     ready: float = 0.0
+
+    def fetch(self, read: Callable[[], Any]) -> Any:
+        """A new step: ``read()`` (its batch), timed as the data wait."""
+        self.start = time.perf_counter()
+        out = read()
+        self.data_wait = time.perf_counter() - self.start
+        return out
+
+    def mark_ready(self) -> None:
+        """The step's forward begins."""
+        self.ready = time.perf_counter()
 
 
 @dataclass(frozen=True)

@@ -57,16 +57,16 @@ class Place:
 
 
 def join(layout: Layout, device: torch.device, policy: Policy, world_size: int,
-         timeout_s: float = 600.0) -> Place:
+         comm=None) -> Place:
     """The process group and device mesh (several processes; one process too whenever it
     is not ``Layout.one_device``: with ``parallel.offload=params`` FSDP2 is what brings the
     host's parameters to the GPU for each block; without the group an offloaded run kept its
     weights on the host while its batches went to the GPU: "index is on cuda:0, different
     from other tensors on cpu"), and this rank's place in them. One process otherwise runs
-    without a process group or wrapper."""
+    without a process group or wrapper. ``comm``: the run's timeouts (comm.*)."""
     mesh = None
     if world_size > 1 or not layout.one_device:
-        device = dist_env.init_distributed(device, timeout_s)
+        device = dist_env.init_distributed(device, comm.init_timeout_s if comm else 600.0)
         mesh = dist_env.build_mesh(layout, device)
     dp_rank = mesh.dp.get_local_rank() if mesh is not None else 0
     return Place(device, mesh, dist_env.is_rank0(), dp_rank, dist_env.rank())

@@ -18,7 +18,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from pretrain.checkpoint.folder import on_rank0
 from pretrain.config.schema import Config
 from pretrain.data.prefetch import Prefetcher
 from pretrain.data.run_data import mixture_training_data, require_prepared, training_data
+from pretrain.decision.checks import device_problems
 from pretrain.decision.resolve import announce, dry_run, resolve_run
 from pretrain.hardware.device import keep_freed_memory
 from pretrain.train.checkpointing import Checkpointing
@@ -70,7 +70,7 @@ class Trainer:
         self.cfg, self.decision, self.budget = run.cfg, run.decision, run.budget
         self.plan = run.plan
         self.device, self.policy, self.layout = run.device, run.policy, run.layout
-        self.world_size = run.world_size
+        self.world_size = device_problems(cfg, self.device) or run.world_size  # refused now
         self.step = self.samples_seen = 0
         self.first_val_loss: float | None = None
         self.last_val_loss: float | None = None
@@ -79,8 +79,7 @@ class Trainer:
         self.hooks: list = []  # services.build_hooks, once the train module exists
         self.ctx: LoopContext | None = None  # what the hooks see of the run
         self.timing = StepTiming()  # this step's host clock (hooks.StepTiming)
-        # collective timeouts: comm.init_timeout_s until the first step, then the train one
-        self.watch = CollectiveWatch(cfg.comm.init_timeout_s, cfg.comm.train_timeout_s)
+        self.watch = CollectiveWatch(cfg.comm)  # collective timeouts (hang.py)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -90,8 +89,7 @@ class Trainer:
         from a checkpoint (or start afresh) and open the metrics."""
         if self.world_size > 1:
             require_prepared(self.cfg)  # before the process group: every rank fails at once
-        place = join(self.layout, self.device, self.policy, self.world_size,
-                     timeout_s=self.cfg.comm.init_timeout_s)
+        place = join(self.layout, self.device, self.policy, self.world_size, self.cfg.comm)
         self.place, self.device, self.rank0 = place, place.device, place.rank0
         self.watch.start()
         if not self.rank0:  # one voice: the other ranks report only warnings and errors
@@ -152,8 +150,7 @@ class Trainer:
             layout=self.layout, dp_rank=self.place.dp_rank, world_size=self.world_size,
             total_steps=self.budget.steps, batch_tokens=self.budget.global_batch_tokens,
             tokenizer=self.train_data.path / "tokenizer.json", logs=self.logging_step,
-            _step=lambda: self.step, run_dir=self.run_dir, timing=self.timing,
-            rank=self.place.rank)
+            _step=lambda: self.step, run_dir=self.run_dir, timing=self.timing, rank=self.place.rank)
 
     def _start_run(self) -> None:
         """The run directory (this attempt not stopped, the tokenizer beside the
@@ -208,14 +205,11 @@ class Trainer:
 
     def train_step_local(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the global batch (``TrainModule.step``); returns (this
-        rank's share of the loss, not reduced; the global grad norm), device tensors. The
-        hooks' ``before_step`` first (the noise scale arms its measurement there)."""
-        t = self.timing
-        t.start = time.perf_counter()
-        x, y = self._local_batch()
-        t.data_wait = time.perf_counter() - t.start
+        rank's share of the loss, not reduced; the global grad norm), device tensors; the
+        hooks' ``before_step`` before its forward."""
+        x, y = self.timing.fetch(self._local_batch)  # the data wait timed (hooks.StepTiming)
         self._call_hooks("before_step")
-        t.ready = time.perf_counter()
+        self.timing.mark_ready()
         loss, grad_norm, _ = self.module.step(x, y, self.step + 1)
         self.samples_seen += self.cfg.train.global_batch_size
         self.step += 1
@@ -320,7 +314,6 @@ class Trainer:
         return {
             "step": self.step, "loss": loss, "lr": self.module.lr,
             "grad_norm": grad_norm.item(), "tokens_per_s": tps,
-            "tokens_per_s_per_device": tps / self.world_size,
             "mfu": self.peak.mfu(tps * self.budget.flops_per_token),
             **memory_metrics(self.device, max_over_ranks),
             "tokens": self.step * self.budget.global_batch_tokens,

@@ -14,7 +14,8 @@ collective times instead (tools/trace_summary.py): the others spend it waiting t
 
 Recorded: ``step_time_s`` (the median rank's own step time), ``step_time_max_s`` and
 ``slowest_rank`` (only when it is a straggler), ``data_wait_share`` (the most any rank
-waited for data, as a share of its step) and ``data_wait_rank``.
+waited for data, as a share of its step), ``data_wait_rank`` and
+``tokens_per_s_per_device``.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class StepMonitor(Hook):
         waits = [d / w if w > 0 else 0.0 for d, w in zip(data, wall, strict=True)]
         worst = max(range(len(waits)), key=waits.__getitem__)
         ctx.record("step_time_s", statistics.median(own))
+        # the run's tokens/s shared by its devices (every rank's step lasts as long)
+        ctx.record("tokens_per_s_per_device", ctx.batch_tokens / max(wall) / len(wall))
         ctx.record("data_wait_share", waits[worst])
         if len(waits) > 1:
             ctx.record("data_wait_rank", worst)
