@@ -364,9 +364,10 @@ class Trainer:
         self.metrics.close()
         return result
 
-    def close(self) -> None:
+    def close(self, leave_group: bool = True) -> None:
         """Give back what setup took, whatever happened: signal handlers, the hooks, the
-        read-ahead thread, the checkpoint worker, the run lock, the process group."""
+        read-ahead thread, the checkpoint worker, the run lock, the process group (kept
+        with ``leave_group=False``: tests that run several layouts in one group)."""
         self.stop_request.restore()
         self._close_hooks()
         if self.prefetch is not None:
@@ -375,7 +376,8 @@ class Trainer:
             self.ckpt.close()
         if self.lock is not None:
             self.lock.release()
-        leave()
+        if leave_group:
+            leave()
 
 
 def run(cfg: Config, run_dir: Path) -> dict | None:

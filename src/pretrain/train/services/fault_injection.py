@@ -1,7 +1,8 @@
 """Faults on purpose, for the tests of hang and straggler detection (never set it in a real
 run): ``PRETRAIN_FAULT`` is ``stall:rank=R:step=S`` (rank R stops before the forward of step
 S, as a hung rank does, until it is killed; SIGTERM ends it at once) or
-``slow:rank=R:seconds=X`` (rank R sleeps X s before every forward, a straggler)."""
+``slow:rank=R:seconds=X`` (rank R sleeps X s before every forward, a straggler).
+``PRETRAIN_FAULT_MARK``: a file the stalling rank writes its wall-clock time to."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 from pretrain.train.hooks import Hook, LoopContext, register
 
@@ -36,6 +38,8 @@ class Fault(Hook):
         elif ctx.step + 1 == int(self.values.get("step", 2)):
             log.warning("%s: rank %d stalls at step %d", FAULT, ctx.rank, ctx.step + 1)
             signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+            if mark := os.environ.get(f"{FAULT}_MARK"):  # when it stalled, for the test
+                Path(mark).write_text(repr(time.time()))
             time.sleep(self.values.get("seconds", 3600))
 
 
