@@ -69,8 +69,9 @@ def test_a_profiled_run_writes_a_trace_of_its_matmuls_and_logs_the_summary(
     assert vsteps == [0, 3, 6]
     assert data["learning rate"][name]["lr"][1] == [r["lr"] for r in rows]
     assert set(data) >= {"gradient norm", "tokens/s", "MFU", "memory (GB)"}
+    assert data["loss"][name]["val_loss/markov"][0] == [0, 3, 6]  # per source
     drawn = {ax.get_title(): len(ax.get_lines()) for ax in fig.axes}
-    assert drawn["loss"] == 2 and drawn["learning rate"] == 1
+    assert drawn["loss"] == 3 and drawn["learning rate"] == 1
 
 
 def test_two_runs_overlay_and_a_missing_run_is_one_line(markov_root, tmp_path, capsys):

@@ -35,21 +35,26 @@ class Profiler(Hook):
     name = "profiler"
 
     def __init__(self, ctx: LoopContext):
-        p = ctx.cfg.profile
         self.folder = Path(ctx.run_dir or ".") / "profile"
         self.rank = ctx.rank
         self.ctx = ctx
         self.written: list[Path] = []
-        self.prof = torch.profiler.profile(
-            activities=activities(list(p.activities), ctx.device),
-            schedule=torch.profiler.schedule(skip_first=p.skip_first, wait=p.wait,
-                                             warmup=p.warmup, active=p.active,
-                                             repeat=p.repeat),
-            on_trace_ready=self.ready, record_shapes=p.record_shapes,
-            with_stack=p.with_stack, profile_memory=p.profile_memory)
+        self.prof: torch.profiler.profile | None = None
         self.running = False
 
     def start(self, ctx: LoopContext) -> None:
+        """The schedule counts from this attempt's first step (a resumed run's too), and
+        the trace's ``ProfilerStep#N`` are optimizer steps: N is the step it records."""
+        p = ctx.cfg.profile
+        first = ctx.step + 1
+        window = torch.profiler.schedule(skip_first=p.skip_first, wait=p.wait,
+                                         warmup=p.warmup, active=p.active, repeat=p.repeat)
+        self.prof = torch.profiler.profile(
+            activities=activities(list(p.activities), ctx.device),
+            schedule=lambda n: window(max(n - first, 0)), on_trace_ready=self.ready,
+            record_shapes=p.record_shapes, with_stack=p.with_stack,
+            profile_memory=p.profile_memory)
+        self.prof.step_num, self.prof.current_action = first, window(0)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.prof.start()
         self.running = True
