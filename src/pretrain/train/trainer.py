@@ -241,22 +241,20 @@ class Trainer:
             return self._exit_stopped(stopped)
         if self.validation is not None and self.rank0:
             self.validation.describe()
-        try:
-            self._call_hooks("start")
-            self._evaluate_at_start()
-            window, clock = LossWindow(self.device), Throughput()
-            stopped = None
-            while self.step < self.budget.steps and stopped is None:
-                stopped = self._train_one(window, clock)
-                self.watch.after_first_step()
-            if stopped is not None:
-                return self._exit_stopped(stopped)
-            return self._finish(window.final)
-        except Exception as e:  # a collective that timed out: one line, exit 76 (hang.py)
-            self.watch.fail(e, self.step + 1)
-            raise
-        finally:
-            self._close_hooks()
+        with self.watch.watching(lambda: self.step + 1):  # a collective timed out: exit 76
+            try:
+                self._call_hooks("start")
+                self._evaluate_at_start()
+                window, clock = LossWindow(self.device), Throughput()
+                stopped = None
+                while self.step < self.budget.steps and stopped is None:
+                    stopped = self._train_one(window, clock)
+                    self.watch.after_first_step()
+                if stopped is not None:
+                    return self._exit_stopped(stopped)
+                return self._finish(window.final)
+            finally:
+                self._close_hooks()
 
     def _call_hooks(self, point: str, sink: dict | None = None) -> None:
         """Every service's ``point`` (hooks.Hook), in services.build_hooks's order; what
@@ -366,8 +364,8 @@ class Trainer:
 
     def close(self, leave_group: bool = True) -> None:
         """Give back what setup took, whatever happened: signal handlers, the hooks, the
-        read-ahead thread, the checkpoint worker, the run lock, the process group (kept
-        with ``leave_group=False``: tests that run several layouts in one group)."""
+        read-ahead thread, the checkpoint worker, the run lock, the process group (unless
+        not ``leave_group``: a test running several layouts in one)."""
         self.stop_request.restore()
         self._close_hooks()
         if self.prefetch is not None:

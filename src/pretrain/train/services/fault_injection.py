@@ -43,7 +43,7 @@ class Fault(Hook):
             time.sleep(self.values.get("seconds", 3600))
 
 
-@register(order=0)
+@register(order=8)
 def build(ctx: LoopContext) -> Fault | None:
     spec = os.environ.get(FAULT)
     if not spec:

@@ -99,7 +99,7 @@ class StepMonitor(Hook):
                             100 * waits[rank])
 
 
-@register(order=1)
+@register(order=10)
 def build(ctx: LoopContext) -> StepMonitor:
     """Always on: one all-gather of three numbers per logging step."""
     return StepMonitor(ctx)
