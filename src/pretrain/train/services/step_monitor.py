@@ -71,10 +71,10 @@ class StepMonitor(Hook):
         mine = torch.tensor([self.wall, self.prep, self.data], dtype=torch.float64) / self.steps
         self.reset()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            every = torch.zeros(dist.get_world_size(), 3, dtype=torch.float64,
-                                device=ctx.device)
-            dist.all_gather_into_tensor(every, mine.to(ctx.device))
-            wall, prep, data = every.T.cpu().tolist()
+            every = [torch.zeros(3, dtype=torch.float64, device=ctx.device)
+                     for _ in range(dist.get_world_size())]
+            dist.all_gather(every, mine.to(ctx.device))
+            wall, prep, data = torch.stack(every).T.cpu().tolist()
         else:
             wall, prep, data = ([v] for v in mine.tolist())
         own = own_times(wall, prep)
