@@ -181,3 +181,23 @@ def test_a_stalled_rank_ends_the_run_within_the_timeout_with_one_line(markov_roo
     assert proc.returncode != 0
     # the timeout, the few seconds the ranks wait for each other's word, torchrun's teardown
     assert ended - stalled < timeout + 15
+
+
+def test_a_failed_collective_is_named_from_the_traceback():
+    """The innermost torch.distributed collective on the stack and the project's frame that
+    called it; an error that is no collective's passes through ``watching`` untouched."""
+    import torch.distributed as dist
+
+    from pretrain.train.hang import CollectiveWatch, collective_of, is_collective_failure
+
+    def clip():  # stands in for the project's caller (its file is under tests/, not pretrain/)
+        dist.all_reduce(__import__("torch").ones(1))
+
+    with pytest.raises(ValueError) as e:  # no process group: raised inside all_reduce
+        clip()
+    assert collective_of(e.value).startswith("all_reduce")
+    assert is_collective_failure(RuntimeError("[gloo/pair.cc:534] Timed out waiting 4000ms"))
+    assert not is_collective_failure(ValueError("a bug"))
+    watch = CollectiveWatch(type("Comm", (), {"init_timeout_s": 60, "train_timeout_s": 5}))
+    with pytest.raises(ValueError), watch.watching(lambda: 3):
+        raise ValueError("a bug")  # not a collective's: re-raised, no exit
