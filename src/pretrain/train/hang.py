@@ -56,7 +56,7 @@ def is_collective_failure(exc: BaseException) -> bool:
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(
         s in text for s in ("timed out", "timeout", "connection closed by peer",
-                            "connection reset by peer", "gloo", "nccl"))
+                            "connection reset by peer", "broken pipe"))
 
 
 def collective_of(exc: BaseException) -> str:
