@@ -146,16 +146,19 @@ def two_rank_run(markov_root: Path, tmp_path: Path, *overrides: str, fault: str,
 def test_a_slowed_rank_is_named_and_the_traces_show_whom_the_others_waited_for(
         markov_root, tmp_path, capsys):
     proc, _ = two_rank_run(markov_root, tmp_path, *PROFILE, "profile.ranks=[]",
-                           fault="slow:rank=1:seconds=0.25")
+                           fault="slow:rank=1:seconds=0.3")
     assert proc.returncode == 0, failed(proc)
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
-    assert [r["slowest_rank"] for r in rows] == [1, 1, 1]
-    assert all(r["step_time_max_s"] > 0.25 for r in rows)
+    # the first step's warm-up dwarfs the 0.3 s; from then on rank 1 is named every time
+    assert [r["step"] for r in rows] == [1, 3, 6]
+    assert [r.get("slowest_rank") for r in rows[1:]] == [1, 1]
+    assert all(r["step_time_max_s"] > 0.3 for r in rows[1:])
     assert "rank 1 is a straggler" in proc.stderr
     assert "slowest rank 1" in proc.stderr  # in the log line too
     summaries = summarize_folder(tmp_path / "run" / "profile")
     assert [(s.rank, s.steps) for s in summaries] == [(0, [3, 4]), (1, [3, 4])]
-    assert summaries[0].comm > summaries[1].comm  # rank 0 waits in the collective
+    # rank 0 waits in the all-reduce, rank 1 sleeps outside any op
+    assert summaries[0].comm > 0.5 > summaries[1].comm and summaries[1].idle > 0.5
 
     from pretrain.tools.trace_summary import main
 
@@ -164,7 +167,7 @@ def test_a_slowed_rank_is_named_and_the_traces_show_whom_the_others_waited_for(
     assert "profile rank 0 steps 3-4" in text and "profile rank 1 steps 3-4" in text
     assert "collectives over 2 rank(s):" in text
     first = text.split("collectives over 2 rank(s):\n")[1].splitlines()[0]
-    assert first.strip().startswith("c10d::") and "slowest rank 1" in first
+    assert first.strip().startswith("gloo:all_reduce") and "slowest rank 1" in first
 
 
 def test_a_stalled_rank_ends_the_run_within_the_timeout_with_one_line(markov_root, tmp_path):

@@ -7,8 +7,9 @@ The window is the union of the ``ProfilerStep#N`` annotations. With device kerne
 trace (CUDA) the shares are of the device's time: compute is any non-collective kernel
 running, communication a collective kernel (``nccl``) running while no compute kernel is
 (exposed communication), idle no kernel at all. Without (a CPU run) they are of the training
-thread's time: communication is time inside a ``c10d::`` op (gloo blocks in it), compute any
-other op, idle no op at all (Python, the data loader's hand-off, waiting on async work).
+thread's time: compute is an ``aten::`` op running on it, communication a collective
+running (gloo's ``gloo:<op>`` span on its worker thread, which lasts until every peer has
+arrived) while no compute is, idle neither (Python, the data loader's hand-off).
 Self time is an event's duration less its children's on the same thread (or, for kernels,
 its duration).
 """
@@ -105,6 +106,19 @@ def self_times(events: list[dict]) -> dict[str, float]:
     return out
 
 
+def collective_events(in_window: list[dict], kernels: list[dict], ops: list[dict],
+                      main: set) -> list[dict]:
+    """The events that are a collective running, with the time it waited for its peers:
+    NCCL kernels on a GPU; on a CPU gloo's own ``gloo:<op>`` spans on its worker threads
+    (the training thread's ``c10d::`` op only launches it when the op is async, as FSDP's
+    are), or the training thread's ``c10d::`` ops when gloo's spans are missing."""
+    if kernels:
+        return [e for e in kernels if is_comm(e["name"])]
+    gloo = [e for e in in_window if e.get("name", "").startswith(("gloo:", "mpi:"))]
+    return gloo or [e for e in ops if e["name"].startswith("c10d::")
+                    and (not main or (e["pid"], e["tid"]) in main)]
+
+
 def summarize(trace: dict, rank: int | None = None) -> TraceSummary:
     """The one-line summary of a trace (``read_trace``)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
@@ -128,25 +142,24 @@ def summarize(trace: dict, rank: int | None = None) -> TraceSummary:
     kernels = [e for e in in_window if e.get("cat") in DEVICE_CATS]
     ops = [e for e in in_window if e.get("cat") == "cpu_op"]
     device = bool(kernels)
+    coll = collective_events(in_window, kernels, ops, main)
     if device:
-        busy = kernels
+        compute_iv = [inside(e) for e in kernels if not is_comm(e["name"])]
         top_times = defaultdict(float)
         for e in kernels:
             top_times[e["name"]] += e["dur"]
-    else:
-        busy = [e for e in ops if not main or (e["pid"], e["tid"]) in main]
+    else:  # the training thread's aten ops compute; waiting inside wrappers does not
+        compute_iv = [inside(e) for e in ops if e["name"].startswith("aten::")
+                      and (not main or (e["pid"], e["tid"]) in main)]
         top_times = self_times(ops)
-    comm_iv = [inside(e) for e in busy if is_comm(e["name"])]
-    compute_iv = [inside(e) for e in busy if not is_comm(e["name"])]
     compute = union_length(compute_iv)
-    comm = _subtract(comm_iv, compute_iv)
+    comm = _subtract([inside(e) for e in coll], compute_iv)
     total = sum(top_times.values()) or 1.0
     top = sorted(((n, t / total) for n, t in top_times.items()), key=lambda x: -x[1])
     collectives: dict[str, list] = defaultdict(lambda: [0, 0.0])
-    for e in ops if not device else [*ops, *kernels]:
-        if is_comm(e["name"]) and (device or not main or (e["pid"], e["tid"]) in main):
-            collectives[e["name"]][0] += 1
-            collectives[e["name"]][1] += e["dur"]
+    for e in coll:
+        collectives[e["name"]][0] += 1
+        collectives[e["name"]][1] += e["dur"]
     return TraceSummary(
         rank=rank, steps=sorted(int(STEP.match(e["name"]).group(1)) for e in steps),
         window_us=window, compute=compute / window, comm=comm / window,
