@@ -44,6 +44,7 @@ class Private:
     use: str
     fix: str = (f"install a tested torch ({' or '.join(TESTED)}), or port this use to the "
                 "torch you have (src/pretrain/torch_compat.py)")
+    cuda_build: bool = False  # only a CUDA build of torch has it (the CPU wheel lacks it)
 
 
 _PIPELINE_FIX = ("none needed: pipeline layouts then run torch's own PipelineStage, which "
@@ -162,7 +163,8 @@ PRIVATE: dict[str, Private] = {
     "cuda_oom_observer": Private(
         ("torch._C:_cuda_attach_out_of_memory_observer",), ("2.11", "2.13"),
         "a memory snapshot when CUDA runs out of memory (profile.memory_snapshot)",
-        "none needed: the snapshots of profile.memory_snapshot_steps are still written"),
+        "none needed: the snapshots of profile.memory_snapshot_steps are still written",
+        cuda_build=True),
     "cpu_amx_fp16": Private(
         ("torch.cpu:_is_amx_fp16_supported",), ("2.11", "2.13"),
         "precision=auto on a CPU (hardware/device.py)",
