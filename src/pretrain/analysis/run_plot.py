@@ -91,7 +91,7 @@ def plot(run_dirs: list[Path], out: Path | str):
         ax.set_title(title)
         ax.set_xlabel("step")
         if title == "MFU":
-            ax.yaxis.set_major_formatter(lambda v, _: f"{v:.0%}")
+            ax.yaxis.set_major_formatter(lambda v, _: f"{v:.1%}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     write_png(fig, out)
