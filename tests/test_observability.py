@@ -116,6 +116,7 @@ def test_the_straggler_is_the_rank_the_others_wait_for():
     assert own == pytest.approx([0.2, 0.5, 0.2])
     assert straggler(own, 0.2) == (1, pytest.approx(1.5))
     assert straggler([0.2, 0.21], 0.2) is None and straggler([0.5], 0.2) is None
+    assert straggler([0.2, 0.25], 0.2) == (1, pytest.approx(0.25))  # against the other one
 
 
 def test_a_memory_snapshot_is_refused_on_a_cpu_run(markov_root, tmp_path):

@@ -285,7 +285,7 @@ class LoggingConfig:
     wandb_entity: str | None = None
     progress_bar: bool | None = None  # None: only on an interactive terminal
     # Each logging step names the slowest rank when its step time is more than this share
-    # above the median rank's (train/services/step_monitor.py); 0: never named.
+    # above the other ranks' median (train/services/step_monitor.py); 0: never named.
     straggler_share: float = 0.2
 
 

@@ -1,6 +1,6 @@
 """Stragglers and waits, every logging step: each rank's step time, the share of it spent
 waiting for data, gathered with one small all-gather, and the slowest rank named when it is
-more than ``logging.straggler_share`` above the median rank.
+more than ``logging.straggler_share`` above the median of the others.
 
 A synchronous step hides a straggler in wall time: every rank leaves the step's collectives
 together, so each one's step lasts as long as the slowest's. What differs is where the time
@@ -40,12 +40,13 @@ def own_times(wall: list[float], prep: list[float]) -> list[float]:
 
 
 def straggler(own: list[float], share: float) -> tuple[int, float] | None:
-    """(rank, its excess over the median) when the slowest rank is more than ``share`` above
-    the median; None otherwise (and with one rank, or ``share`` 0)."""
+    """(rank, its excess over the median of the other ranks) when the slowest rank is more
+    than ``share`` above it; None otherwise (and with one rank, or ``share`` 0). The
+    others', not all ranks': with two ranks the median of both is half the straggler."""
     if len(own) < 2 or share <= 0:
         return None
-    median = statistics.median(own)
     slow = max(range(len(own)), key=own.__getitem__)
+    median = statistics.median(own[:slow] + own[slow + 1:])
     excess = own[slow] / median - 1 if median > 0 else float("inf")
     return (slow, excess) if excess > share else None
 
@@ -92,11 +93,10 @@ class StepMonitor(Hook):
             ctx.record("slowest_rank", rank)
             ctx.record("step_time_max_s", own[rank])
             if ctx.rank0:
-                log.warning("step %d: rank %d is a straggler: %.3f s a step against the "
-                            "median rank's %.3f s (+%.0f%%, logging.straggler_share %.0f%%); "
-                            "its data wait %.0f%% of its step", ctx.step, rank, own[rank],
-                            statistics.median(own), 100 * excess, 100 * self.share,
-                            100 * waits[rank])
+                log.warning("step %d: rank %d is a straggler: %.3f s a step, %.0f%% above "
+                            "the other ranks' median (logging.straggler_share %.0f%%); its "
+                            "data wait %.0f%% of its step", ctx.step, rank, own[rank],
+                            100 * excess, 100 * self.share, 100 * waits[rank])
 
 
 @register(order=10)
