@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 import torch.distributed as dist
 
 from pretrain import torch_compat
+from pretrain.errors import AGENT_REPORTS
 
 log = logging.getLogger("pretrain")
 
@@ -157,8 +158,9 @@ class CollectiveWatch:
                 f"{'' if missing else ' (every rank saw it fail: a lost connection?)'}; "
                 f"exit {EXIT_HANG}. ({' '.join(str(exc).split())[:200]})")
         if rank == min(failed, default=rank):
-            print(line, file=sys.stderr, flush=True)
             _record_for_torchrun(line)
+            if not os.environ.get(AGENT_REPORTS):  # tools/run_local.py prints it itself
+                print(line, file=sys.stderr, flush=True)
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stdout.flush()
