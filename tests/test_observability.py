@@ -206,3 +206,12 @@ def test_a_failed_collective_is_named_from_the_traceback():
     watch = CollectiveWatch(type("Comm", (), {"init_timeout_s": 60, "train_timeout_s": 5}))
     with pytest.raises(ValueError), watch.watching(lambda: 3):
         raise ValueError("a bug")  # not a collective's: re-raised, no exit
+
+
+def test_trace_summary_without_traces_is_one_line(tmp_path, capsys):
+    from pretrain.tools.trace_summary import main
+
+    assert main([str(tmp_path / "nope")]) == 2
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "is not a folder" in err[0] and "profile.enable=true" in err[1]
