@@ -45,6 +45,8 @@ class CommConfig:
     # Start-up: process group, mesh, model materialisation, the first evaluation and step
     # (a first step can compile for minutes).
     init_timeout_s: float = 600.0
-    # After the first step, every collective of every process group.
+    # After the first step, every collective of the world and of the mesh's groups (a step's,
+    # and a synchronous checkpoint save's: raise it if a save writes for longer; the async
+    # saves' own group keeps torch's default).
     train_timeout_s: float = 300.0
 

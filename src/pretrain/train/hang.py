@@ -1,8 +1,8 @@
 """A rank that stops arriving: collective timeouts, and the one line that names it.
 
 Start-up (process group, mesh, materialisation, the first evaluation and step) runs under
-``comm.init_timeout_s``; once every rank has finished the first step, every process group
-the run made is given ``comm.train_timeout_s`` (torchtitan's ``comm.train_timeout_seconds``,
+``comm.init_timeout_s``; once every rank has finished the first step, the world and the
+mesh's groups get ``comm.train_timeout_s`` (torchtitan's ``comm.train_timeout_seconds``,
 through torch's own ``_set_pg_timeout``, after a barrier so that no rank runs a collective
 with the short timeout while another is still starting up). A collective that waits longer
 raises on the ranks that arrived (gloo: "Timed out waiting ..."; NCCL's watchdog aborts
@@ -88,17 +88,21 @@ def _record_for_torchrun(line: str) -> None:
             json.dump({"message": entry}, f)
 
 
-def set_timeouts(seconds: float) -> bool:
-    """Every process group of this process (the world and each mesh dimension's) times its
-    collectives out after ``seconds``; False where this torch lacks the means (they keep
-    the timeout they were made with)."""
+def process_groups() -> list:
+    """Every process group this process has made so far (the world, each mesh dimension's);
+    none where this torch lacks the means."""
     if not (torch_compat.has("set_pg_timeout") and torch_compat.has("c10d_world")):
-        return False
+        return []
+    return list(torch_compat.private("c10d_world").pg_map)
+
+
+def set_timeouts(seconds: float, groups: list) -> bool:
+    """``groups`` time their collectives out after ``seconds``; False when there are none
+    (this torch lacks the means: they keep the timeout they were made with)."""
     timeout = datetime.timedelta(seconds=seconds)
-    set_timeout = torch_compat.private("set_pg_timeout")
-    for group in list(torch_compat.private("c10d_world").pg_map):
-        set_timeout(timeout, group)
-    return True
+    for group in groups:
+        torch_compat.private("set_pg_timeout")(timeout, group)
+    return bool(groups)
 
 
 class CollectiveWatch:
@@ -108,16 +112,19 @@ class CollectiveWatch:
         """``comm``: the run's ``comm`` config (init_timeout_s, train_timeout_s)."""
         self.init_timeout_s, self.train_timeout_s = comm.init_timeout_s, comm.train_timeout_s
         self.armed = False
+        self.groups: list = []  # the groups the timeouts apply to (start)
 
     @property
     def active(self) -> bool:
         return dist.is_initialized() and dist.get_world_size() > 1
 
     def start(self) -> None:
-        """After the mesh exists: its groups (made with torch's default timeout, 30 min for
-        gloo, 10 for NCCL) get the start-up one too."""
-        if self.active:
-            set_timeouts(self.init_timeout_s)
+        """After the mesh exists: the world and the mesh's groups (made with torch's default
+        timeout, 30 min for gloo, 10 for NCCL) get the start-up one, and they alone will
+        get the train timeout: the groups made later (the async checkpoint saves') keep
+        torch's default, as a save may write for longer than a step may wait."""
+        self.groups = process_groups() if self.active else []
+        set_timeouts(self.init_timeout_s, self.groups)
 
     def after_first_step(self) -> None:
         """Every rank has taken a step: every group of the run gets the train timeout."""
@@ -127,7 +134,7 @@ class CollectiveWatch:
         if self.train_timeout_s == self.init_timeout_s:
             return
         dist.barrier()  # nobody runs a collective on the short timeout before all are here
-        if set_timeouts(self.train_timeout_s):
+        if set_timeouts(self.train_timeout_s, self.groups):
                 log.info("collective timeout %g s from now on (comm.train_timeout_s; start-up "
                      "had %g s, comm.init_timeout_s)", self.train_timeout_s,
                      self.init_timeout_s)
