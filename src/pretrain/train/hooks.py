@@ -41,16 +41,15 @@ class StepTiming:
     data_wait: float = 0.0
     ready: float = 0.0
 
-    def fetch(self, read: Callable[[], Any]) -> Any:
-        """A new step: ``read()`` (its batch), timed as the data wait."""
+    def fetch(self, read: Callable[[], Any], then: Callable[[], None]) -> Any:
+        """A new step: ``read()`` (its batch), timed as the data wait, then ``then()`` (the
+        hooks' ``before_step``); the forward begins after it."""
         self.start = time.perf_counter()
         out = read()
         self.data_wait = time.perf_counter() - self.start
-        return out
-
-    def mark_ready(self) -> None:
-        """The step's forward begins."""
+        then()
         self.ready = time.perf_counter()
+        return out
 
 
 @dataclass(frozen=True)

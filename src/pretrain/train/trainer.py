@@ -70,7 +70,8 @@ class Trainer:
         self.cfg, self.decision, self.budget = run.cfg, run.decision, run.budget
         self.plan = run.plan
         self.device, self.policy, self.layout = run.device, run.policy, run.layout
-        self.world_size = device_problems(cfg, self.device) or run.world_size  # refused now
+        device_problems(cfg, self.device)  # a key this device cannot serve, before any work
+        self.world_size = run.world_size
         self.step = self.samples_seen = 0
         self.first_val_loss: float | None = None
         self.last_val_loss: float | None = None
@@ -207,9 +208,8 @@ class Trainer:
         """One optimizer step over the global batch (``TrainModule.step``); returns (this
         rank's share of the loss, not reduced; the global grad norm), device tensors; the
         hooks' ``before_step`` before its forward."""
-        x, y = self.timing.fetch(self._local_batch)  # the data wait timed (hooks.StepTiming)
-        self._call_hooks("before_step")
-        self.timing.mark_ready()
+        # the batch (its wait timed: hooks.StepTiming), then the hooks' before_step
+        x, y = self.timing.fetch(self._local_batch, then=lambda: self._call_hooks("before_step"))
         loss, grad_norm, _ = self.module.step(x, y, self.step + 1)
         self.samples_seen += self.cfg.train.global_batch_size
         self.step += 1
