@@ -17,6 +17,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from pretrain.config.naming import (  # noqa: E402
     check_override_keys,
+    check_override_values,
     check_recipe_overrides,
     register_resolvers,
 )
@@ -28,6 +29,7 @@ register_resolvers()
 with exit_on_user_error():  # before Hydra reads a file or makes a directory
     check_recipe_overrides(sys.argv[1:])
     check_override_keys(sys.argv[1:])
+    check_override_values(sys.argv[1:])  # Hydra's own errors (a missing option, a bad value)
 
 if int(os.environ.get("RANK", "0")) > 0:
     # Under torchrun every rank composes the same config and the same run directory; only

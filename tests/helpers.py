@@ -12,11 +12,12 @@ import json
 import os
 import pickle
 import random
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from pretrain.config.schema import Config, ConfigError, DataConfig
 from pretrain.decision.checks import check
+from pretrain.launch.lifeline import parent_of
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -170,15 +172,52 @@ def launch_env(**extra: str) -> dict[str, str]:
 
 
 def run_script(script: Path | str, *args: str, nproc: int = 1, cwd: Path,
-               timeout: float = 600) -> subprocess.CompletedProcess:
+               timeout: float = 600, env: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess:
     """``script args`` in ``nproc`` processes (torchrun --standalone for more than one,
     plain python for one), each with one OpenMP thread as torchrun gives each rank: on a
     busy 2-core machine an OpenMP team of 2 spin-waits for a core and a 10-second run
-    takes minutes."""
+    takes minutes. ``env``: more variables. On a timeout the launcher and every process
+    under it are killed (``kill_tree``) before TimeoutExpired is raised."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = [sys.executable, *(launcher if nproc > 1 else []), str(script), *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env=launch_env(OMP_NUM_THREADS="1"))
+    with subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=launch_env(OMP_NUM_THREADS="1", **(env or {})),
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (children, theirs, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            parent = parent_of(int(entry.name))
+            if parent is not None:
+                children.setdefault(parent, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every process under it. torchrun's agent starts
+    each rank in a session of its own, so killing the launcher's group alone (or the
+    launcher) leaves the ranks running: they are found under it first, then killed."""
+    below = descendants(pid)
+    for target in (pid, *below):
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(target, signal.SIGKILL) if target == pid else os.kill(target,
+                                                                              signal.SIGKILL)
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:

@@ -17,6 +17,7 @@ exist) and peak RSS.
 
 from __future__ import annotations
 
+import gc
 import resource
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from pretrain.config.schema import Config
 from pretrain.parallel import pipeline
+from pretrain.parallel.mesh import destroy
 from pretrain.train.trainer import Trainer
 
 # The most receive-info entries (each a chunk's buffers) one stage held at once, this run.
@@ -152,6 +154,9 @@ def run_layout(cfg: Config, out: Path, name: str, spec_eval_also: list[int]) -> 
                     "final": final, "memory": per_rank, "layout": trainer.layout.as_dict(),
                     "linears": linear_kinds(trainer)},
                    out / f"{name}.pt")
+    # Its read-ahead thread, checkpoint worker and hooks go now, not at interpreter
+    # shutdown; the process group stays for the next layout (main leaves it).
+    trainer.close(leave_group=False)
 
 
 def main() -> None:
@@ -160,8 +165,12 @@ def main() -> None:
         run_layout(cfg, out, name, spec["eval_also"])
         if dist.is_initialized():
             dist.barrier()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # The groups, meshes and DTensor caches freed while the interpreter can still run
+    # their gloo threads' last decrefs (mesh.destroy; trainer.run does the same). Left to
+    # interpreter shutdown, a rank of a 4-rank world aborted after its results were written
+    # ("terminate called without an active exception", exit -6).
+    destroy()
+    gc.collect()
 
 
 if __name__ == "__main__":

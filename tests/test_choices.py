@@ -91,11 +91,12 @@ def choice_keys() -> dict[str, type[Choice]]:
 
 @pytest.mark.parametrize("key,value,allowed", BAD_CHOICES)
 def test_bad_choice_is_refused_at_composition(compose, key, value, allowed):
+    """Refused before Hydra composes (config/naming.check_override_values), in one line
+    naming the key and its options; still a ConfigCompositionException, as Hydra's is."""
     with pytest.raises(ConfigCompositionException) as e:
         compose(["+recipe=tiny", f"{key}={value}"])
-    msg = str(e.value)
-    assert f"full_key: {key}\n" in msg
-    assert f"Invalid value '{value}', expected one of [{allowed}]" in msg
+    assert e.value.lines() == [f"{key}={value}: '{value}' is not a value of {key}; the "
+                               f"options: {allowed}"]
 
 
 def test_every_choice_key_is_tested():
@@ -105,9 +106,10 @@ def test_every_choice_key_is_tested():
 def test_train_py_refuses_a_bad_choice_naming_key_and_values():
     proc = subprocess.run([sys.executable, "train.py", "model.norm=batchnorm", "dry_run=true"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and not proc.stdout
-    assert "Invalid value 'batchnorm', expected one of [layernorm, rmsnorm]" in proc.stderr
-    assert "full_key: model.norm\n" in proc.stderr
+    assert proc.returncode == 2 and not proc.stdout
+    assert proc.stderr.strip().splitlines() == [
+        "error: model.norm=batchnorm: 'batchnorm' is not a value of model.norm; the options: "
+        "layernorm, rmsnorm"]
 
 
 def test_member_names_are_their_values():

@@ -44,6 +44,16 @@ def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     # the attention backend (model/attention.py), decided on this CPU
     (["model.attention=flash", "train.device=cpu"], "model.attention=flash",
      "model.attention=sdpa"),
+    # Hydra's own errors, checked before it composes (config/naming.check_override_values):
+    # a recipe that does not exist (its nearest names), a value outside a key's options
+    (["+recipe=tiny-zro3"], "no recipe named 'tiny-zro3'", "the nearest: tiny-zero3,"),
+    (["+recipe=nonexistent"], "no recipe named 'nonexistent'", "(all "),
+    (["model=gpt5"], "no model option named 'gpt5' in conf/model/", "the nearest: "),
+    (["model.norm=batchnorm"], "'batchnorm' is not a value of model.norm",
+     "the options: layernorm, rmsnorm"),
+    # a head count that does not divide the width: the suggestion divides it
+    (["model.d_model=100"], "model.n_head=6 does not divide model.d_model=100",
+     "2 heads of 50"),
 ])
 def test_train_py_prints_one_line_naming_the_key_and_exits_2(tmp_path, overrides, key, fix):
     proc = train(tmp_path, *overrides, "dry_run=true")

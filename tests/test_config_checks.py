@@ -13,17 +13,18 @@ from pretrain.model.attention import AttentionBackendError
 from pretrain.train.trainer import Trainer, run
 
 
-def test_unknown_recipe_lists_available(compose):
+def test_unknown_recipe_names_the_nearest(compose):
+    """One line (config/naming.check_override_values): the three nearest recipes; every
+    recipe is still the exception's ``options``."""
     with pytest.raises(MissingConfigException) as e:
-        compose(["+recipe=nope"])
-    msg = str(e.value)
-    assert "recipe/nope" in msg
-    for name in RECIPES:
-        assert f"\t{name}\n" in msg + "\n", name
+        compose(["+recipe=tiny-zro3"])
+    (line,) = e.value.lines()
+    assert "no recipe named 'tiny-zro3' in recipes/; the nearest: tiny-zero3," in line
+    assert e.value.options == RECIPES
 
 
-def test_unknown_model_preset_lists_available(compose):
-    with pytest.raises(MissingConfigException, match=r"(?s)model/nanoo.*gpt2-124m.*nano"):
+def test_unknown_model_preset_names_the_nearest(compose):
+    with pytest.raises(MissingConfigException, match=r"model option named 'nanoo'.*nano"):
         compose(["model=nanoo"])
 
 

@@ -8,7 +8,8 @@ running cuDNN or flash attention on Hopper; fp8 Linears (torchao, real fp8 GEMMs
 bf16's loss for 20 steps; an async checkpoint staged from GPU memory loading back bit-exactly;
 ``parallel.offload=params`` training from pinned host copies; tools/bench_gpu.py running one
 cell; ``tools/plan.py --simulate`` of a 1.3B rank on the CUDA build within 10% of the
-planner for forward/backward and for the optimizer step."""
+planner for forward/backward and for the optimizer step; a CUDA memory snapshot at a chosen step
+and on an out-of-memory error."""
 
 from __future__ import annotations
 
@@ -220,3 +221,36 @@ def test_simulate_a_1_3b_rank_within_10_percent_of_the_planner():
     ratio = result["measured_over_planner"]
     assert ratio["step_peak_bytes"] == pytest.approx(1.0, abs=0.1), result
     assert ratio["optimizer_step_peak_bytes"] == pytest.approx(1.0, abs=0.1), result
+
+
+def test_a_memory_snapshot_is_dumped_at_a_chosen_step_and_on_an_oom(markov_root, tmp_path):
+    """profile.memory_snapshot (train/services/memory_snapshot.py): torch's allocator history
+    dumped after step 2 (what pytorch.org/memory_viz reads: segments, and trace events with
+    their Python frames), and again when an allocation fails."""
+    import pickle
+    from types import SimpleNamespace
+
+    from pretrain.train.services.memory_snapshot import MemorySnapshot
+    from pretrain.train.trainer import run
+
+    cfg = compose_config([*COMMON, f"data.root={markov_root}", f"runs_dir={tmp_path}",
+                          "model=nano", "model.vocab_size=256", "budget.steps=3",
+                          "train.global_batch_size=8", "parallel.micro_batch_size=8",
+                          "profile.memory_snapshot=true", "profile.memory_snapshot_steps=[2]",
+                          "logging.wandb=disabled", "checkpoint.enabled=false"])
+    run(cfg, tmp_path / "run")
+    dumped = sorted(p.name for p in (tmp_path / "run" / "memory").iterdir())
+    assert dumped == ["rank0_step2.pickle"]
+    snap = pickle.loads((tmp_path / "run" / "memory" / "rank0_step2.pickle").read_bytes())
+    assert snap["segments"]
+    events = snap["device_traces"][torch.cuda.current_device()]
+    assert any(e["action"] == "alloc" and e.get("frames") for e in events)
+
+    ctx = SimpleNamespace(cfg=cfg, run_dir=tmp_path / "oom", rank=0)
+    hook = MemorySnapshot(ctx)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # a petabyte
+    finally:
+        hook.close()
+    assert (tmp_path / "oom" / "memory" / "rank0_oom.pickle").stat().st_size > 0

@@ -6,7 +6,8 @@ every rank skips a non-finite step on the device from the global grad norm (all-
 inside clip_grad_norm anyway), and the skip counts are read on steps that sync. Everything else
 that must be global waits for a step that needs it: the training loss is accumulated on the
 device and reduced on logging steps (one all-reduce for the mean since the last log and the
-last step's loss, plus the peak-memory all-reduce), and the stop request (signal, time
+last step's loss, plus the peak-memory all-reduce and the step monitor's all-gather of
+each rank's step time), and the stop request (signal, time
 limit) is agreed on every ``train.stop_check_interval`` steps (one all-reduce). The counts
 come from tests/loop_worker.py, which wraps torch.distributed's collectives and
 ``Tensor.item``/``tolist`` as called from ``pretrain`` code. Before this loop, every step
@@ -65,10 +66,12 @@ def runs(tmp_path_factory, markov_root) -> dict[str, list[dict]]:
 
 
 def loop_cost(step: int) -> int:
-    """Collectives the loop makes after ``step`` (not the last): 2 on a logging step (loss,
-    peak memory), 1 on a stop-check step, none otherwise."""
+    """Collectives the loop makes after ``step`` (not the last): 3 on a logging step (loss,
+    peak memory, the step monitor's per-rank step times), 1 on a stop-check step, none
+    otherwise; after the first step also the barrier before every rank takes the train
+    timeout (train/hang.py)."""
     if step == 1 or step % LOG_EVERY == 0:
-        return 2 + (step % CHECK_EVERY == 0)
+        return 3 + (step % CHECK_EVERY == 0) + (step == 1)
     return int(step % CHECK_EVERY == 0)
 
 

@@ -33,16 +33,6 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
             "BOOT_FAIL", "DEADLINE"}
 
 
-def trainer_checkpoints() -> bool:
-    """The checkpoint/preemption integration (CheckpointManager in the trainer, stop on
-    SIGUSR1 with exit 75) is being added to the trainer; until then its tests skip."""
-    return "CheckpointManager" in (REPO / "src" / "pretrain" / "train" / "trainer.py").read_text()
-
-
-NO_CHECKPOINTS = "the trainer does not checkpoint or stop on SIGUSR1 yet (no CheckpointManager " \
-                 "in src/pretrain/train/trainer.py)"
-
-
 def _sbin_path() -> str:
     return os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 
@@ -182,7 +172,6 @@ def test_launch_submits_a_two_process_gloo_run(slurm, submitted):
     assert sacct_states([str(job)], slurm) == {str(job): "COMPLETED"}  # accounting works
 
 
-@pytest.mark.skipif(not trainer_checkpoints(), reason=NO_CHECKPOINTS)
 def test_submitted_run_writes_a_checkpoint(submitted):
     job, run, info = submitted
     assert info["JobState"] == "COMPLETED"
@@ -242,7 +231,6 @@ def test_usr1_reaches_the_workers_and_the_job_requeues(slurm, tmp_path):
     assert read_result(run) == {"resumed_from": "step_0000003"}
 
 
-@pytest.mark.skipif(not trainer_checkpoints(), reason=NO_CHECKPOINTS)
 def test_preemption_saves_requeues_and_resumes_to_the_same_loss(slurm, work_dir, prepared,
                                                                tmp_path):
     steps, runs = 40, tmp_path / "runs"

@@ -19,7 +19,8 @@ from pretrain.parallel import pipeline
 def test_every_name_written_for_this_torch_is_here():
     """Each name whose use was written for the running torch resolves (CI runs this on
     both tested torches: a name that moved is caught there, not on a cluster)."""
-    here = [k for k in torch_compat.PRIVATE if torch_compat.written_for(k)]
+    here = [k for k in torch_compat.PRIVATE if torch_compat.written_for(k)
+            and (torch.backends.cuda.is_built() or not torch_compat.PRIVATE[k].cuda_build)]
     assert here, torch.__version__
     assert [k for k in here if not torch_compat.has(k)] == []
 

@@ -44,6 +44,7 @@ class Private:
     use: str
     fix: str = (f"install a tested torch ({' or '.join(TESTED)}), or port this use to the "
                 "torch you have (src/pretrain/torch_compat.py)")
+    cuda_build: bool = False  # only a CUDA build of torch has it (the CPU wheel lacks it)
 
 
 _PIPELINE_FIX = ("none needed: pipeline layouts then run torch's own PipelineStage, which "
@@ -142,6 +143,28 @@ PRIVATE: dict[str, Private] = {
         ("torch.cpu:_is_amx_tile_supported",), ("2.11", "2.13"),
         "precision=auto on a CPU (hardware/device.py)",
         "name the precision (precision=bf16 or fp32): precision=auto then takes fp32 here"),
+    "set_pg_timeout": Private(
+        ("torch.distributed.distributed_c10d:_set_pg_timeout",), ("2.11", "2.13"),
+        "comm.train_timeout_s after the first step (train/hang.py; torchtitan's way)",
+        "none needed: every collective then keeps comm.init_timeout_s"),
+    "c10d_world": Private(
+        ("torch.distributed.distributed_c10d:_world",), ("2.11", "2.13"),
+        "every process group of the run, for comm.train_timeout_s (train/hang.py)",
+        "none needed: every collective then keeps comm.init_timeout_s"),
+    "c10d_default_store": Private(
+        ("torch.distributed.distributed_c10d:_get_default_store",), ("2.11", "2.13"),
+        "naming the ranks that did not arrive at a collective that timed out (train/hang.py)"),
+    "record_memory_history": Private(
+        ("torch.cuda.memory:_record_memory_history",), ("2.11", "2.13"),
+        "profile.memory_snapshot (train/services/memory_snapshot.py)"),
+    "dump_snapshot": Private(
+        ("torch.cuda.memory:_dump_snapshot",), ("2.11", "2.13"),
+        "profile.memory_snapshot (train/services/memory_snapshot.py)"),
+    "cuda_oom_observer": Private(
+        ("torch._C:_cuda_attach_out_of_memory_observer",), ("2.11", "2.13"),
+        "a memory snapshot when CUDA runs out of memory (profile.memory_snapshot)",
+        "none needed: the snapshots of profile.memory_snapshot_steps are still written",
+        cuda_build=True),
     "cpu_amx_fp16": Private(
         ("torch.cpu:_is_amx_fp16_supported",), ("2.11", "2.13"),
         "precision=auto on a CPU (hardware/device.py)",

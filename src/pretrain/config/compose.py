@@ -17,6 +17,7 @@ from pretrain.config.naming import (
     MissingOptionError,
     OverrideError,
     check_override_keys,
+    check_override_values,
     check_recipe_overrides,
     check_runs_dir,
     register_resolvers,
@@ -35,6 +36,7 @@ def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:
         raise FileNotFoundError(
             f"no Hydra config directory at {conf_dir}; run the tools from a checkout of the repo"
         )
+    check_override_values(list(overrides), conf_dir)  # the lines train.py prints for them
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         try:
             cfg = compose(config_name="config", overrides=list(overrides),

@@ -24,7 +24,8 @@ NEUTRAL_KEYS = ("recipe", "run_name", "runs_dir", "dry_run", "hydra", "logging",
                 "eval", "checkpoint.resume", "checkpoint.resume_from", "data.num_proc", "data.root",
                 "train.device", "train.sample_tokens", "train.sample_prompt",
                 "train.sample_temperature", "train.sample_top_k", "train.time_limit_minutes",
-                "train.exit_interval", "train.stop_check_interval", "train.gc_interval")
+                "train.exit_interval", "train.stop_check_interval", "train.gc_interval",
+                "profile", "comm")
 
 
 def neutral_keys() -> list[str]:
@@ -205,6 +206,8 @@ class MissingOptionError(OverrideError, MissingConfigException):
 
     def lines(self) -> list[str]:
         first = str(self).splitlines()[0]
+        if "the nearest:" in first or "options:" in first:  # check_override_values's line
+            return [first]
         return [f"{first}; the options: {', '.join(self.options or [])}"]
 
 
@@ -260,3 +263,57 @@ def check_override_keys(overrides: list[str]) -> None:
         raise OverrideError(
             f"{override}: {key} is not a config key{extra}; {hint} (python train.py --cfg "
             "job prints every key; src/pretrain/config/schema.py defines them)")
+
+
+def _choice_type(parts: list[str]) -> type | None:
+    """The Choice enum of the schema key ``parts`` (None: not a Choice key, or no key)."""
+    import typing
+
+    from pretrain.config.choices import Choice
+
+    node: Any = Config
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(node):
+            return None
+        hints = typing.get_type_hints(node)
+        if part not in hints:
+            return None
+        if i == len(parts) - 1:
+            kind = hints[part]
+            options = [a for a in typing.get_args(kind) if isinstance(a, type)] or [kind]
+            return next((k for k in options if isinstance(k, type) and issubclass(k, Choice)),
+                        None)
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        factory = fields[part].default_factory
+        node = factory if callable(factory) and dataclasses.is_dataclass(factory) else None
+    return None
+
+
+def check_override_values(overrides: list[str], conf_dir: Path | None = None) -> None:
+    """Two of Hydra's own errors as one line each, before it composes (Hydra prints them as
+    many lines and exits 1): a config group option or recipe that does not exist
+    (``+recipe=nonexistent``, ``model=gpt5``: the three nearest names), and a value outside a key's closed set (``model.norm=batchnorm``: the
+    options)."""
+    from pretrain.config.paths import CONF_DIR
+
+    conf = Path(conf_dir or CONF_DIR)
+    for override in overrides:
+        key, eq, value = override.lstrip("+~").partition("=")
+        if not eq or not value or value.startswith("${") or key.startswith("hydra"):
+            continue
+        group = conf / key
+        if "." not in key and group.is_dir():
+            options = sorted(p.stem for p in group.glob("*.yaml"))
+            if value not in options:
+                near = difflib.get_close_matches(value, options, n=3, cutoff=0.0)
+                what = "recipe" if key == "recipe" else f"{key} option"
+                where = "recipes/" if key == "recipe" else f"conf/{key}/"
+                hint = f"the nearest: {', '.join(near)} (all {len(options)}: ls {where})"
+                raise MissingOptionError(f"{override}: no {what} named {value!r} in {where}; "
+                                         f"{hint}", None, options)
+            continue
+        choice = _choice_type(key.split(".")) if _PLAIN_KEY.fullmatch(key) else None
+        if choice is not None and value not in choice.__members__:
+            options = list(choice.__members__)
+            raise OverrideError(f"{override}: {value!r} is not a value of {key}; the options: "
+                                f"{', '.join(options)}")

@@ -42,6 +42,7 @@ from pretrain.config.choices import (  # re-exported: schema is where users impo
 from pretrain.config.choices import Choice as Choice  # noqa: I001 re-exported
 from pretrain.config.data_schema import DataConfig, MixtureSource, MixtureStage  # noqa: F401 re-exported
 from pretrain.config.ramp_schema import BatchRampConfig
+from pretrain.config.observe_schema import CommConfig, ProfileConfig
 from pretrain.errors import UserError
 
 
@@ -284,6 +285,9 @@ class LoggingConfig:
     wandb_project: str = "pretrain-recipes"
     wandb_entity: str | None = None
     progress_bar: bool | None = None  # None: only on an interactive terminal
+    # Each logging step names the slowest rank when its step time is more than this share
+    # above the other ranks' median (train/services/step_monitor.py); 0: never named.
+    straggler_share: float = 0.2
 
 
 @dataclass
@@ -424,6 +428,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     run_name: str = "default"
     runs_dir: str = "runs"
     # Print the resolved plan as one JSON line and exit without training.

@@ -64,6 +64,7 @@ def check(cfg: Config, world_size: int | None = None) -> None:
     p.extend(mixture_problems(cfg.data, cfg.schedule.decay))
     _check_tasks(cfg, p)
     _check_stability(cfg, p)
+    _check_profile(cfg, p)
     if (not cfg.data.mixture and cfg.data.tokenizer == "bpe"
             and cfg.data.tokenizer_vocab_size > cfg.model.vocab_size):
         p.append(f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size} exceeds "
@@ -76,12 +77,41 @@ def check(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(p)
 
 
+def head_suggestion(d_model: int) -> str:
+    """A head count that divides ``d_model``, its heads nearest 64 wide (GPT's):
+    ``12 heads of 64`` for 768, ``2 heads of 50`` for 100."""
+    heads = min((h for h in range(1, d_model + 1) if d_model % h == 0),
+                key=lambda h: (abs(d_model // h - 64), h))
+    return f"{heads} head{'s' if heads > 1 else ''} of {d_model // heads}"
+
+
+def device_problems(cfg: Config, device) -> None:
+    """Keys the run's device cannot serve, refused before any work: a CUDA memory
+    snapshot on a CPU run."""
+    if cfg.profile.memory_snapshot and device.type != "cuda":
+        raise ConfigError([f"profile.memory_snapshot=true needs a CUDA device (this run's is "
+                           f"{device.type}): it records CUDA's caching allocator; drop the "
+                           "key, or run on a GPU"])
+
+
+def _check_profile(cfg: Config, p: list[str]) -> None:
+    """The profiler's window and activities."""
+    pr = cfg.profile
+    if pr.active < 1 or min(pr.wait, pr.warmup, pr.repeat, pr.skip_first) < 0:
+        p.append(f"profile.active={pr.active} must be at least 1 and profile.wait, warmup, "
+                 "repeat, skip_first at least 0")
+    if bad := [a for a in pr.activities if a not in ("cpu", "cuda")]:
+        p.append(f"profile.activities has {bad}: the activities are cpu and cuda")
+    if cfg.comm.init_timeout_s <= 0 or cfg.comm.train_timeout_s <= 0:
+        p.append("comm.init_timeout_s and comm.train_timeout_s must be positive (seconds)")
+
+
 def _check_model(cfg: Config, p: list[str]) -> None:
     """The model's shape: heads against width, KV heads against heads, RoPE's head size."""
     m = cfg.model
     if m.n_head > 0 and m.d_model > 0 and m.d_model % m.n_head:
         p.append(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}; "
-                 f"pick a head count that divides it (e.g. {m.d_model // 64 or 1} heads of 64)")
+                 f"pick a head count that divides it (e.g. {head_suggestion(m.d_model)})")
     kv = m.n_kv_head or m.n_head
     if kv <= 0 or (m.n_head > 0 and m.n_head % kv):
         p.append(f"model.n_kv_head={m.n_kv_head} must be positive and divide "

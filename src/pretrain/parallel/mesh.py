@@ -27,10 +27,11 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 
-def init_distributed(device: torch.device, timeout_minutes: float = 30) -> torch.device:
+def init_distributed(device: torch.device, timeout_s: float = 600) -> torch.device:
     """Join the process group torchrun/srun described in the environment (a group of one
     without a launcher); return this rank's device (cuda:LOCAL_RANK on GPUs). NCCL on
-    CUDA, gloo on CPU."""
+    CUDA, gloo on CPU. ``timeout_s``: every collective's until the run shortens it after
+    its first step (comm.init_timeout_s, then comm.train_timeout_s: train/hang.py)."""
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -40,7 +41,7 @@ def init_distributed(device: torch.device, timeout_minutes: float = 30) -> torch
         alone = "WORLD_SIZE" not in os.environ
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
             **({"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}),
         )

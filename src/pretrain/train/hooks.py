@@ -18,6 +18,7 @@ uninterrupted one would.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,27 @@ import torch
 from pretrain.config.schema import Config
 from pretrain.parallel.layout import Layout
 from pretrain.train.train_module import TrainModule
+
+
+@dataclass
+class StepTiming:
+    """This rank's host clock for the current step (``time.perf_counter`` seconds), set by
+    the loop: when the step began (before its batch was read), how long it waited for the
+    batch, and when its forward began (after the hooks' ``before_step``)."""
+
+    start: float = 0.0
+    data_wait: float = 0.0
+    ready: float = 0.0
+
+    def fetch(self, read: Callable[[], Any], then: Callable[[], None]) -> Any:
+        """A new step: ``read()`` (its batch), timed as the data wait, then ``then()`` (the
+        hooks' ``before_step``); the forward begins after it."""
+        self.start = time.perf_counter()
+        out = read()
+        self.data_wait = time.perf_counter() - self.start
+        then()
+        self.ready = time.perf_counter()
+        return out
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,9 @@ class LoopContext:
     _samples: Callable[[], int] | None = field(default=None, repr=False)
     _batches: Any = field(default=None, repr=False)
     _sink: list = field(default_factory=lambda: [None], repr=False)
+    run_dir: Path | None = None  # where the run writes (traces, snapshots)
+    timing: StepTiming = field(default_factory=StepTiming)
+    rank: int = 0  # this process's global rank
 
     @property
     def step(self) -> int:

@@ -161,11 +161,17 @@ def memory_metrics(device: torch.device, max_over_ranks) -> dict[str, float | No
     """Peak memory of the fullest rank (``max_over_ranks``: an in-place max all-reduce):
     allocated (CUDA) or peak RSS (CPU), and reserved by the caching allocator (CUDA)."""
     reserved = peak_reserved_bytes(device)
-    peak = torch.tensor([float(peak_memory_bytes(device)), float(reserved or 0)],
-                        device=device)
-    allocated, reserved_max = max_over_ranks(peak).tolist()
+    cuda = device.type == "cuda"
+    # the caching allocator's retries (a full cache freed and the allocation tried again: a
+    # sign of fragmentation near the memory limit) and out-of-memory errors, since start
+    stats = torch.cuda.memory_stats(device) if cuda else {}
+    peak = torch.tensor([float(peak_memory_bytes(device)), float(reserved or 0),
+                         float(stats.get("num_alloc_retries", 0)),
+                         float(stats.get("num_ooms", 0))], device=device)
+    allocated, reserved_max, retries, ooms = max_over_ranks(peak).tolist()
     return {"memory_gb": allocated / 1e9,
-            "memory_reserved_gb": reserved_max / 1e9 if reserved is not None else None}
+            "memory_reserved_gb": reserved_max / 1e9 if reserved is not None else None,
+            **({"alloc_retries": int(retries), "ooms": int(ooms)} if cuda else {})}
 
 # The run directory's wandb run id, kept beside metrics.jsonl.
 WANDB_ID = "wandb_id"
@@ -207,6 +213,7 @@ def format_metrics(m: dict[str, Any]) -> str:
         "memory_gb": "mem {:.2f} GB", "memory_reserved_gb": "reserved {:.2f} GB",
         "loss_scale": "scale {:g}",
         "noise_scale": "noise scale {:,.0f} tok",
+        "step_time_s": "step {:.3f} s", "data_wait_share": "data wait {:.0%}",
     }
     for key, f in fmt.items():
         if m.get(key) is not None:
@@ -224,6 +231,12 @@ def format_metrics(m: dict[str, Any]) -> str:
             parts.append(f"{name} acc {acc:.3f}" + (f" ({norm:.3f} norm)" if norm is not None
                                                     else "")
                          + (f" {bpb:.3f} bpb" if bpb is not None else ""))
+    if m.get("slowest_rank") is not None:  # a straggler (train/services/step_monitor.py)
+        parts.append(f"slowest rank {m['slowest_rank']} ({m['step_time_max_s']:.3f} s)")
+    if m.get("alloc_retries"):
+        parts.append(f"{m['alloc_retries']} alloc retries")
+    if m.get("ooms"):
+        parts.append(f"{m['ooms']} OOMs")
     if m.get("z_loss") is not None:
         parts.append(f"z_loss {m['z_loss']:.2e}")
     if m.get("skipped_steps"):

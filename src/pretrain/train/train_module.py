@@ -54,21 +54,23 @@ class Place:
     mesh: Meshes | None  # None: one process without a process group
     rank0: bool  # the one voice of the log and the one writer of files
     dp_rank: int  # which slice of each global batch this rank reads
+    rank: int = 0  # the global rank
 
 
-def join(layout: Layout, device: torch.device, policy: Policy, world_size: int) -> Place:
+def join(layout: Layout, device: torch.device, policy: Policy, world_size: int,
+         comm=None) -> Place:
     """The process group and device mesh (several processes; one process too whenever it
     is not ``Layout.one_device``: with ``parallel.offload=params`` FSDP2 is what brings the
     host's parameters to the GPU for each block; without the group an offloaded run kept its
     weights on the host while its batches went to the GPU: "index is on cuda:0, different
     from other tensors on cpu"), and this rank's place in them. One process otherwise runs
-    without a process group or wrapper."""
+    without a process group or wrapper. ``comm``: the run's timeouts (comm.*)."""
     mesh = None
     if world_size > 1 or not layout.one_device:
-        device = dist_env.init_distributed(device)
+        device = dist_env.init_distributed(device, comm.init_timeout_s if comm else 600.0)
         mesh = dist_env.build_mesh(layout, device)
     dp_rank = mesh.dp.get_local_rank() if mesh is not None else 0
-    return Place(device, mesh, dist_env.is_rank0(), dp_rank)
+    return Place(device, mesh, dist_env.is_rank0(), dp_rank, dist_env.rank())
 
 
 def max_over_ranks(value: torch.Tensor) -> torch.Tensor:

@@ -25,12 +25,14 @@ from pretrain.checkpoint.folder import on_rank0
 from pretrain.config.schema import Config
 from pretrain.data.prefetch import Prefetcher
 from pretrain.data.run_data import mixture_training_data, require_prepared, training_data
+from pretrain.decision.checks import device_problems
 from pretrain.decision.resolve import announce, dry_run, resolve_run
 from pretrain.hardware.device import keep_freed_memory
 from pretrain.train.batches import Batches
 from pretrain.train.checkpointing import Checkpointing
 from pretrain.train.evaluation import validation
-from pretrain.train.hooks import LoopContext
+from pretrain.train.hang import CollectiveWatch
+from pretrain.train.hooks import LoopContext, StepTiming
 from pretrain.train.metrics import (
     LossWindow,
     MetricsLogger,
@@ -66,6 +68,7 @@ class Trainer:
         self.cfg, self.decision, self.budget = run.cfg, run.decision, run.budget
         self.plan = run.plan
         self.device, self.policy, self.layout = run.device, run.policy, run.layout
+        device_problems(cfg, self.device)  # a key this device cannot serve, before any work
         self.world_size = run.world_size
         self.step = self.samples_seen = 0
         self.batches = Batches.of(run)  # each step's batch (a ramp's) and the budget's end
@@ -75,6 +78,8 @@ class Trainer:
         self.prefetch = self.lock = None
         self.hooks: list = []  # services.build_hooks, once the train module exists
         self.ctx: LoopContext | None = None  # what the hooks see of the run
+        self.timing = StepTiming()  # this step's host clock (hooks.StepTiming)
+        self.watch = CollectiveWatch(cfg.comm)  # collective timeouts (hang.py)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -84,8 +89,9 @@ class Trainer:
         from a checkpoint (or start afresh) and open the metrics."""
         if self.world_size > 1:
             require_prepared(self.cfg)  # before the process group: every rank fails at once
-        place = join(self.layout, self.device, self.policy, self.world_size)
+        place = join(self.layout, self.device, self.policy, self.world_size, self.cfg.comm)
         self.place, self.device, self.rank0 = place, place.device, place.rank0
+        self.watch.start()
         if not self.rank0:  # one voice: the other ranks report only warnings and errors
             log.setLevel(logging.WARNING)
         if self.device.type == "cuda":
@@ -146,7 +152,8 @@ class Trainer:
             layout=self.layout, dp_rank=self.place.dp_rank, world_size=self.world_size,
             total_steps=self.batches.total_steps, batch_tokens=self.budget.global_batch_tokens,
             tokenizer=self.train_data.path / "tokenizer.json", logs=self.logging_step,
-            _step=lambda: self.step, _samples=lambda: self.samples_seen, _batches=self.batches)
+            _step=lambda: self.step, _samples=lambda: self.samples_seen, _batches=self.batches,
+            run_dir=self.run_dir, timing=self.timing, rank=self.place.rank)
 
     def _start_run(self) -> None:
         """The run directory (this attempt not stopped, the tokenizer beside the
@@ -206,11 +213,11 @@ class Trainer:
 
     def train_step_local(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the global batch (``TrainModule.step``); returns (this
-        rank's share of the loss, not reduced; the global grad norm), device tensors. The
-        hooks' ``before_step`` first (the noise scale arms its measurement there)."""
+        rank's share of the loss, not reduced; the global grad norm), device tensors; the
+        hooks' ``before_step`` before its forward (the noise scale arms its measurement there)."""
         batch = self.batches.next(self.samples_seen)
-        x, y = self._local_batch()
-        self._call_hooks("before_step")
+        # the batch (its wait timed: hooks.StepTiming), then the hooks' before_step
+        x, y = self.timing.fetch(self._local_batch, then=lambda: self._call_hooks("before_step"))
         loss, grad_norm, _ = self.module.step(x, y, self.step + 1,
                                               samples_after=self.samples_seen + batch)
         self.samples_seen += self.batches.took(batch)
@@ -244,18 +251,20 @@ class Trainer:
             return self._exit_stopped(stopped)
         if self.validation is not None and self.rank0:
             self.validation.describe()
-        try:
-            self._call_hooks("start")
-            self._evaluate_at_start()
-            window, clock = LossWindow(self.device), Throughput()
-            stopped = None
-            while not self.finished and stopped is None:
-                stopped = self._train_one(window, clock)
-            if stopped is not None:
-                return self._exit_stopped(stopped)
-            return self._finish(window.final)
-        finally:
-            self._close_hooks()
+        with self.watch.watching(lambda: self.step + 1):  # a collective timed out: exit 76
+            try:
+                self._call_hooks("start")
+                self._evaluate_at_start()
+                window, clock = LossWindow(self.device), Throughput()
+                stopped = None
+                while not self.finished and stopped is None:
+                    stopped = self._train_one(window, clock)
+                    self.watch.after_first_step()
+                if stopped is not None:
+                    return self._exit_stopped(stopped)
+                return self._finish(window.final)
+            finally:
+                self._close_hooks()
 
     def _call_hooks(self, point: str, sink: dict | None = None) -> None:
         """Every service's ``point`` (hooks.Hook), in services.build_hooks's order; what
@@ -364,9 +373,10 @@ class Trainer:
         self.metrics.close()
         return result
 
-    def close(self) -> None:
+    def close(self, leave_group: bool = True) -> None:
         """Give back what setup took, whatever happened: signal handlers, the hooks, the
-        read-ahead thread, the checkpoint worker, the run lock, the process group."""
+        read-ahead thread, the checkpoint worker, the run lock, the process group (unless
+        not ``leave_group``: a test running several layouts in one)."""
         self.stop_request.restore()
         self._close_hooks()
         if self.prefetch is not None:
@@ -375,7 +385,8 @@ class Trainer:
             self.ckpt.close()
         if self.lock is not None:
             self.lock.release()
-        leave()
+        if leave_group:
+            leave()
 
 
 def run(cfg: Config, run_dir: Path) -> dict | None:

@@ -1,0 +1,19 @@
+"""One training run (trainer.run) of a composed config, in each process torchrun started:
+``torchrun --nproc_per_node=N tests/observe_worker.py SPEC`` (SPEC: helpers.write_spec's
+file, {"cfg": Config, "run_dir": path}). The log at INFO on stderr, as train.py's is."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from helpers import read_spec
+
+from pretrain.train.trainer import run
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    spec = read_spec(sys.argv[1])
+    result = run(spec["cfg"], Path(spec["run_dir"]))
+    sys.exit(result.get("exit_code", 0) if result else 0)
