@@ -41,8 +41,8 @@ from pretrain.config.choices import (  # re-exported: schema is where users impo
 )
 from pretrain.config.choices import Choice as Choice  # noqa: I001 re-exported
 from pretrain.config.data_schema import DataConfig, MixtureSource, MixtureStage  # noqa: F401 re-exported
-from pretrain.config.ramp_schema import BatchRampConfig
 from pretrain.config.observe_schema import CommConfig, ProfileConfig
+from pretrain.config.ramp_schema import BatchRampConfig
 from pretrain.errors import UserError
 
 

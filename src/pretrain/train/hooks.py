@@ -182,3 +182,16 @@ def register(order: int) -> Callable[[Factory], Factory]:
 def registered() -> list[Factory]:
     """The registered factories, in their order (ties: by name, for a fixed order)."""
     return [f for _, (_, f) in sorted(REGISTRY.items(), key=lambda kv: (kv[1][0], kv[0]))]
+
+
+def call_hooks(hooks: list[Hook], ctx: LoopContext, point: str, sink: dict | None) -> None:
+    """Every hook's ``point``, in order; what they ``record`` goes into ``sink`` (None:
+    nothing is kept at this point)."""
+    if not hooks:
+        return
+    collecting = ctx.collecting(sink)
+    try:
+        for hook in hooks:
+            getattr(hook, point)(collecting)
+    finally:
+        collecting.collecting(None)

@@ -7,9 +7,8 @@ optimizer, schedule, loss scaler, step strategy), resume or start, then loop: ba
 ramp's), evaluation.py (every source's validation loss), metrics.py (loss window, throughput,
 MFU, sinks), checkpoint/ (saving, resume), preemption.py (stop, save, requeue), and the
 services on the hook seam (hooks.py: each sees a ``LoopContext``, never the trainer; the
-services/ package holds them: noise scale, MoE expert load, garbage collection, spike
-window, tasks, the sample, update ratios). The loop asks nothing about the layout and
-imports nothing from ``parallel/`` (tests/test_architecture.py). Rank 0 alone logs."""
+services/ package holds them). The loop asks nothing about the layout and imports nothing
+from ``parallel/`` (tests/test_architecture.py). Rank 0 alone logs."""
 
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from pretrain.train.batches import Batches
 from pretrain.train.checkpointing import Checkpointing
 from pretrain.train.evaluation import validation
 from pretrain.train.hang import CollectiveWatch
-from pretrain.train.hooks import LoopContext, StepTiming
+from pretrain.train.hooks import LoopContext, StepTiming, call_hooks
 from pretrain.train.metrics import (
     LossWindow,
     MetricsLogger,
@@ -267,22 +266,12 @@ class Trainer:
                 self._close_hooks()
 
     def _call_hooks(self, point: str, sink: dict | None = None) -> None:
-        """Every service's ``point`` (hooks.Hook), in services.build_hooks's order; what
-        they ``record`` goes into ``sink`` (None: nothing is kept at this point)."""
-        if not self.hooks:
-            return
-        ctx = self.ctx.collecting(sink)
-        try:
-            for hook in self.hooks:
-                getattr(hook, point)(ctx)
-        finally:
-            ctx.collecting(None)
+        call_hooks(self.hooks, self.ctx, point, sink)  # in services.build_hooks's order
 
     def _close_hooks(self) -> None:
         """Once, at the end of fit or in close (whichever comes first)."""
-        hooks, self.hooks = self.hooks, []
-        for hook in hooks:
-            hook.close()
+        while self.hooks:
+            self.hooks.pop(0).close()
 
     def _train_one(self, window: LossWindow, clock: Throughput) -> str | None:
         """One step of fit's loop: train, log (on logging steps; the hooks' step_end in
