@@ -33,9 +33,9 @@ def pinned(tmp_path: Path, **kw) -> tuple[DataConfig, Path]:
     return cfg, whl
 
 
-def test_the_same_wheel_is_the_same_bytes():
-    a = make_wheel(Path("/tmp") / "wheels-a", "pkg", "1.0", FILES)
-    b = make_wheel(Path("/tmp") / "wheels-b", "pkg", "1.0", FILES)
+def test_the_same_wheel_is_the_same_bytes(tmp_path):
+    a = make_wheel(tmp_path / "wheels-a", "pkg", "1.0", FILES)
+    b = make_wheel(tmp_path / "wheels-b", "pkg", "1.0", FILES)
     assert sha256(a) == sha256(b)
 
 
