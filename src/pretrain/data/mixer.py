@@ -108,18 +108,9 @@ class BatchMixer:
     def layout(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, index within the source) of each of batch b's positions."""
         if b not in self._cache:
-            counts = self.counts(b)
-            labels = np.repeat(np.arange(len(counts)), counts)
-            labels = labels[np.random.default_rng([self.seed, MIX_KEY, b]).permutation(
-                self.batch)]
-            local = np.empty(self.batch, dtype=np.int64)
-            start = self.before(b)
-            for s in range(len(counts)):
-                pos = np.flatnonzero(labels == s)
-                local[pos] = start[s] + np.arange(len(pos))
             if len(self._cache) > 8:
                 self._cache.clear()
-            self._cache[b] = labels, local
+            self._cache[b] = shuffled_layout(self.seed, b, self.counts(b), self.before(b))
         return self._cache[b]
 
 
@@ -187,16 +178,22 @@ class RampMixer:
     def layout(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, index within the source) of each of batch b's positions."""
         if b not in self._cache:
-            counts = self.counts(b)
-            size = int(counts.sum())
-            labels = np.repeat(np.arange(len(counts)), counts)
-            labels = labels[np.random.default_rng([self.seed, MIX_KEY, b]).permutation(size)]
-            local = np.empty(size, dtype=np.int64)
-            start = self.befores[b]
-            for s in range(len(counts)):
-                pos = np.flatnonzero(labels == s)
-                local[pos] = start[s] + np.arange(len(pos))
             if len(self._cache) > 8:
                 self._cache.clear()
-            self._cache[b] = labels, local
+            self._cache[b] = shuffled_layout(self.seed, b, self.counts(b), self.befores[b])
         return self._cache[b]
+
+
+def shuffled_layout(seed: int, b: int, counts: np.ndarray, start: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(source, index within the source) of each position of batch ``b``, which holds
+    ``counts`` samples of each source, the source's first being its ``start``: the sources'
+    samples in a shuffle that is a pure function of (seed, b)."""
+    size = int(counts.sum())
+    labels = np.repeat(np.arange(len(counts)), counts)
+    labels = labels[np.random.default_rng([seed, MIX_KEY, b]).permutation(size)]
+    local = np.empty(size, dtype=np.int64)
+    for s in range(len(counts)):
+        pos = np.flatnonzero(labels == s)
+        local[pos] = start[s] + np.arange(len(pos))
+    return labels, local

