@@ -14,7 +14,7 @@ from pretrain.analysis.backtest import TOLERANCE, backtest, max_ratio, predict_w
 from pretrain.analysis.ladder_design import problems, render
 from pretrain.analysis.runs import RunPoint
 from pretrain.tools import scaling_law
-from tests.test_ladder_design import design
+from test_ladder_design import design
 
 WIDTHS = (16, 24, 32, 48, 60, 72)
 TPP = (3, 6, 12, 24, 48)
