@@ -21,6 +21,11 @@ for _key, _value in {
     "TOKENIZERS_PARALLELISM": "false",
 }.items():
     os.environ.setdefault(_key, _value)
+# A pytest-xdist worker (README's ``-n auto``: one a core) runs with one OpenMP thread, and so
+# does every process it starts: two workers each running a team of 2 threads on 2 cores
+# spin-wait for each other (a 7-second train.py run took 28 s beside another worker).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 from helpers import (  # noqa: E402
@@ -105,3 +110,48 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+# README's test command runs the suite in parallel (``-n auto``, pytest-xdist). Almost every
+# test holds one core (one intra-op thread, as torchrun gives each rank), so on the 2-core CI
+# machine one process left a core idle: 28 min serial, about 19 with two workers.
+MAX_WORKERS = 8  # a multi-rank test starts up to 8 processes of its own; each worker ~1 GB
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one worker per core, at most MAX_WORKERS; none for the gpu tier
+    (``-m gpu``: its tests share the one GPU and some time it) or when
+    PYTEST_XDIST_AUTO_NUM_WORKERS says otherwise."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    if "gpu" in (config.option.markexpr or ""):
+        return 0
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config) -> None:
+    """Under ``-n``, ``--dist worksteal`` unless ``--dist`` says otherwise: an idle worker takes
+    tests queued for a busy one, so one long multi-rank test does not leave a core idle at the
+    end. (Whole files to a worker, ``--dist loadfile``, builds each module fixture once, but
+    its scheduler stops the whole run with an INTERNALERROR when a worker dies, pytest-xdist
+    3.8.0: a test that aborts the process must be a failure of that test, not of the run.)"""
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "no":
+        config.option.dist = "worksteal"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Name what the tests marked ``slurm`` did, so a CI log shows the Slurm tests passed
+    rather than skipped (quiet output shows only dots)."""
+    seen: dict[str, str] = {}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for rep in terminalreporter.stats.get(outcome, []):
+            if "slurm" in getattr(rep, "keywords", {}) and rep.nodeid not in seen:
+                seen[rep.nodeid] = outcome
+    if seen:
+        tally = ", ".join(f"{sum(v == o for v in seen.values())} {o}"
+                          for o in ("passed", "failed", "skipped", "error")
+                          if o in seen.values())
+        terminalreporter.write_line(f"Slurm tests: {tally}")
+        for nodeid, outcome in sorted(seen.items()):
+            terminalreporter.write_line(f"  {outcome} {nodeid}")

@@ -20,10 +20,28 @@ def test_first_two_commands_set_up_then_train_and_test():
         # torch is installed, pinned, before the project, so pip never resolves another one
         assert cmd.index("pip install torch==2.13.0") < cmd.index("pip install -e")
     assert train.endswith("python train.py")
-    assert test.endswith("pytest -q")
+    assert test.endswith("pytest -q -n auto")
 
 
 def test_ci_runs_the_readme_test_command():
     _, test = readme_commands()
     ci = (REPO / ".ci" / "run").read_text()
     assert test in ci.splitlines()
+
+
+def test_the_gpu_tier_runs_in_one_process_and_the_suite_one_worker_a_core(monkeypatch):
+    """README's ``-n auto``: one worker per core up to conftest.MAX_WORKERS, and none under
+    ``-m gpu`` (those tests share one GPU and some of them time it)."""
+    import os
+    from types import SimpleNamespace
+
+    import conftest
+
+    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+    config = SimpleNamespace(option=SimpleNamespace(markexpr="gpu"))
+    assert conftest.pytest_xdist_auto_num_workers(config) == 0
+    config.option.markexpr = "not slow"
+    cores = len(os.sched_getaffinity(0))
+    assert conftest.pytest_xdist_auto_num_workers(config) == min(cores, conftest.MAX_WORKERS)
+    monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "3")
+    assert conftest.pytest_xdist_auto_num_workers(config) == 3
