@@ -118,6 +118,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 MAX_WORKERS = 8  # a multi-rank test starts up to 8 processes of its own; each worker ~1 GB
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the GPU box may not have xdist
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto``: one worker per core, at most MAX_WORKERS; none for the gpu tier
     (``-m gpu``: its tests share the one GPU and some time it) or when

@@ -9,12 +9,12 @@ import math
 
 import numpy as np
 import pytest
+from test_ladder_design import design
 
 from pretrain.analysis.backtest import TOLERANCE, backtest, max_ratio, predict_with_interval
 from pretrain.analysis.ladder_design import problems, render
 from pretrain.analysis.runs import RunPoint
 from pretrain.tools import scaling_law
-from test_ladder_design import design
 
 WIDTHS = (16, 24, 32, 48, 60, 72)
 TPP = (3, 6, 12, 24, 48)

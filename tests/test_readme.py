@@ -45,3 +45,15 @@ def test_the_gpu_tier_runs_in_one_process_and_the_suite_one_worker_a_core(monkey
     assert conftest.pytest_xdist_auto_num_workers(config) == min(cores, conftest.MAX_WORKERS)
     monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "3")
     assert conftest.pytest_xdist_auto_num_workers(config) == 3
+
+
+def test_the_tests_run_without_pytest_xdist():
+    """The GPU box has its own packages and no index: ``pytest -m gpu`` there must not need
+    pytest-xdist (conftest's xdist hook is optional)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-q",
+                           "-p", "no:cacheprovider", "--collect-only", "tests/test_readme.py"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
