@@ -114,7 +114,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 # README's test command runs the suite in parallel (``-n auto``, pytest-xdist). Almost every
 # test holds one core (one intra-op thread, as torchrun gives each rank), so on the 2-core CI
-# machine one process left a core idle: 28 min serial, about 19 with two workers.
+# machine one process left a core idle: 28 min serial, 16-20 with two workers.
 MAX_WORKERS = 8  # a multi-rank test starts up to 8 processes of its own; each worker ~1 GB
 
 
@@ -125,7 +125,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
     PYTEST_XDIST_AUTO_NUM_WORKERS says otherwise."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
-    if "gpu" in (config.option.markexpr or ""):
+    mark = config.option.markexpr or ""
+    if "gpu" in mark and "not gpu" not in mark:
         return 0
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
 

@@ -40,6 +40,9 @@ def test_the_gpu_tier_runs_in_one_process_and_the_suite_one_worker_a_core(monkey
     monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
     config = SimpleNamespace(option=SimpleNamespace(markexpr="gpu"))
     assert conftest.pytest_xdist_auto_num_workers(config) == 0
+    config.option.markexpr = "not gpu"
+    cores = len(os.sched_getaffinity(0))
+    assert conftest.pytest_xdist_auto_num_workers(config) == min(cores, conftest.MAX_WORKERS)
     config.option.markexpr = "not slow"
     cores = len(os.sched_getaffinity(0))
     assert conftest.pytest_xdist_auto_num_workers(config) == min(cores, conftest.MAX_WORKERS)
