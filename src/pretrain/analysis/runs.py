@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretrain.analysis.corpus import corpus_tokens
@@ -34,6 +34,19 @@ class RunPoint:
     data_tokens: float | None = None
     # optimizer steps from the start (a branch's include its source's); None: unknown
     steps: int | None = None
+    # N in other counts than the one fitted ("non_embedding", "flops"), where known: the
+    # fit policy tries each (analysis/policy.py)
+    counts: dict[str, float] = field(default_factory=dict)
+    # a table's other columns (dataset, lr, ...), to select the ladder with
+    fields: dict[str, str] = field(default_factory=dict)
+
+    def count(self, name: str) -> float | None:
+        """N in the count ``name`` (``total`` is ``n_params``); None when not known."""
+        return self.n_params if name == "total" else self.counts.get(name)
+
+    @property
+    def tokens_per_param(self) -> float:
+        return self.tokens / self.n_params
 
 
 # -- collecting runs ------------------------------------------------------------------------
@@ -54,10 +67,15 @@ def finished_runs(root: Path | str, key="final_val_loss") -> Iterator[tuple[Path
         yield result_path.parent, plan, result
 
 
+TABLE_COUNTS = {"n_params_non_embedding": "non_embedding", "flops_per_token": "flops"}
+
+
 def read_points(path: Path | str) -> list[RunPoint]:
     """Published or other outside runs from a CSV file with the columns ``n_params``,
     ``tokens`` and ``loss`` (lines starting with ``#`` are comments, for the source);
-    C = 6 N D as for this project's runs."""
+    C = 6 N D as for this project's runs. Optional columns: ``name``, ``steps``,
+    ``n_params_non_embedding`` and ``flops_per_token`` (other counts of N the fit policy may
+    try), and any others (a group such as ``dataset``, ``lr``), kept to select rows with."""
     import csv
 
     lines = [ln for ln in Path(path).read_text().splitlines() if not ln.startswith("#")]
@@ -66,9 +84,17 @@ def read_points(path: Path | str) -> list[RunPoint]:
     if missing:
         raise ValueError(f"{path}: needs the columns n_params, tokens, loss (missing "
                          f"{', '.join(sorted(missing))})")
-    return [RunPoint(f"{Path(path).stem}:{i}", float(r["n_params"]), float(r["tokens"]),
-                     run_compute(float(r["n_params"]), float(r["tokens"])), float(r["loss"]))
-            for i, r in enumerate(rows)]
+    points = []
+    for i, r in enumerate(rows):
+        n, d = float(r["n_params"]), float(r["tokens"])
+        counts = {name: float(r[col]) for col, name in TABLE_COUNTS.items() if r.get(col)}
+        if "flops" in counts:  # per-token training FLOPs -> the N that makes C = 6 N D
+            counts["flops"] /= FLOPS_PER_PARAM_TOKEN
+        points.append(RunPoint(
+            r.get("name") or f"{Path(path).stem}:{i}", n, d, run_compute(n, d), float(r["loss"]),
+            steps=int(float(r["steps"])) if r.get("steps") else None, counts=counts,
+            fields={k: v for k, v in r.items() if k and v is not None}))
+    return points
 
 
 def without_short_runs(points: list[RunPoint], min_steps: int) -> tuple[list[RunPoint],
@@ -110,6 +136,10 @@ def plan_params(plan: dict, count: str = "total") -> float:
     raise ValueError(f"count {count!r}: use one of {', '.join(COUNTS)}")
 
 
+def _has_count(plan: dict, count: str) -> bool:
+    return {"non_embedding": "n_params_non_embedding", "flops": "flops_per_token"}[count] in plan
+
+
 def collect_runs(root: Path | str, key: str = "final_val_loss",
                  count: str = "total") -> list[RunPoint]:
     """Every finished run under ``root``: a directory holding ``result.json`` (written only
@@ -122,7 +152,10 @@ def collect_runs(root: Path | str, key: str = "final_val_loss",
         n = plan_params(plan, count)
         d = float(result.get("tokens") or plan["tokens"])
         name = str(run_dir.relative_to(root)) if run_dir != root else root.name
+        others = {c: plan_params(plan, c) for c in COUNTS if c not in (count, "total")
+                  and _has_count(plan, c)}
         points.append(RunPoint(name=name, n_params=n, tokens=d, flops=run_compute(n, d),
                                loss=float(result[key]),
-                               data_tokens=corpus_tokens(plan), steps=plan.get("steps")))
+                               data_tokens=corpus_tokens(plan), steps=plan.get("steps"),
+                               counts=others))
     return points

@@ -1,0 +1,185 @@
+"""Predict beyond a ladder by the fit policy (analysis/policy.py): backtest every candidate at
+every ratio the ladder allows, choose the one that predicts the ladder's own top rungs best,
+refuse degenerate fits, and predict each target with an interval widened by the chosen
+candidate's backtest error.
+
+The ratios are 2^(k/2) = 2, 2.8, 4, 5.7, 8, ... up to the largest at which every candidate
+can still be fitted below the cut (a filter that drops runs can make a candidate unfittable
+sooner): each candidate is scored on the same extrapolations. The score is the mean over
+those ratios of the top rungs' mean |error|: a candidate is chosen for carrying the ladder
+from near and from far, not for one lucky ratio.
+
+The interval: the bootstrap's 95% interval of the chosen candidate (resampled runs), widened
+in quadrature by its backtest score, the error the ladder showed it makes when it
+extrapolates. Both are stated, with the interval's width.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pretrain.analysis.backtest import Backtest, backtest, split
+from pretrain.analysis.fitting import bootstrap
+from pretrain.analysis.laws import Law
+from pretrain.analysis.policy import Candidate, candidates, degenerate, fittable
+from pretrain.analysis.runs import RunPoint
+
+MAX_RATIO_STEPS = 12     # 2^(12/2) = 64: beyond it the fitted part is a handful of runs
+
+
+@dataclass
+class Scored:
+    """A candidate, its backtest score (mean over ratios of the top rungs' mean |error|),
+    its fit to the whole ladder and why it was refused, if it was."""
+
+    candidate: Candidate
+    by_ratio: dict[float, float]          # ratio -> top rungs' mean |error|
+    signed: dict[float, float]            # ratio -> top rungs' mean error
+    law: Law | None = None
+    theta: np.ndarray | None = None
+    refused: str | None = None
+
+    @property
+    def score(self) -> float:
+        v = list(self.by_ratio.values())
+        return float(np.mean(v)) if v else math.nan
+
+    def as_dict(self) -> dict:
+        return {"candidate": self.candidate.name, "form": self.candidate.form,
+                "count": self.candidate.count, "min_tokens_per_param": self.candidate.min_tpp,
+                "score": self.score, "by_ratio": self.by_ratio, "signed": self.signed,
+                "law": self.law.as_dict() if self.law else None, "refused": self.refused}
+
+
+@dataclass
+class Choice:
+    """What the policy chose on a ladder, and the whole table it chose from."""
+
+    ratios: list[float]
+    scored: list[Scored]
+    chosen: Scored | None
+    backtests: list[Backtest] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"ratios": self.ratios, "candidates": [s.as_dict() for s in self.scored],
+                "chosen": self.chosen.as_dict() if self.chosen else None}
+
+
+def ratios(points: Sequence[RunPoint], cands: Sequence[Candidate]) -> list[float]:
+    """2^(k/2), k = 2, 3, ...: each ratio at which every candidate can still be fitted
+    below the cut, one per distinct cut (two ratios that fit the same runs are one test,
+    not two)."""
+    out, seen = [], set()
+    for k in range(2, MAX_RATIO_STEPS + 1):
+        r = 2 ** (k / 2)
+        fit, rest = split(points, r)
+        if not rest or not all(fittable(c.runs(fit)) for c in cands):
+            break
+        if len(fit) not in seen:
+            seen.add(len(fit))
+            out.append(r)
+    return out
+
+
+def choose(points: Sequence[RunPoint], cands: Sequence[Candidate] | None = None,
+           noise: float = math.nan) -> Choice:
+    """Fit every candidate to ``points`` (the ladder) and refuse the degenerate ones;
+    backtest the rest at every ratio all of them allow; refuse those whose fit turns
+    degenerate under a cut; choose the best score among the others."""
+    scored = []
+    for cand in cands if cands is not None else candidates(points):
+        s = Scored(cand, {}, {})
+        try:
+            fitted = cand.fit(points)
+            s.law, s.theta = fitted.law, fitted.theta
+            s.refused = degenerate(s.law, cand.runs(points), cand.count, noise)
+        except ValueError as e:
+            s.refused = f"not fitted: {e}"
+        scored.append(s)
+    live = [s for s in scored if s.refused is None]
+    rs = ratios(points, [s.candidate for s in live])
+    bts = [backtest(points, r, [s.candidate for s in live], noise=noise) for r in rs]
+    for i, s in enumerate(live):
+        results = [bt.results[i] for bt in bts]
+        s.by_ratio = {bt.ratio: r.top_mae for bt, r in zip(bts, results, strict=True) if r.top}
+        s.signed = {bt.ratio: r.top_mean for bt, r in zip(bts, results, strict=True) if r.top}
+        # a form that turns degenerate when the ladder is cut would do so in an
+        # extrapolation of that distance too: refused, with the first ratio it failed at
+        failed = [(bt.ratio, r) for bt, r in zip(bts, results, strict=True) if r.degenerate]
+        if failed:
+            r, res = failed[0]
+            s.refused = (f"fitted to the {res.fitted} runs under 1/{r:.3g} of the top, "
+                         + res.degenerate)
+        elif not rs:
+            s.refused = "the ladder is too short to backtest (no ratio leaves a fittable part)"
+    ok = [s for s in live if s.refused is None and math.isfinite(s.score)]
+    return Choice(rs, scored, min(ok, key=lambda s: s.score) if ok else None, bts)
+
+
+@dataclass
+class Prediction:
+    """One target: the chosen law's loss there, its bootstrap interval and the interval
+    widened by the backtest score; the measured loss and the error when it is known."""
+
+    name: str
+    n_params: float
+    tokens: float
+    loss: float
+    bootstrap: tuple[float, float]
+    interval: tuple[float, float]
+    measured: float | None = None
+
+    @property
+    def error(self) -> float | None:
+        return None if self.measured is None else self.loss / self.measured - 1.0
+
+    @property
+    def covered(self) -> bool | None:
+        if self.measured is None:
+            return None
+        return self.interval[0] <= self.measured <= self.interval[1]
+
+    @property
+    def width(self) -> float:
+        return (self.interval[1] - self.interval[0]) / self.loss
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "n_params": self.n_params, "tokens": self.tokens,
+                "flops": 6 * self.n_params * self.tokens, "loss": self.loss,
+                "bootstrap": list(self.bootstrap), "interval": list(self.interval),
+                "width": self.width, "measured": self.measured, "error": self.error,
+                "covered": self.covered}
+
+
+def predict(choice: Choice, points: Sequence[RunPoint], targets: Sequence[RunPoint],
+            resamples: int = 100, seed: int = 0) -> list[Prediction]:
+    """The chosen candidate at each target (a RunPoint: its loss is the measured one when
+    ``measured`` targets are held-out runs, else NaN), with its intervals."""
+    s = choice.chosen
+    if s is None or s.law is None:
+        return []
+    cand = s.candidate
+    runs = cand.runs(points)
+    n, d, loss = cand.arrays(runs)
+    laws = []
+    if resamples > 0:
+        laws = bootstrap(cand.form, n, d, loss, s.theta, resamples, seed,
+                         usable=lambda idx: fittable([runs[i] for i in idx]))
+    out = []
+    for t in targets:
+        value = cand.predict(s.law, t)
+        samples = np.array([cand.predict(x, t) for x in laws])
+        samples = samples[np.isfinite(samples)]
+        enough = len(samples) >= 10
+        lo, hi = np.percentile(samples, [2.5, 97.5]) if enough else (value, value)
+        spread = float(np.std(samples)) / value if enough else 0.0
+        rel = math.hypot(spread, s.score)
+        measured = t.loss if math.isfinite(t.loss) else None
+        out.append(Prediction(t.name, t.count(cand.count) or t.n_params, t.tokens, value,
+                              (float(lo), float(hi)),
+                              (value * (1 - rel), value * (1 + rel)), measured))
+    return out
