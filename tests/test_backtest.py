@@ -1,5 +1,6 @@
 """The ladder's backtest (pretrain/analysis/backtest.py, ``tools/scaling_law.py --backtest R``):
-fit the runs at or under 1/R of the largest compute, predict the rest, per candidate form; and
+fit the runs at or under 1/R of the largest compute, predict the rest, per candidate of the fit
+policy (analysis/policy.py); the policy's choice and interval (analysis/prediction.py); and
 ``tools/ladder.py --plan`` refusing a held-out ratio the ladder cannot test on itself."""
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import numpy as np
 import pytest
 from test_ladder_design import design
 
-from pretrain.analysis.backtest import TOLERANCE, backtest, max_ratio, predict_with_interval
+from pretrain.analysis.backtest import TOLERANCE, backtest, max_ratio
 from pretrain.analysis.ladder_design import problems, render
+from pretrain.analysis.policy import Candidate
+from pretrain.analysis.prediction import choose, predict
 from pretrain.analysis.runs import RunPoint
 from pretrain.tools import scaling_law
 
@@ -41,7 +44,7 @@ def chinchilla(n, d):
 def test_a_ladder_that_follows_its_law_passes_its_backtest():
     bt = backtest(ladder(chinchilla), 30)
     assert bt.cut == pytest.approx(max(p.flops for p in ladder(chinchilla)) / 30)
-    chin = next(r for r in bt.results if r.form == "chinchilla")
+    chin = next(r for r in bt.results if r.candidate == Candidate("chinchilla"))
     assert chin.fitted >= 6 and chin.top and abs(chin.top_mean) < 0.005
     assert bt.supported and bt.best.top_mae < 0.005
     # every predicted run is above the cut, every top rung within 2x of the largest compute
@@ -52,8 +55,8 @@ def test_a_ladder_that_follows_its_law_passes_its_backtest():
 
 def test_small_rungs_in_another_regime_fail_the_backtest_of_the_plain_law():
     bent = ladder(chinchilla, bend=0.15)
-    bt = backtest(bent, 30, names=["chinchilla", "E=0.5min"])
-    chin = next(r for r in bt.results if r.form == "chinchilla")
+    bt = backtest(bent, 30, [Candidate("chinchilla"), Candidate("shared")])
+    chin = bt.results[0]
     # the small rungs are pessimistic: extrapolated from them, the top is predicted too high
     assert chin.top_mean > TOLERANCE
     assert not bt.supported
@@ -67,13 +70,15 @@ def test_a_ratio_the_runs_cannot_test_is_refused_with_the_ratio_they_allow():
         backtest(pts, can * 2)
 
 
-def test_the_prediction_of_the_best_form_has_an_interval_around_the_truth():
+def test_the_prediction_of_the_chosen_candidate_has_an_interval_around_the_truth():
     pts = ladder(chinchilla, noise=0.003, seed=1)
     n, d = 1.28e6, 4.1e7
-    pr = predict_with_interval(pts, "chinchilla", n, d, resamples=12)
-    assert pr["loss"] == pytest.approx(chinchilla(n, d), rel=0.03)
-    lo, hi = pr["bootstrap"]
-    assert lo <= pr["loss"] <= hi
+    choice = choose(pts)
+    assert choice.chosen is not None and choice.chosen.refused is None
+    [pr] = predict(choice, pts, [RunPoint("target", n, d, 6 * n * d, chinchilla(n, d))],
+                   resamples=12)
+    assert pr.loss == pytest.approx(chinchilla(n, d), rel=0.03)
+    assert pr.interval[0] <= pr.loss <= pr.interval[1] and pr.covered
 
 
 def test_scaling_law_tool_prints_the_backtest_and_records_it(tmp_path, capsys):
@@ -88,8 +93,10 @@ def test_scaling_law_tool_prints_the_backtest_and_records_it(tmp_path, capsys):
     assert "backtest at 30x" in text and "SUPPORTED: " in text
     fit = json.loads((out / "fit.json").read_text())
     assert fit["backtest"]["supported"] is True and fit["backtest"]["ratio"] == 30
-    assert {f["form"] for f in fit["backtest"]["forms"]} >= {"chinchilla", "kaplan", "shared",
-                                                            "broken", "E=0.5min"}
+    assert {f["candidate"] for f in fit["backtest"]["candidates"]} == {
+        f"{form}, N total, {data}" for form in ("chinchilla", "shared")
+        for data in ("all runs", "tpp>=10")}
+    assert fit["chosen"]["form"] in ("chinchilla", "shared")
     pred = fit["backtest"]["predict"][0]
     assert pred["loss"] == pytest.approx(chinchilla(1.28e6, 4.1e7), rel=0.01)
     low, high = pred["interval"]

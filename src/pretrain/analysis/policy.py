@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from pretrain.analysis.fitting import bootstrap, fit, rms_residual
+from pretrain.analysis.fitting import fit, rms_residual
 from pretrain.analysis.laws import FORMS as LAW_FORMS
 from pretrain.analysis.laws import Law
 from pretrain.analysis.runs import RunPoint

@@ -156,9 +156,10 @@ class Prediction:
 
 
 def predict(choice: Choice, points: Sequence[RunPoint], targets: Sequence[RunPoint],
-            resamples: int = 100, seed: int = 0) -> list[Prediction]:
-    """The chosen candidate at each target (a RunPoint: its loss is the measured one when
-    ``measured`` targets are held-out runs, else NaN), with its intervals."""
+            resamples: int = 100, seed: int = 0, noise: float = math.nan) -> list[Prediction]:
+    """The chosen candidate at each target (a RunPoint: its loss is the measured one for a
+    held-out run, NaN for a point to predict), with its intervals: the bootstrap's relative
+    std, the backtest score and the seed spread ``noise`` (where measured) in quadrature."""
     s = choice.chosen
     if s is None or s.law is None:
         return []
@@ -177,7 +178,7 @@ def predict(choice: Choice, points: Sequence[RunPoint], targets: Sequence[RunPoi
         enough = len(samples) >= 10
         lo, hi = np.percentile(samples, [2.5, 97.5]) if enough else (value, value)
         spread = float(np.std(samples)) / value if enough else 0.0
-        rel = math.hypot(spread, s.score)
+        rel = math.hypot(spread, s.score, noise if math.isfinite(noise) else 0.0)
         measured = t.loss if math.isfinite(t.loss) else None
         out.append(Prediction(t.name, t.count(cand.count) or t.n_params, t.tokens, value,
                               (float(lo), float(hi)),

@@ -23,62 +23,20 @@ Needs scipy (the ``analysis`` extra): ``pip install -e '.[analysis]'``.
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from pretrain.analysis.fitting import HUBER_DELTA, fit
+from pretrain.analysis.fitting import bootstrap as refit_resamples
+from pretrain.analysis.laws import FORMS
 from pretrain.analysis.runs import RunPoint
 from pretrain.budget.compute import FLOPS_PER_PARAM_TOKEN
 from pretrain.errors import UserError
 
-HUBER_DELTA = 1e-3  # Hoffmann et al. 2022, section D.2
-
-# -- the objective --------------------------------------------------------------------------
-
-
-def huber(r: np.ndarray, delta: float = HUBER_DELTA) -> tuple[np.ndarray, np.ndarray]:
-    """Huber loss of residuals and its derivative (quadratic inside delta, linear outside)."""
-    a = np.abs(r)
-    value = np.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta))
-    return value, np.clip(r, -delta, delta)
-
-
-def _one_blas_thread() -> AbstractContextManager:
-    """L-BFGS-B's tiny matrix products run 10-100x slower when OpenBLAS spreads them over
-    threads on a busy machine (measured: 12 ms a step instead of 0.2 ms); one thread is
-    always right for problems this small."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return nullcontext()
-    return threadpool_limits(1, user_api="blas")
-
-
-def _minimize(objective: Callable, starts: np.ndarray, bounds: Sequence[tuple[float, float]],
-              keep: int) -> np.ndarray:
-    """L-BFGS-B from the ``keep`` best grid points; the best optimum found.
-
-    Screening the whole grid by objective value first (cheap, vectorised) and descending
-    from the best few finds the same optimum as descending from every point here, at a
-    fraction of the cost; the bootstrap refits hundreds of times."""
-    from scipy.optimize import minimize
-
-    values = np.array([objective(s)[0] for s in starts])
-    best_x, best_f = None, math.inf
-    with _one_blas_thread():
-        for i in np.argsort(values)[:keep]:
-            res = minimize(objective, starts[i], jac=True, method="L-BFGS-B", bounds=bounds,
-                           options={"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-12})
-            if res.fun < best_f:
-                best_x, best_f = res.x, res.fun
-    if best_x is None:
-        raise ValueError("the fit did not converge from any start (non-finite objective): "
-                         "check the runs' losses")
-    return best_x
+__all__ = ["HUBER_DELTA"]
 
 
 # -- L(C) = a C^b + c -----------------------------------------------------------------------
@@ -86,51 +44,33 @@ def _minimize(objective: Callable, starts: np.ndarray, bounds: Sequence[tuple[fl
 
 @dataclass(frozen=True)
 class ComputeLaw:
-    """L(C) = a * C**b + c (b < 0): loss against training compute, irreducible loss c."""
+    """L(C) = a * C**b + c (b < 0): loss against training compute, irreducible loss c
+    (laws.FORMS["compute"], C = 6 N D)."""
 
     a: float
     b: float
     c: float
 
     def predict(self, flops: float | np.ndarray) -> np.ndarray:
-        return self.a * np.asarray(flops, dtype=float) ** self.b + self.c
+        # the one formula: laws.FORMS["compute"] at N = C / 6, D = 1
+        c = np.asarray(flops, dtype=float) / FLOPS_PER_PARAM_TOKEN
+        return FORMS["compute"].predict(vars(self), c, np.ones_like(c))
 
 
 def fit_compute_law(flops: Sequence[float], loss: Sequence[float],
                     delta: float = HUBER_DELTA, keep: int = 8,
                     starts: np.ndarray | None = None) -> ComputeLaw:
-    """Fit L(C) with the Huber objective on log loss. C is divided by its geometric mean
-    inside the fit so the constants stay O(1) for any FLOP scale; ``a`` is returned in
-    the original units."""
-    c_arr, l_arr = np.asarray(flops, float), np.asarray(loss, float)
+    """Fit L(C) with the Huber objective on log loss (analysis/fitting.py)."""
+    c_arr = np.asarray(flops, float)
     if len(c_arr) < 3:
         raise ValueError(f"L(C) has 3 constants: need at least 3 runs, got {len(c_arr)}")
-    c0 = float(np.exp(np.mean(np.log(c_arr))))
-    x, log_l = np.log(c_arr / c0), np.log(l_arr)
-    l_min = float(l_arr.min())
-
-    def objective(theta: np.ndarray) -> tuple[float, np.ndarray]:
-        log_a, b, c = theta
-        p = np.exp(log_a + b * x)
-        pred = p + c
-        value, dh = huber(np.log(pred) - log_l, delta)
-        g = dh / pred
-        return float(value.sum()), np.array([(g * p).sum(), (g * p * x).sum(), g.sum()])
-
-    if starts is None:
-        starts = np.array(list(itertools.product(
-            np.log(l_min * np.array([0.05, 0.2, 0.5, 1.0, 2.0])),
-            [-1.0, -0.5, -0.25, -0.1, -0.05, -0.02],
-            l_min * np.array([0.0, 0.3, 0.6, 0.8, 0.95]),
-        )))
-    # |b| <= 1: measured LM exponents are 0.03-0.3; wider lets 3-point resamples run wild
-    bounds = [(-30.0, 30.0), (-1.0, 0.0), (0.0, l_min)]
-    log_a, b, c = _minimize(objective, starts, bounds, keep)
-    return ComputeLaw(a=float(np.exp(log_a) * c0 ** (-b)), b=float(b), c=float(c))
+    law = fit("compute", c_arr / FLOPS_PER_PARAM_TOKEN, np.ones_like(c_arr), loss,
+              delta=delta, keep=keep, starts=starts).law
+    return ComputeLaw(**law.constants)
 
 
-def _compute_law_theta(law: ComputeLaw, c0: float) -> np.ndarray:
-    return np.array([math.log(law.a) + law.b * math.log(c0), law.b, law.c])
+def _compute_law_theta(law: ComputeLaw) -> np.ndarray:
+    return FORMS["compute"].theta(vars(law))
 
 
 # -- L(N, D) = E + A/N^alpha + B/D^beta ------------------------------------------------------
@@ -147,8 +87,7 @@ class ChinchillaLaw:
     beta: float
 
     def predict(self, n: float | np.ndarray, d: float | np.ndarray) -> np.ndarray:
-        n, d = np.asarray(n, float), np.asarray(d, float)
-        return self.E + self.A / n**self.alpha + self.B / d**self.beta
+        return FORMS["chinchilla"].predict(vars(self), n, d)  # the one formula
 
     def optimal(self, flops: float | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Compute-optimal (N, D) under C = 6 N D: minimising L along that constraint gives
@@ -172,44 +111,21 @@ def fit_chinchilla_law(n_params: Sequence[float], tokens: Sequence[float],
                        loss: Sequence[float], delta: float = HUBER_DELTA, keep: int = 10,
                        starts: np.ndarray | None = None,
                        fixed_e: float | None = None) -> ChinchillaLaw:
-    """Fit L(N, D) as Hoffmann et al. did: minimise the Huber loss of
-    LSE(a - alpha log N, b - beta log D, e) - log L over (a, b, e, alpha, beta), with
-    A = exp(a), B = exp(b), E = exp(e), from a grid of initialisations (theirs, screened)."""
+    """Fit L(N, D) as Hoffmann et al. did (analysis/fitting.py): the Huber loss of
+    log L(N, D) - log loss over (log A, log B, log E, alpha, beta) from their grid of starts;
+    ``fixed_e``: E held at that value (the profile of the fit along E)."""
     n, d, l_arr = (np.asarray(v, float) for v in (n_params, tokens, loss))
     check_identifiable(n, d)
-    log_n, log_d, log_l = np.log(n), np.log(d), np.log(l_arr)
-
-    def objective(theta: np.ndarray) -> tuple[float, np.ndarray]:
-        a, b, e, alpha, beta = theta
-        ta, tb = np.exp(a - alpha * log_n), np.exp(b - beta * log_d)
-        te = math.exp(e)
-        pred = ta + tb + te
-        value, dh = huber(np.log(pred) - log_l, delta)
-        g = dh / pred
-        grad = np.array([(g * ta).sum(), (g * tb).sum(), (g * te).sum(),
-                         -(g * ta * log_n).sum(), -(g * tb * log_d).sum()])
-        return float(value.sum()), grad
-
-    if starts is None:  # Hoffmann et al.'s grid, section D.2 (alpha = 0 left out: degenerate)
-        grid = itertools.product(np.arange(0, 30, 5.0), np.arange(0, 30, 5.0),
-                                 np.arange(-1, 1.5, 0.5), np.arange(0.5, 2.5, 0.5),
-                                 np.arange(0.5, 2.5, 0.5))
-        starts = np.array([[a, b, e, al, be] for a, b, e, al, be in grid])
-    bounds = [(-10.0, 60.0), (-10.0, 60.0), (-10.0, math.log(l_arr.min())),
-              (0.01, 3.0), (0.01, 3.0)]
-    if fixed_e is not None:  # E held at a value: the profile of the fit along E
-        e0 = min(max(math.log(max(fixed_e, 1e-30)), -10.0), math.log(l_arr.min()))
-        bounds[2] = (e0, e0)
-        starts = np.array(starts, float).copy()
-        starts[:, 2] = e0
-        starts = np.unique(starts, axis=0)
-    a, b, e, alpha, beta = _minimize(objective, starts, bounds, keep)
-    return ChinchillaLaw(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=float(alpha),
-                         beta=float(beta))
+    fixed = None
+    if fixed_e is not None:
+        fixed = {"e": min(max(math.log(max(fixed_e, 1e-30)), -10.0), math.log(l_arr.min()))}
+    law = fit("chinchilla", n, d, l_arr, delta=delta, keep=keep, starts=starts,
+              fixed=fixed).law
+    return ChinchillaLaw(**law.constants)
 
 
 def _chinchilla_theta(law: ChinchillaLaw) -> np.ndarray:
-    return np.array([math.log(law.A), math.log(law.B), math.log(law.E), law.alpha, law.beta])
+    return FORMS["chinchilla"].theta(vars(law))
 
 
 class NotIdentifiable(UserError, ValueError):
@@ -314,21 +230,6 @@ def interval_warnings(rep: FitReport) -> list[str]:
     return out
 
 
-def bootstrap(points: Sequence[RunPoint], fit: Callable[[list[RunPoint], np.ndarray | None],
-              object], start: np.ndarray, n_boot: int, seed: int = 0) -> list:
-    """Refit on ``n_boot`` resamples of the runs (with replacement), each L-BFGS-B started
-    from the full-data optimum; resamples the law cannot be fitted on are dropped."""
-    rng = np.random.default_rng(seed)
-    laws = []
-    for _ in range(n_boot):
-        idx = rng.integers(0, len(points), len(points))
-        try:
-            laws.append(fit([points[i] for i in idx], start[None, :]))
-        except (ValueError, FloatingPointError):
-            continue
-    return laws
-
-
 def compute_frontier(points: Sequence[RunPoint]) -> list[RunPoint]:
     """The lowest-loss run of each compute budget. L(C) describes the best loss a budget
     buys (the GPT-4 report fitted it to its compute-efficient runs); the off-optimum runs
@@ -342,19 +243,13 @@ def report_compute_law(points: Sequence[RunPoint], target_flops: float | None = 
     predicted at the target."""
     points = compute_frontier(points)
     c_arr = np.array([p.flops for p in points])
-    law = fit_compute_law(c_arr, [p.loss for p in points])
-    c0 = float(np.exp(np.mean(np.log(c_arr))))
-
-    def refit(sample: list[RunPoint], starts: np.ndarray | None) -> ComputeLaw:
-        fc = np.array([p.flops for p in sample])
-        if len(np.unique(fc)) < 3:
-            raise ValueError("fewer than 3 distinct budgets")
-        # the start is in units of the full data's c0; move it to this sample's
-        ci = float(np.exp(np.mean(np.log(fc))))
-        s = None if starts is None else starts + np.array([law.b * math.log(ci / c0), 0, 0])
-        return fit_compute_law(fc, [p.loss for p in sample], keep=1, starts=s)
-
-    laws = bootstrap(points, refit, _compute_law_theta(law, c0), n_boot, seed)
+    loss = np.array([p.loss for p in points])
+    law = fit_compute_law(c_arr, loss)
+    resampled = refit_resamples(
+        "compute", c_arr / FLOPS_PER_PARAM_TOKEN, np.ones_like(c_arr), loss,
+        _compute_law_theta(law), n_boot, seed,
+        usable=lambda idx: len(np.unique(c_arr[idx])) >= 3)
+    laws = [ComputeLaw(**x.constants) for x in resampled]
     constants = {k: _estimate(getattr(law, k), np.array([getattr(s, k) for s in laws]),
                               geometric=k == "a") for k in ("a", "b", "c")}
     rep = FitReport(law, constants, samples=laws, warnings=bound_warnings(law))
@@ -374,14 +269,16 @@ def report_chinchilla_law(points: Sequence[RunPoint], target_flops: float | None
                           n_boot: int = 100, seed: int = 0) -> FitReport:
     """Fit L(N, D); bootstrap the constants, and at the target budget the compute-optimal
     N, D and the loss there."""
-    law = fit_chinchilla_law([p.n_params for p in points], [p.tokens for p in points],
-                             [p.loss for p in points])
+    n, d, loss = (np.array([getattr(p, k) for p in points], float)
+                  for k in ("n_params", "tokens", "loss"))
+    law = fit_chinchilla_law(n, d, loss)
 
-    def refit(sample: list[RunPoint], starts: np.ndarray | None) -> ChinchillaLaw:
-        return fit_chinchilla_law([p.n_params for p in sample], [p.tokens for p in sample],
-                                  [p.loss for p in sample], keep=1, starts=starts)
+    def usable(idx: np.ndarray) -> bool:
+        return len(idx) >= 6 and float(np.std(np.log(d[idx] / n[idx]))) >= 0.1
 
-    laws = bootstrap(points, refit, _chinchilla_theta(law), n_boot, seed)
+    resampled = refit_resamples("chinchilla", n, d, loss, _chinchilla_theta(law), n_boot,
+                                seed, usable=usable)
+    laws = [ChinchillaLaw(**x.constants) for x in resampled]
     constants = {k: _estimate(getattr(law, k), np.array([getattr(s, k) for s in laws]),
                               geometric=k in ("A", "B")) for k in ("E", "A", "B", "alpha", "beta")}
     rep = FitReport(law, constants, samples=laws, warnings=bound_warnings(law))
@@ -422,12 +319,28 @@ def isoflop_bracketed(group: Sequence[RunPoint]) -> bool:
 
 def isoflop_minimum(group: Sequence[RunPoint]) -> tuple[float, float] | None:
     """(N, loss) at the vertex of a parabola in log N through one budget's runs
-    (approach 2); None when the group is too small or the parabola opens downwards."""
-    if len(group) < 3:
+    (approach 2); None where ``isoflop_problem`` says why there is no minimum."""
+    if isoflop_problem(group) is not None:
         return None
     x = np.log([p.n_params for p in group])
     k2, k1, k0 = np.polyfit(x, [p.loss for p in group], 2)
-    if k2 <= 0:
-        return None
     xv = -k1 / (2 * k2)
     return float(np.exp(xv)), float(k0 - k1 * k1 / (4 * k2))
+
+
+def isoflop_problem(group: Sequence[RunPoint]) -> str | None:
+    """Why a budget's runs have no iso-FLOP minimum, or None: fewer than 3 sizes, a parabola
+    in log N that does not open upward, or its vertex outside the sizes trained (the valley
+    then lies beyond them, and the vertex is the parabola's guess, not the runs': the byte
+    ladder's fit.json once listed N_opt = 1.4e-06 and a loss of -1.58)."""
+    if len({p.n_params for p in group}) < 3:
+        return "fewer than 3 sizes"
+    x = np.log([p.n_params for p in group])
+    k2, k1, _ = np.polyfit(x, [p.loss for p in group], 2)
+    if k2 <= 0:
+        return "the parabola in log N opens downward: no valley among these sizes"
+    xv = -k1 / (2 * k2)
+    if not x.min() <= xv <= x.max():
+        return (f"the parabola's vertex, N = {math.exp(xv):.3g}, lies outside the sizes trained "
+                f"({math.exp(x.min()):.3g}..{math.exp(x.max()):.3g}): extend the sweep that way")
+    return None

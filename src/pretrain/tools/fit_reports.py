@@ -97,98 +97,56 @@ def report_diagnosis(points: list[RunPoint], chinchilla: FitReport | None, count
         print(f"  {c:>13}: {100 * mae:.2f}%" + ("  <- --count" if c == count else ""))
 
 
-def _form_rms(points: list[RunPoint]) -> dict[str, float]:
-    """Each form fitted to every run: its rms residual (how well it describes the ladder)."""
-    from pretrain.analysis.backtest import forms, rms_residual
-
-    out = {}
-    for name, fit_form in forms().items():
-        try:
-            out[name] = rms_residual(fit_form(points), points)
-        except ValueError:
-            out[name] = float("nan")
-    return out
-
-
-def _print_backtest(bt, points: list[RunPoint], rms: dict[str, float], spread: float,
-                    tolerance: float) -> None:
+def _print_backtest(bt, points: list[RunPoint], spread: float, tolerance: float) -> None:
     import math
 
     top_c = max(p.flops for p in points)
-    print(f"\nbacktest at {bt.ratio:g}x: fitted on the {bt.results[0].fitted} runs at C <= "
-          f"{bt.cut:.4g} (1/{bt.ratio:g} of {top_c:.4g}), predicting the other "
-          f"{len(bt.results[0].errors)}; top rungs: C >= {top_c / 2:.4g}; error = predicted / "
-          "measured - 1")
-    print(f"  {'form':<11} {'top mean':>9} {'top |err|':>9} {'all |err|':>9}  rms residual, "
-          "fitted to every run (seed spread "
+    fitted = bt.results[0].fitted if bt.results else 0
+    print(f"\nbacktest at {bt.ratio:g}x: fitted on the runs at C <= {bt.cut:.4g} (1/{bt.ratio:g} "
+          f"of {top_c:.4g}), predicting the rest; top rungs: C >= {top_c / 2:.4g}; error = "
+          "predicted / measured - 1 (seed spread "
           + (f"{100 * spread:.2f}%)" if math.isfinite(spread) else "not measured)"))
+    print(f"  {'candidate':<38} {'fitted':>6} {'top mean':>9} {'top |err|':>9} {'all |err|':>9}")
     for r in bt.results:
         if r.problem:
-            print(f"  {r.form:<11} not fitted: {r.problem}")
+            print(f"  {r.form:<38} not fitted: {r.problem}")
             continue
-        ratio_text = f" ({rms[r.form] / spread:.1f}x the spread)" if math.isfinite(spread) else ""
-        print(f"  {r.form:<11} {100 * r.top_mean:>+8.2f}% {100 * r.top_mae:>8.2f}% "
-              f"{100 * r.mae:>8.2f}%  {100 * rms[r.form]:.2f}%{ratio_text}"
-              + ("  <- best" if r is bt.best else ""))
+        print(f"  {r.form:<38} {fitted if r.fitted is None else r.fitted:>6} "
+              f"{100 * r.top_mean:>+8.2f}% {100 * r.top_mae:>8.2f}% {100 * r.mae:>8.2f}%"
+              + ("  <- best" if r is bt.best else "")
+              + (f"  (degenerate: {r.degenerate})" if r.degenerate else ""))
     best = bt.best
-    if best is not None:
-        print(f"  per run, {best.form}:")
-        for p, e in best.errors:
-            print(f"    {p.name[-48:]:<48} N {p.n_params:>9.4g} D {p.tokens:>9.4g} "
-                  f"C {p.flops:>9.4g} loss {p.loss:.4f}  {100 * e:+6.2f}%" +
-                  ("  top" if any(q is p for q, _ in best.top) else ""))
     verdict = (f"SUPPORTED: {best.form} predicts the top rungs from {bt.ratio:g}x below "
                f"within {100 * best.top_mae:.2f}% (tolerance {100 * tolerance:g}%)"
                if bt.supported else
-               f"NOT SUPPORTED: no form predicts the top rungs from {bt.ratio:g}x below within "
-               f"{100 * tolerance:g}% (best: {best.form}, {100 * best.top_mae:.2f}%)"
-               if best else "NOT SUPPORTED: no form fitted")
+               f"NOT SUPPORTED: no candidate predicts the top rungs from {bt.ratio:g}x below "
+               f"within {100 * tolerance:g}% (best: {best.form}, {100 * best.top_mae:.2f}%)"
+               if best else "NOT SUPPORTED: no candidate fitted")
     print(f"  {verdict}: a held-out run at {bt.ratio:g}x the largest rung is "
           + ("within what this ladder has shown it can predict" if bt.supported else
              "an extrapolation this ladder cannot make on itself; its prediction is not a result"))
 
 
-def _predict_backtested(points: list[RunPoint], best, n: float, d: float, spread: float,
-                        bootstrap: int, supported: bool) -> dict:
-    """The chosen form at (N, D): its bootstrap interval widened in quadrature by the seed
-    spread and the form's own backtest error."""
-    import math
-
-    from pretrain.analysis.backtest import predict_with_interval
-
-    pr = predict_with_interval(points, best.form, n, d, resamples=bootstrap)
-    lo, hi = pr["bootstrap"]
-    rel = math.sqrt(sum(x * x for x in (spread, best.top_mae) if math.isfinite(x)))
-    low, high = pr["loss"] * (1 - 1.96 * rel), pr["loss"] * (1 + 1.96 * rel)
-    if math.isfinite(lo):
-        low, high = min(lo, low), max(hi, high)
-    pr.update(n_params=n, tokens=d, flops=6 * n * d, interval=[low, high], supported=supported,
-              widened_by={"seed_spread": spread, "backtest_error": best.top_mae})
-    print(f"  {best.form} fitted to all {len(points)} runs (rms residual "
-          f"{100 * pr['rms']:.2f}%): N = {n:.4g}, D = {d:.4g} (C = {6 * n * d:.4g}): loss "
-          f"{pr['loss']:.4f}, bootstrap 95% [{lo:.4f}, {hi:.4f}] ({pr['resamples']} "
-          f"resamples); with the seed spread and the backtest error [{low:.4f}, {high:.4f}]")
-    return pr
-
-
 def report_backtest(points: list[RunPoint], ratio: float, predict: list[tuple[float, float]],
                     fit: dict, tolerance: float, bootstrap: int = 100) -> None:
-    """``--backtest R``: each form fitted to the runs at or under 1/R of the largest compute
-    and scored on the rest (pretrain/analysis/backtest.py); the form that predicts the top
-    rungs best, and with it each ``--predict`` point, its interval widened by the seed
-    spread and by that form's own backtest error. Recorded in ``fit["backtest"]``."""
-    from pretrain.analysis.backtest import backtest, forms
+    """``--backtest R``: each candidate of the fit policy fitted to the runs at or under 1/R
+    of the largest compute and scored on the rest (pretrain/analysis/backtest.py), with the
+    verdict at R; then the policy's choice over every ratio the ladder allows, and each
+    ``--predict`` point by it. Recorded in ``fit["backtest"]``, ``fit["policy"]`` and, for
+    tools/ladder_check.py, ``fit["chosen"]``."""
+    from pretrain.analysis.backtest import backtest
+    from pretrain.tools.fit_policy import report_policy
 
-    bt = backtest(points, ratio, tolerance=tolerance)
     spread = fit.get("seed_spread", {}).get("relative", float("nan"))
-    rms = _form_rms(points)
-    _print_backtest(bt, points, rms, spread, tolerance)
-    best = bt.best
-    record = {**bt.as_dict(), "rms_all_runs": rms, "predict": []}
-    if best is not None:  # the chosen form fitted to every run: what a later prediction uses
-        law = forms()[best.form](points)
-        fit["chosen"] = {"form": best.form, "constants": law.constants, "runs": len(points),
-                         "rms": rms[best.form]}
-        record["predict"] = [_predict_backtested(points, best, n, d, spread, bootstrap,
-                                                 bt.supported) for n, d in predict]
-    fit["backtest"] = record
+    bt = backtest(points, ratio, tolerance=tolerance, noise=spread)
+    _print_backtest(bt, points, spread, tolerance)
+    fit["backtest"] = bt.as_dict()
+    choice = report_policy(points, [], predict, fit, bootstrap, spread)
+    for entry in fit["policy"]["predict"]:
+        entry["supported"] = bt.supported
+    fit["backtest"]["predict"] = fit["policy"]["predict"]
+    if choice.chosen is not None:
+        c = choice.chosen
+        fit["chosen"] = {**c.law.as_dict(), "count": c.candidate.count,
+                         "min_tokens_per_param": c.candidate.min_tpp,
+                         "runs": len(c.candidate.runs(points)), "score": c.score}

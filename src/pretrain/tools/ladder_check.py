@@ -71,20 +71,24 @@ def load_fit(path: Path) -> dict:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from pretrain.analysis.backtest import law_from_constants
     from pretrain.analysis.extrapolation import parse_point
+    from pretrain.analysis.laws import law_from_dict
 
     fit = load_fit(args.fit)
-    chosen = fit["chosen"]
-    law = law_from_constants(chosen["form"], chosen["constants"])
-    print(f"{args.fit}: {chosen['form']} fitted to {chosen['runs']} runs (the backtest's choice "
-          f"at {fit['backtest']['ratio']:g}x)")
+    chosen = fit.get("chosen")
+    if not chosen:
+        raise UserError(f"{args.fit} records no chosen law (no candidate held): nothing to "
+                        "predict with")
+    law = law_from_dict(chosen)
+    print(f"{args.fit}: {chosen['form']} (N {chosen.get('count', 'total')}) fitted to "
+          f"{chosen['runs']} runs, the fit policy's choice (docs/ladder/published.md)")
     for text in args.points:
         try:
             n, d = parse_point(text)
         except ValueError as e:
             raise UserError(f"{text!r}: {e}") from None
-        print(f"  N = {n:.6g}, D = {d:.6g} (C = {6 * n * d:.4g}): loss {law(n, d):.4f}")
+        print(f"  N = {n:.6g}, D = {d:.6g} (C = {6 * n * d:.4g}): loss "
+              f"{float(law.predict(n, d)):.4f}")
     return 0
 
 

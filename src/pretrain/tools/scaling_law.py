@@ -55,6 +55,7 @@ from pretrain.analysis.scaling import (
     isoflop_bracketed,
     isoflop_groups,
     isoflop_minimum,
+    isoflop_problem,
     report_chinchilla_law,
     report_compute_law,
 )
@@ -102,63 +103,6 @@ def print_report(title: str, rep: FitReport) -> None:
         print(f"  {k:>6} : {est}")
     for w in rep.warnings:
         print(f"  warning: {w}")
-
-
-def hparam_report(dirs: list[Path], out: Path | None) -> int:
-    """``--hparams``: fit lr(C) and batch(C) to a sweep, print them beside DeepSeek's."""
-    from pretrain.analysis.hparam_fit import (
-        collect_sweep,
-        fit_hparam_laws,
-        group_by_compute,
-        override_line,
-    )
-    from pretrain.budget.hparams import DEEPSEEK
-
-    points = [p for d in dirs for p in collect_sweep(d)]
-    if not points:
-        print(f"no finished runs with hparam_compute in plan.json under "
-              f"{', '.join(map(str, dirs))}", file=sys.stderr)
-        return 1
-    groups = group_by_compute(points)
-    print(f"{len(points)} finished runs at {len(groups)} compute budgets "
-          "(C = M x D, DeepSeek non-embedding FLOPs)")
-    for g in groups:
-        print(f"  C = {g[0].compute:.4g}: {len(g)} runs")
-        for p in sorted(g, key=lambda p: (p.batch_tokens, p.lr)):
-            print(f"    batch {p.batch_tokens:>9,.0f} tokens  lr {p.lr:<9.3g} loss {p.loss:.4f}")
-    try:
-        laws, optima = fit_hparam_laws(points)
-    except ValueError as e:
-        print(f"\nnot fitted: {e}")
-        return 1
-    print("\nbest of each budget (quadratic in log lr, log batch where convex and inside the "
-          "grid, else the best run):")
-    for o in optima:
-        print(f"  C = {o.compute:.4g}: lr {o.lr:.4g}, batch {o.batch_tokens:,.0f} tokens, "
-              f"loss {o.loss:.4f} ({o.how}, {o.runs} runs; DeepSeek: lr "
-              f"{DEEPSEEK.lr(o.compute):.4g}, batch {DEEPSEEK.batch_tokens(o.compute):,.0f})")
-        for axis in o.edges:
-            print(f"    warning: the best {axis} is at the edge of the grid: the optimum may "
-                  f"lie beyond it; extend the sweep's {axis} values that way")
-    print(f"\n{'':>8} {'fitted':>22}   {'DeepSeek (Bi et al. 2024)':>26}")
-    print(f"{'lr':>8} {str(laws.lr):>22}   {str(DEEPSEEK.lr):>26}")
-    print(f"{'batch':>8} {str(laws.batch_tokens):>22}   {str(DEEPSEEK.batch_tokens):>26}  "
-          "(tokens)")
-    if len(optima) < 3:
-        print(f"warning: {len(optima)} budgets: the line goes through them exactly; "
-              "3 or more give a fit that can be checked")
-    line = override_line(laws)
-    print(f"\noverrides for a recipe:\n  {line}")
-    out = out or dirs[0] / "scaling_law"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hparams.json").write_text(json.dumps({
-        "lr": vars(laws.lr), "batch_tokens": vars(laws.batch_tokens),
-        "published": {"lr": vars(DEEPSEEK.lr), "batch_tokens": vars(DEEPSEEK.batch_tokens),
-                      "source": DEEPSEEK.source},
-        "optima": [vars(o) for o in optima], "runs": [vars(p) for p in points],
-        "override": line}, indent=2))
-    print(f"fit: {out / 'hparams.json'}")
-    return 0
 
 
 def fit_laws(points: list[RunPoint], target: float, bootstrap: int, seed: int, fit: dict
@@ -213,10 +157,16 @@ def report_extrapolation(points: list[RunPoint], target: float,
                     max_size_ratio=args.max_size_ratio)
     tokens = fit.get("target_data", {}).get("target_tokens", {})
     fit["extrapolation"] = {}
+    from pretrain.tools.fit_policy import instead, refusals
+
+    refused = refusals(points, reports, fit)
     print(f"\nprediction at the target C = {target:.4g}:")
     for law, rep in reports.items():
         if rep is None or "loss" not in rep.predictions:
             continue
+        if law in refused:
+            print(f"  {law}: REFUSED, not a prediction: the fit is degenerate: {refused[law]}; "
+                  + instead(law, refused, fit))
         if law == "L(C)":
             est, n, opt = rep.predictions["loss"], None, ""
             why = verdict(points, law, est, target, tokens.get(law), None, bounds)
@@ -224,11 +174,14 @@ def report_extrapolation(points: list[RunPoint], target: float,
             n, d = rep.predictions["n_opt"].value, rep.predictions["d_opt"].value
             est, opt = predict_at(rep, n, d), f", N_opt {n:.4g}, D_opt {d:.4g}"
             why = verdict(points, law, est, target, d, n, bounds)
+        if law in refused:
+            fit["extrapolation"][law] = [f"refused: {refused[law]}"] + why
+            continue
         fit["extrapolation"][law] = why
         print(f"  {law}: loss {est}{opt}")
         print_verdict(why, bounds, "    ")
     chinchilla = reports.get("L(N, D)")
-    if args.predict and chinchilla is not None:
+    if args.predict and chinchilla is not None and "L(N, D)" not in refused:
         report_points(points, chinchilla, args.predict, bounds, fit)
 
 
@@ -275,28 +228,20 @@ def report_isoflop(points: list[RunPoint], fit: dict) -> None:
                   f"{'smallest' if side == 'below' else 'largest'} run: the iso-FLOP valley lies "
                   f"{side} the sizes run ({g[0].n_params:.3g}..{g[-1].n_params:.3g}); "
                   "extend the sweep that way")
-    minima = [(g, isoflop_minimum(g)) for g in isoflop_groups(points)]
-    minima = [(g, m) for g, m in minima if m is not None]
-    if minima:
-        print("\niso-FLOP minima (parabola in log N, approach 2):")
-        fit["isoflop_minima"] = []
-        for g, (n_opt, loss) in minima:
-            print(f"  C = {g[0].flops:.3g}: N_opt = {n_opt:.3g}, loss {loss:.4f}")
-            fit["isoflop_minima"].append({"flops": g[0].flops, "n_opt": n_opt, "loss": loss})
-
-
-def sweep_report(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
-    """``--transfer`` (the best LR per width of a width x LR sweep, pretrain/analysis/
-    transfer.py) or ``--hparams``: a report on folders of runs; None when neither."""
-    if not (args.transfer or args.hparams):
-        return None
-    if not args.dirs:
-        ap.error(f"--{'transfer' if args.transfer else 'hparams'} needs folders of runs")
-    if args.transfer:
-        from pretrain.analysis.transfer import transfer_report
-
-        return transfer_report(args.dirs, args.out, not args.no_plots)
-    return hparam_report(args.dirs, args.out)
+    groups = [g for g in isoflop_groups(points) if len(g) >= 3]
+    if not groups:
+        return
+    print("\niso-FLOP minima (parabola in log N, approach 2):")
+    fit["isoflop_minima"] = []
+    for g in groups:
+        minimum, why = isoflop_minimum(g), isoflop_problem(g)
+        if minimum is None:
+            print(f"  C = {g[0].flops:.3g}: none: {why}")
+            fit["isoflop_minima"].append({"flops": g[0].flops, "none": why})
+            continue
+        n_opt, loss = minimum
+        print(f"  C = {g[0].flops:.3g}: N_opt = {n_opt:.3g}, loss {loss:.4f}")
+        fit["isoflop_minima"].append({"flops": g[0].flops, "n_opt": n_opt, "loss": loss})
 
 
 def cooldown_points(dirs: list[Path], key: str = METRICS["val_loss"], count: str = "total",
@@ -405,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="call a prediction extrapolated when its N (the target's N_opt, or "
                          "a --predict point's) is more than X times the largest size run "
                          "(default 3)")
+    from pretrain.tools.fit_policy import add_arguments
+
+    add_arguments(ap)
     return ap
 
 
@@ -422,10 +370,23 @@ def fitted_points(args: argparse.Namespace) -> list[RunPoint]:
     return [p for p in points if p.n_params >= args.min_params]
 
 
+def selected_points(args: argparse.Namespace) -> tuple[list[RunPoint], list[RunPoint]]:
+    """(ladder, held out): ``fitted_points`` split by --select, --heldout, --max-flops and
+    --ladder (tools/fit_policy.py)."""
+    from pretrain.tools.fit_policy import select
+
+    points = fitted_points(args)
+    if not points:
+        return [], []
+    return select(points, args)
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+
+    from pretrain.tools.fit_sweeps import sweep_report
 
     report = sweep_report(ap, args)
     if report is not None:
@@ -440,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = metric_problem(args.dirs, args.metric, bool(args.points))
     if problem:
         return report_error(problem)
-    points = fitted_points(args)
+    points, heldout = selected_points(args)
     if not points:
         print(f"no finished runs (result.json + plan.json) under {', '.join(map(str, args.dirs))}",
               file=sys.stderr)
@@ -462,7 +423,20 @@ def main(argv: list[str] | None = None) -> int:
                             max(args.bootstrap // 2, 0))
         except ValueError as e:
             raise UserError(str(e)) from None
+    if args.policy or heldout:
+        from pretrain.tools.fit_policy import report_policy
+
+        spread = fit.get("seed_spread", {}).get("relative", float("nan"))
+        report_policy(points, heldout, [] if args.backtest else args.predict, fit,
+                      max(args.bootstrap // 2, 0), spread)
     compute, chinchilla = fit_laws(points, target, args.bootstrap, args.seed, fit)
+    from pretrain.tools.fit_policy import refusals, report_policy
+
+    if "policy" not in fit and chinchilla is not None and refusals(
+            points, {"L(N, D)": chinchilla}, fit):
+        print("\nL(N, D) is degenerate on these runs: the fit policy chooses another")
+        report_policy(points, [], args.predict, fit, max(args.bootstrap // 2, 0),
+                      fit.get("seed_spread", {}).get("relative", float("nan")))
     report_target_data(points, target, chinchilla, fit)
     report_extrapolation(points, target, {"L(C)": compute, "L(N, D)": chinchilla}, fit, args)
     report_isoflop(points, fit)
