@@ -74,7 +74,7 @@ def ratios(points: Sequence[RunPoint], cands: Sequence[Candidate]) -> list[float
     below the cut, one per distinct cut (two ratios that fit the same runs are one test,
     not two)."""
     out, seen = [], set()
-    for k in range(2, MAX_RATIO_STEPS + 1):
+    for k in range(2, MAX_RATIO_STEPS + 1 if cands else 0):
         r = 2 ** (k / 2)
         fit, rest = split(points, r)
         if not rest or not all(fittable(c.runs(fit)) for c in cands):

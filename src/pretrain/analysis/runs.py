@@ -72,7 +72,8 @@ TABLE_COUNTS = {"n_params_non_embedding": "non_embedding", "flops_per_token": "f
 
 def read_points(path: Path | str) -> list[RunPoint]:
     """Published or other outside runs from a CSV file with the columns ``n_params``,
-    ``tokens`` and ``loss`` (lines starting with ``#`` are comments, for the source);
+    ``tokens`` and ``loss`` (or ``final_val_loss``; lines starting with ``#`` are comments,
+    for the source);
     C = 6 N D as for this project's runs. Optional columns: ``name``, ``steps``,
     ``n_params_non_embedding`` and ``flops_per_token`` (other counts of N the fit policy may
     try), and any others (a group such as ``dataset``, ``lr``), kept to select rows with."""
@@ -80,7 +81,11 @@ def read_points(path: Path | str) -> list[RunPoint]:
 
     lines = [ln for ln in Path(path).read_text().splitlines() if not ln.startswith("#")]
     rows = list(csv.DictReader(lines))
-    missing = {"n_params", "tokens", "loss"} - set(rows[0] if rows else {})
+    for r in rows:  # this project's runs.csv (tools/ladder_check.py export) names them so
+        r.setdefault("loss", r.get("final_val_loss"))
+        r.setdefault("name", r.get("run"))
+    missing = {"n_params", "tokens", "loss"} - {k for k, v in (rows[0] if rows else {}).items()
+                                                if v is not None}
     if missing:
         raise ValueError(f"{path}: needs the columns n_params, tokens, loss (missing "
                          f"{', '.join(sorted(missing))})")

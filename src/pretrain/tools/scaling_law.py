@@ -41,6 +41,7 @@ import sys
 from pathlib import Path
 
 from pretrain.analysis.fit_checks import with_seed_spread
+from pretrain.analysis.policy import TOLERANCE
 from pretrain.analysis.runs import (
     COUNTS,
     RunPoint,
@@ -338,8 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "compute, predict the rest, and say whether a held-out run at R x "
                          "the largest rung is supported (the top rungs within "
                          "--backtest-tolerance); --predict points use the best form")
-    ap.add_argument("--backtest-tolerance", type=float, default=0.02, metavar="FRACTION",
-                    help="the top rungs' mean |error| a supported backtest allows (0.02)")
+    ap.add_argument("--backtest-tolerance", type=float, default=TOLERANCE, metavar="FRACTION",
+                    help="the top rungs' mean |error| a supported backtest allows "
+                         f"({TOLERANCE:g})")
     ap.add_argument("--max-interval", type=float, default=0.05, metavar="FRACTION",
                     help="call a prediction extrapolated when its 95%% bootstrap interval is "
                          "wider than this fraction of the loss (default 0.05)")
