@@ -279,9 +279,10 @@ env_line() { echo "export SLURM_CONF=$STATE/etc/slurm.conf"; }
 # their children.
 node_processes() {
   local node=$1 spool="$STATE/spool/d-$1" pid fd
-  for pid in $(ls /proc | grep -E '^[0-9]+$'); do
+  for pid in /proc/[0-9]*; do
+    pid=${pid#/proc/}
     [[ $pid == "$$" ]] && continue
-    if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "SLURMD_NODENAME=$node"; then
+    if { tr '\0' '\n' <"/proc/$pid/environ"; } 2>/dev/null | grep -qx "SLURMD_NODENAME=$node"; then
       echo "$pid"; continue
     fi
     if [[ $(cat "/proc/$pid/comm" 2>/dev/null) == slurmstepd ]]; then

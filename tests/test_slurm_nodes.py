@@ -1,0 +1,235 @@
+"""Against a real Slurm of several nodes on this machine (slurm/local_cluster.sh start
+--nodes 4: n1..n4, one slurmd each): tools/launch.py runs a 2-node ZeRO-3 and a 4-node DDP
+job (one rank a node, gloo; srun starts one torchrun a node, rendezvous on the first node)
+that train to the losses of one process; and a node killed mid-run (its slurmd and its
+ranks, -9) is named in one line, left out, and the job finishes on the node left from the
+last complete checkpoint, with the losses of an uninterrupted run.
+
+The cluster has its own state directory and ports (SLURM_LOCAL_DIR / SLURM_LOCAL_PORT /
+SLURM_LOCAL_DB_PORT below), so it runs beside the one-node cluster of tests/test_slurm.py;
+it is held under a machine-wide lock while used (pytest-xdist workers take turns), started
+if none runs and stopped by whoever started it. Skips, saying why, without Slurm;
+PRETRAIN_REQUIRE_SLURM=1 makes that a failure.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import (
+    CORPUS_FILES,
+    DATA_NAME,
+    REPO,
+    TOKENIZER_VOCAB,
+    by_step,
+    compose_config,
+    one_thread,
+    read_metrics,
+    read_result,
+)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+CLUSTER = REPO / "slurm" / "local_cluster.sh"
+NODES = 4
+CLUSTER_ENV = {"SLURM_LOCAL_DIR": os.environ.get("PRETRAIN_SLURM_NODES_DIR",
+                                                 "/tmp/pretrain-slurm-nodes"),
+               "SLURM_LOCAL_PORT": "7817", "SLURM_LOCAL_DB_PORT": "3407"}
+LOCK = "/tmp/pretrain-slurm-nodes.lock"
+DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd", "sbatch")
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "BOOT_FAIL", "DEADLINE"}
+
+
+def _path() -> str:
+    return os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+
+
+def _unavailable() -> str | None:
+    """Why a local Slurm cannot run here, or None (installing it first when possible)."""
+    if all(shutil.which(d, path=_path()) for d in DAEMONS):
+        return None
+    if not shutil.which("apt-get"):
+        return "Slurm is not installed and there is no apt-get to install it (Debian/Ubuntu)"
+    if os.geteuid() != 0:
+        return "Slurm is not installed and installing it (apt-get) needs root"
+    proc = subprocess.run(["bash", str(CLUSTER), "install"], capture_output=True, text=True,
+                          timeout=900)
+    return f"could not install Slurm: {proc.stderr.strip()[-500:]}" if proc.returncode else None
+
+
+def cluster(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CLUSTER), *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _skip_or_fail(msg: str) -> None:
+    if os.environ.get("PRETRAIN_REQUIRE_SLURM") == "1":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[dict[str, str]]:
+    """A running 4-node local cluster, this process's alone while the module runs; yields
+    the environment that reaches it (SLURM_CONF)."""
+    reason = _unavailable()
+    if reason:
+        _skip_or_fail(reason)
+    env = {**os.environ, "PATH": _path(), **CLUSTER_ENV}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "PRETRAIN_FAULT"):
+        env.pop(key, None)
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held until the module is done with the cluster
+        already = cluster(env, "status").returncode == 0
+        if not already:
+            proc = cluster(env, "start", "--nodes", str(NODES), timeout=300)
+            if proc.returncode:
+                cluster(env, "stop")
+                _skip_or_fail(f"slurm/local_cluster.sh start --nodes {NODES} failed:\n"
+                              f"{proc.stderr[-3000:]}")
+        env["SLURM_CONF"] = cluster(env, "env").stdout.strip().split("=", 1)[1]
+        try:
+            yield env
+        finally:
+            if not already:
+                cluster(env, "stop")
+
+
+def data_overrides(work_dir: Path) -> list[str]:
+    """The conftest corpus, prepared by the ``prepared`` fixture: jobs only read it."""
+    return ["model.vocab_size=300", "data.source=text", f"data.name={DATA_NAME}",
+            f"data.data_files=[{','.join(CORPUS_FILES)}]",
+            f"data.tokenizer_vocab_size={TOKENIZER_VOCAB}", "data.validation_fraction=0.1",
+            "data.num_proc=1", f"data.root={work_dir / 'data'}"]
+
+
+def run_args(work_dir: Path, runs: Path, name: str, steps: int, parallel: str = "zero3",
+             interval: int | None = None) -> list[str]:
+    """The nano model in fp32, one rank a node, the data-parallel size taken from the nodes
+    (parallel.dp=null): the global batch of 8 stays 8 on any number of nodes (more
+    accumulation on fewer)."""
+    return ["+recipe=tiny-zero3", "cluster=local", "model=nano", "precision=fp32",
+            f"parallel={parallel}", "parallel.dp=null", "cluster.procs_per_node=1",
+            *data_overrides(work_dir), f"runs_dir={runs}", f"run_name={name}", "budget=steps",
+            f"budget.steps={steps}", "train.global_batch_size=8", "parallel.micro_batch_size=2",
+            "schedule.warmup_steps=2", "train.eval_batches=2", f"train.eval_interval={steps}",
+            "train.sample_tokens=0", "logging=quiet", "logging.log_interval=1",
+            "checkpoint.enabled=true", f"checkpoint.interval_steps={interval or steps}",
+            "checkpoint.async_save=false"]
+
+
+def one_process(work_dir: Path, runs: Path, name: str, steps: int, **kw) -> dict[int, float]:
+    """The same run in one process, here (pretrain.train.trainer.run, what train.py calls):
+    its losses by step."""
+    from pretrain.train.trainer import run
+
+    args = [a for a in run_args(work_dir, runs, name, steps, **kw)
+            if not a.startswith(("cluster.", "parallel="))] + ["parallel=single"]
+    cfg = compose_config(args)
+    cwd = os.getcwd()
+    os.chdir(work_dir)
+    try:
+        with one_thread():
+            assert run(cfg, runs / name)["exit_code"] == 0
+    finally:
+        os.chdir(cwd)
+    return by_step(runs / name)
+
+
+def submit(args: list[str], cwd: Path, env: dict[str, str]) -> int:
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    match = re.search(r"submitted job (\d+)", proc.stdout)
+    assert match, proc.stdout
+    return int(match.group(1))
+
+
+def job_info(job: int, env: dict[str, str]) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", str(job)], env=env,
+                         capture_output=True, text=True).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def wait_job(job: int, env: dict[str, str], timeout: float = 300) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_info(job, env)
+        if info.get("JobState") in TERMINAL:
+            return info
+        time.sleep(0.5)
+    subprocess.run(["scancel", str(job)], env=env)
+    pytest.fail(f"job {job} did not finish in {timeout} s: {job_info(job, env)}")
+
+
+def assert_same_losses(got: dict[int, float], want: dict[int, float], steps: list[int]):
+    """fp32, the tolerance of the re-layout tests (tests/test_relayout.py)."""
+    for step in steps:
+        assert abs(got[step] - want[step]) <= 1e-4, (step, got, want)
+
+
+@pytest.mark.parametrize(("n", "parallel"), [(2, "zero3"), (4, "ddp")])
+def test_a_run_across_nodes_equals_one_process(nodes, work_dir, prepared, tmp_path, n,
+                                               parallel):
+    steps, runs = 4, tmp_path / "runs"
+    job = submit([*run_args(work_dir, runs, "nodes", steps, parallel), f"--nodes={n}"],
+                 work_dir, nodes)
+    info = wait_job(job, nodes)
+    run = runs / "nodes"
+    log = (run / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", log[-4000:]
+    names = f"n[1-{n}]" if n > 2 else "n[1-2]"
+    assert f"on {n} node(s) [{names}] x 1 processes" in log and "rendezvous on n1" in log
+    plan = (run / "plan.json").read_text()
+    assert f'"world_size": {n}' in plan and f'"dp": {n}' in plan, plan
+    want = one_process(work_dir, runs, "one", steps, parallel=parallel)
+    assert_same_losses(by_step(run), want, list(range(1, steps + 1)))
+
+
+def test_a_lost_node_is_left_out_and_the_run_finishes(nodes, work_dir, prepared, tmp_path):
+    """Two nodes; n2 killed (slurmd and ranks, SIGKILL) after the step-4 checkpoint: the
+    rank left names n2 and its rank in one line, the job gives n2 back and goes on with n1
+    alone from step 4 (dp 1, four microbatches a step), at most one interval redone, and
+    every step after the checkpoint has the loss of one uninterrupted process."""
+    steps, interval, runs = 12, 4, tmp_path / "runs"
+    env = {**nodes, "PRETRAIN_FAULT": "slow:rank=0:seconds=0.4"}  # time to kill it mid-run
+    job = submit([*run_args(work_dir, runs, "lost", steps, interval=interval), "--nodes=2"],
+                 work_dir, env)
+    run = runs / "lost"
+    deadline = time.monotonic() + 240
+    while not ((run / "checkpoints" / f"step_{interval:07d}" / "meta.json").exists()
+               and any(m.get("step", 0) > interval for m in read_metrics(run))):
+        assert time.monotonic() < deadline, f"no step after {interval}: {job_info(job, nodes)}"
+        assert job_info(job, nodes).get("JobState") not in TERMINAL, "finished too early"
+        time.sleep(0.2)
+    try:
+        killed = cluster(nodes, "kill-node", "n2")
+        assert killed.returncode == 0, killed.stderr
+        last_before = max(m["step"] for m in read_metrics(run) if "loss" in m)
+        info = wait_job(job, nodes, timeout=300)
+    finally:
+        cluster(nodes, "revive-node", "n2", timeout=120)
+    log = (run / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-5000:]
+    hang = [line for line in log.splitlines() if "did not arrive" in line]
+    assert hang and "rank(s) [1] did not arrive (node n2: rank 1)" in hang[0], log[-5000:]
+    assert "lost node(s) n2 (training exited with" in log and "continuing on [n1]" in log
+    assert "restart 1 on 1 node(s) [n1]" in log
+    result = read_result(run)
+    assert result["steps"] == steps
+    resumed = [m for m in read_metrics(run, "metrics*.jsonl") if "loss" in m]
+    assert last_before - interval <= interval  # at most one checkpoint interval redone
+    want = one_process(work_dir, runs, "one", steps, interval=interval)
+    assert_same_losses(by_step(run), want, list(range(interval + 1, steps + 1)))
+    assert resumed[-1]["step"] == steps
