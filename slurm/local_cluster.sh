@@ -274,8 +274,8 @@ status() {
 
 env_line() { echo "export SLURM_CONF=$STATE/etc/slurm.conf"; }
 
-# The processes a node runs for jobs: each job step's slurmstepd (its socket lives in the
-# node's spool folder) and the step's tasks (SLURMD_NODENAME in their environment), with
+# The processes a node runs for jobs: each job step's slurmstepd (it holds the node's log
+# or spool files open) and the step's tasks (SLURMD_NODENAME in their environment), with
 # their children.
 node_processes() {
   local node=$1 spool="$STATE/spool/d-$1" pid fd
@@ -287,7 +287,9 @@ node_processes() {
     fi
     if [[ $(cat "/proc/$pid/comm" 2>/dev/null) == slurmstepd ]]; then
       for fd in /proc/"$pid"/fd/*; do
-        [[ $(readlink "$fd" 2>/dev/null) == "$spool"/* ]] && { echo "$pid"; break; }
+        case $(readlink "$fd" 2>/dev/null) in
+          "$spool"/* | "$STATE/log/slurmd-$node.log") echo "$pid"; break ;;
+        esac
       done
     fi
   done
