@@ -235,3 +235,42 @@ def test_a_lost_node_is_left_out_and_the_run_finishes(nodes, work_dir, prepared,
     assert read_result(run)["steps"] == steps
     want = one_process(work_dir, runs, "one", steps, interval=interval)
     assert_same_losses(by_step(run), want, list(range(int(resumed.group(1)) + 1, steps + 1)))
+
+
+STUB_LOSER = """
+import os, pathlib, sys
+# Stands in for train.py under torchrun, one rank a node: every attempt 'loses' its last
+# node (rank 0 names it where train/hang.py would) and the ranks exit 76, as after a hang.
+world = int(os.environ["WORLD_SIZE"])
+if os.environ["RANK"] == "0":
+    pathlib.Path(os.environ["PRETRAIN_LOST_NODES_FILE"]).write_text(f"n{world}\\n")
+    print(f"attempt on {world} node(s)", flush=True)
+sys.exit(76)
+"""
+
+
+def test_a_job_that_loses_node_after_node_gives_up_in_one_line(nodes, tmp_path):
+    """slurm/train.sbatch by hand with a stub that loses a node on every attempt: three
+    nodes, MAX_NODE_LOSSES=1: it goes on without n3, then stops with one line when n2 goes
+    too, and is not requeued."""
+    run = tmp_path / "run"
+    run.mkdir()
+    stub = tmp_path / "stub_loser.py"
+    stub.write_text(STUB_LOSER)
+    env = {**nodes, "RUN_DIR": str(run), "NPROC_PER_NODE": "1", "PYTHON": sys.executable,
+           "TRAIN_PY": str(stub), "GLOO_SOCKET_IFNAME": "lo", "ELASTIC": "1",
+           "MAX_NODE_LOSSES": "1"}
+    out = subprocess.run(["sbatch", "--parsable", "--nodes=3", f"--output={run}/slurm-%j.out",
+                          str(REPO / "slurm" / "train.sbatch")],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    job = int(out.strip().split(";")[0])
+    info = wait_job(job, nodes, timeout=180)
+    log = (run / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", log[-3000:]
+    assert "attempt on 3 node(s)" in log and "continuing on [n1,n2]" in log
+    assert "attempt on 2 node(s)" in log and "attempt on 1 node(s)" not in log
+    gave_up = [line for line in log.splitlines() if "giving up" in line]
+    assert len(gave_up) == 1 and gave_up[0].endswith(
+        "lost node(s) n2; giving up: 2 nodes lost in this job (n3 n2), more than "
+        "MAX_NODE_LOSSES=1; not requeued"), log[-3000:]
+    assert "requeueing" not in log
