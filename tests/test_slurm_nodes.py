@@ -227,6 +227,7 @@ def test_a_lost_node_is_left_out_and_the_run_finishes(nodes, work_dir, prepared,
     resumed = re.match(r"\d+\); continuing on \[n1\] from \S+/step_(\d+)", lost)
     assert resumed, lost[:500]
     assert "restart 1 on 1 node(s) [n1]" in lost
+    assert "rank 0 is a straggler (on n1)" in first  # the slow rank's node is named
     # at most one checkpoint interval redone: the steps the first attempt took past the
     # checkpoint it resumed from
     done = [int(s) for s in re.findall(r"step (\d+)/\d+ \| loss", first)]
