@@ -298,12 +298,12 @@ node_processes() {
 # kill-node NAME: the node is lost at once, as when it loses power: its slurmd and every
 # process of its job steps get SIGKILL (no handler runs, nothing is saved, sockets close).
 kill_node() {
-  local node=${1:?kill-node NAME} pids
+  local node=${1:?kill-node NAME} pids when
   [[ -f $STATE/pids/slurmd-$node.pid ]] || die "no node $node in $STATE (multi-node clusters only)"
-  kill -KILL "$(pid_of "slurmd-$node")" 2>/dev/null || true
-  pids=$(node_processes "$node" | tr '\n' ' ')
-  [[ -n $pids ]] && kill -KILL $pids 2>/dev/null
-  log "killed node $node: slurmd and ${pids:-no} job process(es)"
+  pids=$(node_processes "$node" | tr '\n' ' ')  # found first: the kill itself is one moment
+  when=$(date '+%Y-%m-%d %H:%M:%S.%3N')
+  kill -KILL "$(pid_of "slurmd-$node")" $pids 2>/dev/null || true
+  log "killed node $node at $when: slurmd and process(es) ${pids:-none}"
 }
 
 # revive-node NAME: its slurmd again; the node returns to service (ReturnToService=2).
