@@ -179,22 +179,68 @@ def assert_same_losses(got: dict[int, float], want: dict[int, float], steps: lis
         assert abs(got[step] - want[step]) <= 1e-4, (step, got, want)
 
 
-@pytest.mark.parametrize(("n", "parallel"), [(2, "zero3"), (4, "ddp")])
-def test_a_run_across_nodes_equals_one_process(nodes, work_dir, prepared, tmp_path, n,
-                                               parallel):
-    steps, runs = 4, tmp_path / "runs"
-    job = submit([*run_args(work_dir, runs, "nodes", steps, parallel), f"--nodes={n}"],
-                 work_dir, nodes)
-    info = wait_job(job, nodes)
-    run = runs / "nodes"
+TWO_NODE_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def two_nodes(nodes, work_dir, prepared, tmp_path_factory) -> tuple[int, Path]:
+    """A 2-node ZeRO-3 run, uninterrupted: (job, run dir). Shared by the tests that compare
+    with it."""
+    runs = tmp_path_factory.mktemp("two_nodes") / "runs"
+    job = submit([*run_args(work_dir, runs, "nodes", TWO_NODE_STEPS), "--nodes=2"], work_dir,
+                 nodes)
+    wait_job(job, nodes)
+    return job, runs / "nodes"
+
+
+def check_across_nodes(job: int, run: Path, n: int, want: dict[int, float]) -> None:
     log = (run / f"slurm-{job}.out").read_text()
-    assert info["JobState"] == "COMPLETED", log[-4000:]
-    names = f"n[1-{n}]" if n > 2 else "n[1-2]"
-    assert f"on {n} node(s) [{names}] x 1 processes" in log and "rendezvous on n1" in log
+    assert "training exited with 0 (finished: 1" in log, log[-4000:]
+    assert f"on {n} node(s) [n[1-{n}]] x 1 processes" in log and "rendezvous on n1" in log
     plan = (run / "plan.json").read_text()
     assert f'"world_size": {n}' in plan and f'"dp": {n}' in plan, plan
-    want = one_process(work_dir, runs, "one", steps, parallel=parallel)
-    assert_same_losses(by_step(run), want, list(range(1, steps + 1)))
+    assert_same_losses(by_step(run), want, sorted(want))
+
+
+def test_a_two_node_zero3_run_equals_one_process(two_nodes, work_dir, tmp_path):
+    job, run = two_nodes
+    check_across_nodes(job, run, 2, one_process(work_dir, tmp_path, "one", TWO_NODE_STEPS))
+
+
+def test_a_four_node_ddp_run_equals_one_process(nodes, work_dir, prepared, tmp_path):
+    steps, runs = 4, tmp_path / "runs"
+    job = submit([*run_args(work_dir, runs, "nodes", steps, "ddp"), "--nodes=4"], work_dir,
+                 nodes)
+    wait_job(job, nodes)
+    check_across_nodes(job, runs / "nodes", 4,
+                       one_process(work_dir, runs, "one", steps, parallel="ddp"))
+
+
+def test_a_preempted_two_node_job_resumes_bit_identically(two_nodes, nodes, work_dir,
+                                                          tmp_path):
+    """SIGUSR1 to the batch script (what --signal=B:USR1 does before the time limit): srun
+    passes it to both nodes' torchrun, every rank saves, the job requeues itself and the
+    rerun on two nodes gives the uninterrupted run's losses bit for bit."""
+    runs = tmp_path / "runs"
+    env = {**nodes, "PRETRAIN_FAULT": "slow:rank=0:seconds=1"}  # time to signal it
+    job = submit([*run_args(work_dir, runs, "preempted", TWO_NODE_STEPS), "--nodes=2",
+                  "train.stop_check_interval=1"], work_dir, env)  # a stop seen next step
+    run = runs / "preempted"
+    deadline = time.monotonic() + 240
+    while not any(m.get("step", 0) >= 2 for m in read_metrics(run)):
+        assert time.monotonic() < deadline, f"never reached step 2: {job_info(job, nodes)}"
+        assert job_info(job, nodes).get("JobState") not in TERMINAL, "finished too early"
+        time.sleep(0.1)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=nodes, check=True)
+    info = wait_job(job, nodes, timeout=300)
+    log = (run / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-4000:]
+    assert "SIGUSR1: asking every rank" in log and f"requeueing job {job}" in log
+    assert f"job {job} (restart 1) on 2 node(s) [n[1-2]]" in log
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert saved[0] < f"step_{TWO_NODE_STEPS:07d}"  # the preemption's save, before the end
+    want = by_step(two_nodes[1])
+    assert by_step(run, pattern="metrics*.jsonl") == want  # bit for bit: resumed exactly
 
 
 def test_a_lost_node_is_left_out_and_the_run_finishes(nodes, work_dir, prepared, tmp_path):
