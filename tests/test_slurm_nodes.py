@@ -268,12 +268,14 @@ def test_a_lost_node_is_left_out_and_the_run_finishes(nodes, work_dir, prepared,
     log = (run / f"slurm-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-5000:]
     hang = [line for line in log.splitlines() if "did not arrive" in line]
-    assert hang and "rank(s) [1] did not arrive (node n2: rank 1); exit 76" in hang[0], log[-5000:]
+    # the rendezvous numbers the nodes as they arrive: n2's rank is 0 or 1
+    assert hang and re.search(r"rank\(s\) \[(\d)\] did not arrive \(node n2: rank \1\); "
+                              r"exit 76", hang[0]), log[-5000:]
     first, lost = log.split("lost node(s) n2 (training exited with ", 1)
     resumed = re.match(r"\d+\); continuing on \[n1\] from \S+/step_(\d+)", lost)
     assert resumed, lost[:500]
     assert "restart 1 on 1 node(s) [n1]" in lost
-    assert "rank 0 is a straggler (on n1)" in first  # the slow rank's node is named
+    assert re.search(r"rank \d is a straggler \(on n[12]\)", first)  # its node named
     # at most one checkpoint interval redone: the steps the first attempt took past the
     # checkpoint it resumed from
     done = [int(s) for s in re.findall(r"step (\d+)/\d+ \| loss", first)]

@@ -206,9 +206,13 @@ class CollectiveWatch:
         os._exit(EXIT_HANG)
 
     def _write_lost_nodes(self, missing: list[int]) -> None:
-        """The missing ranks' nodes, one a line, where the launcher asked for them."""
+        """The missing ranks' nodes, one a line, where the launcher asked for them (from
+        the lowest failed rank, when on the job's first node)."""
         path = os.environ.get(LOST_NODES_FILE)
-        if not path or not missing or max(missing) >= len(self.nodes):
+        # Judged from the job's first node, where the batch script runs (a node cut off from
+        # the others would name them instead).
+        if not path or not missing or max(missing) >= len(self.nodes) or \
+                os.environ.get("SLURM_NODEID", "0") != "0":
             return
         lost = sorted({self.nodes[r] for r in missing} - {node_name()})
         with contextlib.suppress(OSError):
