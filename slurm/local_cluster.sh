@@ -70,6 +70,8 @@ make_network() {
   local n=$1 i ns veth
   ip link add "$BRIDGE" type bridge && ip addr add "$SUBNET.1/24" dev "$BRIDGE" &&
     ip link set "$BRIDGE" up || die "could not make bridge $BRIDGE (root, ip from iproute2)"
+  { echo "127.0.0.1 localhost"; echo "$SUBNET.1 $(hostname -s)"
+    for ((i = 1; i <= n; i++)); do echo "$SUBNET.$((10 + i)) n$i"; done; } >"$STATE/etc/hosts"
   for ((i = 1; i <= n; i++)); do
     ns=$(ns_of "n$i") veth=$(veth_of "n$i")
     ip netns add "$ns" && ip link add "$veth" type veth peer name eth0 netns "$ns" &&
@@ -231,9 +233,14 @@ all_alive() { local d; for d in $(daemons); do alive "$d" || return 1; done; }
 
 start_slurmd() {  # start_slurmd NODE_NAME: its slurmd (one node: plain slurmd)
   if [[ $(cat "$STATE/nodes") == 1 ]]; then spawn slurmd slurmd -D
-  # nsenter, not `ip netns exec`: that one mounts a sysfs of its own, without
-  # /sys/fs/cgroup, and slurmd then refuses to start
-  elif netns_on; then spawn "slurmd-$1" nsenter --net="/run/netns/$(ns_of "$1")" slurmd -D -N "$1"
+  # A host of its own: its network namespace, and a hostname (nI) that resolves, in its view
+  # of /etc/hosts, to its address, as on a cluster (torchrun's rendezvous host finds itself
+  # so). nsenter, not `ip netns exec`: that one mounts a sysfs of its own, without
+  # /sys/fs/cgroup, and slurmd then refuses to start.
+  elif netns_on; then
+    spawn "slurmd-$1" unshare --uts --mount --propagation private sh -c \
+      'hostname "$1" && mount --bind "$2" /etc/hosts && exec nsenter --net="$3" slurmd -D -N "$1"' \
+      sh "$1" "$STATE/etc/hosts" "/run/netns/$(ns_of "$1")"
   else spawn "slurmd-$1" slurmd -D -N "$1"; fi
 }
 
@@ -371,6 +378,11 @@ link_node() {
   when=$(date '+%Y-%m-%d %H:%M:%S.%3N')
   ip link set "$(veth_of "$node")" "$2" || die "could not set $node's link $2"
   log "$node's link $2 at $when"
+  if [[ $2 == up ]]; then  # back in service once slurmctld hears from it again
+    export SLURM_CONF=$STATE/etc/slurm.conf
+    wait_for 60 "$node idle" bash -c "sinfo -h -n $node -o %T | grep -qx idle"
+    log "$node is back"
+  fi
 }
 
 cmd=${1:-}; shift || true

@@ -45,6 +45,7 @@ CLUSTER_ENV = {"SLURM_LOCAL_DIR": os.environ.get("PRETRAIN_SLURM_NODES_DIR",
                                                  "/tmp/pretrain-slurm-nodes"),
                "SLURM_LOCAL_PORT": "7817", "SLURM_LOCAL_DB_PORT": "3407"}
 LOCK = "/tmp/pretrain-slurm-nodes.lock"
+GLOO_IF = "PRETRAIN_TEST_GLOO_IF"  # in the fixture's environment: eth0 with --netns, else lo
 DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd", "sbatch")
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE"}
@@ -92,13 +93,19 @@ def nodes() -> Iterator[dict[str, str]]:
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # held until the module is done with the cluster
         already = cluster(env, "status").returncode == 0
-        if not already:
-            proc = cluster(env, "start", "--nodes", str(NODES), timeout=300)
+        if not already:  # each node a network namespace of its own where this host allows
+            proc = cluster(env, "start", "--nodes", str(NODES), "--netns", timeout=300)
+            if proc.returncode:
+                cluster(env, "stop")
+                proc = cluster(env, "start", "--nodes", str(NODES), timeout=300)
             if proc.returncode:
                 cluster(env, "stop")
                 _skip_or_fail(f"slurm/local_cluster.sh start --nodes {NODES} failed:\n"
                               f"{proc.stderr[-3000:]}")
         env["SLURM_CONF"] = cluster(env, "env").stdout.strip().split("=", 1)[1]
+        netns = Path(env["SLURM_LOCAL_DIR"], "netns")
+        # gloo on the interface the nodes reach each other by
+        env[GLOO_IF] = "eth0" if netns.exists() and netns.read_text().strip() == "1" else "lo"
         try:
             yield env
         finally:
@@ -148,6 +155,7 @@ def one_process(work_dir: Path, runs: Path, name: str, steps: int, **kw) -> dict
 
 
 def submit(args: list[str], cwd: Path, env: dict[str, str]) -> int:
+    args = [*args, f"cluster.env.GLOO_SOCKET_IFNAME={env[GLOO_IF]}"]
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), *args], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -281,6 +289,44 @@ def test_a_lost_node_is_left_out_and_the_run_finishes(nodes, work_dir, prepared,
     done = [int(s) for s in re.findall(r"step (\d+)/\d+ \| loss", first)]
     assert 0 <= max(done) - int(resumed.group(1)) <= interval, (done, resumed.group(1))
     assert re.search(r'"dp": 1, .*"grad_accum": 4', lost)  # one rank, 4 microbatches a step
+    assert read_result(run)["steps"] == steps
+    want = one_process(work_dir, runs, "one", steps, interval=interval)
+    assert_same_losses(by_step(run), want, list(range(int(resumed.group(1)) + 1, steps + 1)))
+
+
+def test_a_node_cut_off_is_named_after_the_timeout_and_left_out(nodes, work_dir, prepared,
+                                                                tmp_path):
+    """Two nodes in network namespaces; n2's link cut after the step-4 checkpoint (n2 and
+    its rank live on, unreachable: no connection closes): the rank on n1 waits
+    comm.train_timeout_s, names n2 in one line, and the job goes on with n1 alone to the
+    losses of one uninterrupted process."""
+    if nodes[GLOO_IF] != "eth0":
+        pytest.skip("the cluster's nodes share one network (this host refused network "
+                    "namespaces: ip netns, unshare), so no link can be cut")
+    steps, interval, runs = 12, 4, tmp_path / "runs"
+    env = {**nodes, "PRETRAIN_FAULT": "slow:rank=0:seconds=0.4"}
+    job = submit([*run_args(work_dir, runs, "cut", steps, interval=interval), "--nodes=2",
+                  "comm.train_timeout_s=10"], work_dir, env)
+    run = runs / "cut"
+    deadline = time.monotonic() + 240
+    while not ((run / "checkpoints" / f"step_{interval:07d}" / "meta.json").exists()
+               and any(m.get("step", 0) > interval for m in read_metrics(run))):
+        assert time.monotonic() < deadline, f"no step after {interval}: {job_info(job, nodes)}"
+        assert job_info(job, nodes).get("JobState") not in TERMINAL, "finished too early"
+        time.sleep(0.2)
+    try:
+        cut = cluster(nodes, "cut-node", "n2")
+        assert cut.returncode == 0, cut.stderr
+        info = wait_job(job, nodes, timeout=300)
+    finally:
+        cluster(nodes, "restore-node", "n2", timeout=120)
+    log = (run / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-5000:]
+    assert re.search(r"within 10 s \(comm\.train_timeout_s\): rank\(s\) \[(\d)\] did not "
+                     r"arrive \(node n2: rank \1\); exit 76", log), log[-5000:]
+    resumed = re.search(r"lost node\(s\) n2 \(training exited with \d+\); continuing on "
+                        r"\[n1\] from \S+/step_(\d+)", log)
+    assert resumed, log[-5000:]
     assert read_result(run)["steps"] == steps
     want = one_process(work_dir, runs, "one", steps, interval=interval)
     assert_same_losses(by_step(run), want, list(range(int(resumed.group(1)) + 1, steps + 1)))
