@@ -1,5 +1,5 @@
 """Against a real Slurm of several nodes on this machine (slurm/local_cluster.sh start
---nodes 4: n1..n4, one slurmd each): tools/launch.py runs a 2-node ZeRO-3 and a 4-node DDP
+--nodes 4: n1..n4, one slurmd each): tools/launch.py runs a 2-node ZeRO-3 and a 4-node pp2 x DDP2
 job (one rank a node, gloo; srun starts one torchrun a node, rendezvous on the first node)
 that train to the losses of one process; and a node killed mid-run (its slurmd and its
 ranks, -9) is named in one line, left out, and the job finishes on the node left from the
@@ -201,12 +201,13 @@ def two_nodes(nodes, work_dir, prepared, tmp_path_factory) -> tuple[int, Path]:
     return job, runs / "nodes"
 
 
-def check_across_nodes(job: int, run: Path, n: int, want: dict[int, float]) -> None:
+def check_across_nodes(job: int, run: Path, n: int, want: dict[int, float], dp: int = 0
+                       ) -> None:
     log = (run / f"slurm-{job}.out").read_text()
     assert "training exited with 0 (finished: 1" in log, log[-4000:]
     assert f"on {n} node(s) [n[1-{n}]] x 1 processes" in log and "rendezvous on n1" in log
     plan = (run / "plan.json").read_text()
-    assert f'"world_size": {n}' in plan and f'"dp": {n}' in plan, plan
+    assert f'"world_size": {n}' in plan and f'"dp": {dp or n}' in plan, plan
     assert_same_losses(by_step(run), want, sorted(want))
 
 
@@ -215,13 +216,15 @@ def test_a_two_node_zero3_run_equals_one_process(two_nodes, work_dir, tmp_path):
     check_across_nodes(job, run, 2, one_process(work_dir, tmp_path, "one", TWO_NODE_STEPS))
 
 
-def test_a_four_node_ddp_run_equals_one_process(nodes, work_dir, prepared, tmp_path):
+def test_a_four_node_pipeline_of_ddp_equals_one_process(nodes, work_dir, prepared, tmp_path):
+    """pp=2 x dp=2 (DDP) on four nodes: each pipeline stage's send and receive, and each
+    stage's gradient all-reduce, cross nodes."""
     steps, runs = 4, tmp_path / "runs"
-    job = submit([*run_args(work_dir, runs, "nodes", steps, "ddp"), "--nodes=4"], work_dir,
-                 nodes)
+    job = submit([*run_args(work_dir, runs, "nodes", steps, "pp2"), "parallel.dp_mode=ddp",
+                  "--nodes=4"], work_dir, nodes)
     wait_job(job, nodes)
-    check_across_nodes(job, runs / "nodes", 4,
-                       one_process(work_dir, runs, "one", steps, parallel="ddp"))
+    check_across_nodes(job, runs / "nodes", 4, one_process(work_dir, runs, "one", steps), dp=2)
+    assert '"pp": 2' in (runs / "nodes" / "plan.json").read_text()
 
 
 def test_a_preempted_two_node_job_resumes_bit_identically(two_nodes, nodes, work_dir,
