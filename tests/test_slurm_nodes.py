@@ -233,7 +233,7 @@ def test_a_preempted_two_node_job_resumes_bit_identically(two_nodes, nodes, work
     passes it to both nodes' torchrun, every rank saves, the job requeues itself and the
     rerun on two nodes gives the uninterrupted run's losses bit for bit."""
     runs = tmp_path / "runs"
-    env = {**nodes, "PRETRAIN_FAULT": "slow:rank=0:seconds=1"}  # time to signal it
+    env = {**nodes, "PRETRAIN_FAULT": "slow:rank=0:seconds=0.6"}  # time to signal it
     job = submit([*run_args(work_dir, runs, "preempted", TWO_NODE_STEPS), "--nodes=2",
                   "train.stop_check_interval=1"], work_dir, env)  # a stop seen next step
     run = runs / "preempted"
@@ -254,7 +254,13 @@ def test_a_preempted_two_node_job_resumes_bit_identically(two_nodes, nodes, work
     assert by_step(run, pattern="metrics*.jsonl") == want  # bit for bit: resumed exactly
 
 
-def test_a_lost_node_is_left_out_and_the_run_finishes(nodes, work_dir, prepared, tmp_path):
+@pytest.fixture(scope="module")
+def one_of_12(work_dir, prepared, tmp_path_factory) -> dict[int, float]:
+    """The losses of one uninterrupted process for the lost-node and cut tests' run."""
+    return one_process(work_dir, tmp_path_factory.mktemp("one12"), "one", 12, interval=4)
+
+
+def test_a_lost_node_is_left_out_and_the_run_finishes(nodes, work_dir, one_of_12, tmp_path):
     """Two nodes; n2 killed (slurmd and ranks, SIGKILL) after the step-4 checkpoint: the
     rank left names n2 and its rank in one line, the job gives n2 back and goes on with n1
     alone from step 4 (dp 1, four microbatches a step), at most one interval redone, and
@@ -293,11 +299,11 @@ def test_a_lost_node_is_left_out_and_the_run_finishes(nodes, work_dir, prepared,
     assert 0 <= max(done) - int(resumed.group(1)) <= interval, (done, resumed.group(1))
     assert re.search(r'"dp": 1, .*"grad_accum": 4', lost)  # one rank, 4 microbatches a step
     assert read_result(run)["steps"] == steps
-    want = one_process(work_dir, runs, "one", steps, interval=interval)
-    assert_same_losses(by_step(run), want, list(range(int(resumed.group(1)) + 1, steps + 1)))
+    assert_same_losses(by_step(run), one_of_12, list(range(int(resumed.group(1)) + 1,
+                                                          steps + 1)))
 
 
-def test_a_node_cut_off_is_named_after_the_timeout_and_left_out(nodes, work_dir, prepared,
+def test_a_node_cut_off_is_named_after_the_timeout_and_left_out(nodes, work_dir, one_of_12,
                                                                 tmp_path):
     """Two nodes in network namespaces; n2's link cut after the step-4 checkpoint (n2 and
     its rank live on, unreachable: no connection closes): the rank on n1 waits
@@ -331,8 +337,8 @@ def test_a_node_cut_off_is_named_after_the_timeout_and_left_out(nodes, work_dir,
                         r"\[n1\] from \S+/step_(\d+)", log)
     assert resumed, log[-5000:]
     assert read_result(run)["steps"] == steps
-    want = one_process(work_dir, runs, "one", steps, interval=interval)
-    assert_same_losses(by_step(run), want, list(range(int(resumed.group(1)) + 1, steps + 1)))
+    assert_same_losses(by_step(run), one_of_12, list(range(int(resumed.group(1)) + 1,
+                                                          steps + 1)))
 
 
 STUB_LOSER = """
