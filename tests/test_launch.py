@@ -174,12 +174,18 @@ case "$FAKE_MODE" in
   unfinished-save-then-fail) mkdir -p "$RUN_DIR/checkpoints/step_0000009.tmp"; exit 1 ;;
   finish) echo '{}' > "$RUN_DIR/result.json"; exit 0 ;;
   stopped-json) echo '{"exit_code": 75}' > "$RUN_DIR/stopped.json"; exit 0 ;;
+  lose-node2)  # the first run's ranks name node2 as lost (train/hang.py); the next finishes
+    if [[ ! -e $FAKE_LOG/srun.once ]]; then
+      touch "$FAKE_LOG/srun.once"; echo node2 > "$PRETRAIN_LOST_NODES_FILE"; exit 1
+    fi
+    echo "$@" > "$FAKE_LOG/srun.args2"; echo '{}' > "$RUN_DIR/result.json"; exit 0 ;;
 esac
 """
 FAKE_SCONTROL = """#!/bin/bash
 case "$1 $2" in
   "show hostnames") echo node1; echo node2 ;;
   "requeue "*) echo "$2" > "$FAKE_LOG/requeued" ;;
+  "update JobId="*) echo "$@" > "$FAKE_LOG/updated" ;;
 esac
 """
 
@@ -217,12 +223,12 @@ def test_batch_script_starts_torchrun_on_every_node(tmp_path):
     rc, log, out = run_batch(tmp_path, "exit0")
     assert rc == 0 and not (log / "requeued").exists()
     args = (log / "srun.args").read_text()
-    assert "--ntasks=2 --ntasks-per-node=1 --cpus-per-task=1" in args  # by hand: 1 CPU
+    assert "--ntasks=2 --ntasks-per-node=1 --nodelist=node1,node2 --cpus-per-task=1" in args
     assert "-m torch.distributed.run --nnodes=2 --nproc-per-node=4" in args
     assert "--rdzv-backend=c10d --rdzv-endpoint=node1:20042 --rdzv-id=42" in args
     assert "SIGUSR1" in args and args.strip().endswith("train.py +recipe=tiny")
     # no container: torchrun is srun's command itself, as it always was
-    assert args.startswith("--kill-on-bad-exit=1 --ntasks=2 --ntasks-per-node=1 "
+    assert args.startswith("--nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=node1,node2 "
                            "--cpus-per-task=1 python -m torch.distributed.run ")
     assert "container" not in out
 
@@ -247,7 +253,8 @@ def test_batch_script_runs_torchrun_in_a_container(tmp_path, runtime):
     args = (log / "srun.args").read_text()
     # the work dir, the code and the run dir each mounted at its own path, then torchrun
     # with the image's python and the checkout's package first on its path
-    expected = ("--kill-on-bad-exit=1 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=1 "
+    expected = ("--nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=node1,node2 "
+                "--cpus-per-task=1 "
                 + prefix.format(work=tmp_path / "work", repo=REPO, run=tmp_path / "run")
                 + "python -m torch.distributed.run --nnodes=2 --nproc-per-node=4 ")
     assert args.startswith(expected), args
@@ -470,3 +477,34 @@ def test_dry_run_prints_the_preparation_chain(tmp_path, monkeypatch, capsys):
            f"{run / 'train.sbatch'}" in err
     assert f"# ---- {run / 'prepare.sbatch'} ----\n#!/bin/bash" in err
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("elastic", [True, False])
+def test_batch_script_goes_on_without_a_lost_node(tmp_path, elastic):
+    """The ranks name node2 as lost: an elastic job (parallel.dp=null) gives node2 back and
+    runs torchrun again on node1 alone, sharing the old step's CPUs; a fixed layout says why
+    it cannot, and no new checkpoint means no requeue."""
+    rc, log, out = run_batch(tmp_path, "lose-node2", env_extra={"ELASTIC": str(int(elastic)),
+                                                                "LOST_GRACE": "0"})
+    if elastic:
+        assert rc == 0 and "lost node(s) node2 (training exited with 1); continuing on [node1]" \
+            in out, out
+        assert (log / "updated").read_text().split() == ["update", "JobId=42", "NodeList=node1"]
+        again = (log / "srun.args2").read_text()
+        assert again.startswith("--nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=node1 "
+                                "--cpus-per-task=1 --overlap python -m torch.distributed.run "
+                                "--nnodes=1 --nproc-per-node=4 ")
+        assert "--rdzv-endpoint=node1:20043 --rdzv-id=42.1" in again  # a fresh rendezvous
+    else:
+        assert rc == 1 and "lost node(s) node2; not restarting on fewer nodes" in out, out
+        assert not (log / "updated").exists() and not (log / "requeued").exists()
+
+
+def test_an_elastic_layout_renders_an_elastic_job():
+    proc = dry_run("+recipe=tiny-zero3", "cluster=local", "parallel.dp=null",
+                   "cluster.procs_per_node=1", "--nodes", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "ELASTIC=1" in proc.stdout and "MAX_NODE_LOSSES=2" in proc.stdout
+    assert "#SBATCH --no-kill" in proc.stdout and "#SBATCH --nodes=2" in proc.stdout
+    fixed = dry_run("+recipe=tiny-zero3", "cluster=local")
+    assert "ELASTIC=0" in fixed.stdout

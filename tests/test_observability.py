@@ -208,6 +208,27 @@ def test_a_failed_collective_is_named_from_the_traceback():
         raise ValueError("a bug")  # not a collective's: re-raised, no exit
 
 
+def test_the_missing_ranks_are_named_by_node(tmp_path, monkeypatch):
+    """The hang line names each missing rank's node (several nodes only), and the job's first
+    node writes the lost nodes, without its own, where the launcher asked for them."""
+    from pretrain.train.hang import LOST_NODES_FILE, CollectiveWatch, where
+
+    nodes = ["n1", "n1", "n2", "n2", "n3", "n3"]
+    assert where([2, 3, 5], nodes) == " (node n2: ranks 2, 3; node n3: rank 5)"
+    assert where([1], ["h", "h"]) == "" and where([], nodes) == ""
+    watch = CollectiveWatch(type("Comm", (), {"init_timeout_s": 60, "train_timeout_s": 5}))
+    watch.nodes = nodes
+    lost = tmp_path / "lost_nodes"
+    monkeypatch.setenv(LOST_NODES_FILE, str(lost))
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    monkeypatch.setenv("SLURM_NODEID", "1")  # not the first node: it does not judge
+    watch._write_lost_nodes([1, 2, 3])
+    assert not lost.exists()
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    watch._write_lost_nodes([1, 2, 3])
+    assert lost.read_text() == "n2\n"  # n1's own rank 1 is stuck, not its node lost
+
+
 def test_trace_summary_without_traces_is_one_line(tmp_path, capsys):
     from pretrain.tools.trace_summary import main
 

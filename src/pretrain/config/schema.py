@@ -377,6 +377,9 @@ class ClusterConfig:
     # saves and the job requeues itself. Slurm may send it up to 60 s early.
     signal_seconds: int = 300
     max_requeues: int = 50
+    # Nodes a job may lose and go on without (slurm/train.sbatch: a layout with
+    # parallel.dp=null continues on the nodes left, in the same allocation).
+    max_node_losses: int = 2
     # How long torchrun lets its workers save after a stop signal before killing them.
     shutdown_timeout_s: int = 900
     rdzv_port: int | None = None  # None: 20000 + job id % 20000 (jobs sharing a node differ)

@@ -170,6 +170,9 @@ def settings_lines(cfg: Config, alloc: Allocation, run_dir: Path, overrides: lis
         f"TRAIN_PY={q(str(REPO / 'train.py'))}",
         f"SHUTDOWN_TIMEOUT={cl.shutdown_timeout_s}",
         f"MAX_REQUEUES={cl.max_requeues}",
+        f"MAX_NODE_LOSSES={cl.max_node_losses}",
+        # dp=null: the world size follows the nodes, so a run that lost one goes on without it
+        f"ELASTIC={int(cfg.parallel.dp is None)}",
         "TRAIN_ARGS=(" + " ".join(q(o) for o in overrides) + ")",
     ]
     if cl.rdzv_port:

@@ -17,6 +17,11 @@ every failed rank exits ``EXIT_HANG`` (76), at once (``os._exit``: a process gro
 dead peer cannot be torn down cleanly, and nothing can be saved without collectives).
 slurm/train.sbatch requeues only a run that stopped to be continued (75), so a hang is not
 requeued in a loop.
+
+Which node: at start every rank shares the name of the node it runs on (Slurm's
+``SLURMD_NODENAME``, else the host name), so the line names the missing ranks' nodes too, and
+where ``PRETRAIN_LOST_NODES_FILE`` is set (slurm/train.sbatch sets it) the reporting rank
+writes those nodes there, one a line: the script restarts the run on the nodes left.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ import datetime
 import json
 import logging
 import os
+import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -47,6 +54,26 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "batch_isend_irecv", "gather", "scatter", "reduce", "monitored_barrier",
                "wait", "wait_tensor")
 KEY = "pretrain/collective_failed"
+LOST_NODES_FILE = "PRETRAIN_LOST_NODES_FILE"
+
+
+def node_name() -> str:
+    """This process's node: Slurm's name for it (several nodes may share a host), else the
+    host's short name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+
+
+def where(missing: list[int], nodes: list[str]) -> str:
+    """`` (node n2: rank 1; node n3: ranks 2, 3)``: the missing ranks by node, where the
+    nodes are known and more than one."""
+    if not missing or len(set(nodes)) < 2 or max(missing) >= len(nodes):
+        return ""
+    by_node: dict[str, list[int]] = {}
+    for r in missing:
+        by_node.setdefault(nodes[r], []).append(r)
+    return " (" + "; ".join(
+        f"node {n}: rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+        for n, rs in by_node.items()) + ")"
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -113,6 +140,7 @@ class CollectiveWatch:
         self.init_timeout_s, self.train_timeout_s = comm.init_timeout_s, comm.train_timeout_s
         self.armed = False
         self.groups: list = []  # the groups the timeouts apply to (start)
+        self.nodes: list[str] = []  # each rank's node (start)
 
     @property
     def active(self) -> bool:
@@ -125,6 +153,9 @@ class CollectiveWatch:
         torch's default, as a save may write for longer than a step may wait."""
         self.groups = process_groups() if self.active else []
         set_timeouts(self.init_timeout_s, self.groups)
+        if self.active:  # each rank's node, known to every rank (the store may be lost too)
+            self.nodes = [""] * dist.get_world_size()
+            dist.all_gather_object(self.nodes, node_name())
 
     def after_first_step(self) -> None:
         """Every rank has taken a step: every group of the run gets the train timeout."""
@@ -161,17 +192,31 @@ class CollectiveWatch:
         missing = [r for r in range(world) if r not in failed]
         line = (f"error: collective {collective_of(exc)} at step {step} did not complete "
                 f"within {timeout:g} s (comm.{'train' if self.armed else 'init'}_timeout_s): "
-                f"rank(s) {missing or '?'} did not arrive"
+                f"rank(s) {missing or '?'} did not arrive{where(missing, self.nodes)}"
                 f"{'' if missing else ' (every rank saw it fail: a lost connection?)'}; "
                 f"exit {EXIT_HANG}. ({' '.join(str(exc).split())[:200]})")
         if rank == min(failed, default=rank):
             _record_for_torchrun(line)
+            self._write_lost_nodes(missing)
             if not os.environ.get(AGENT_REPORTS):  # tools/run_local.py prints it itself
                 print(line, file=sys.stderr, flush=True)
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stdout.flush()
         os._exit(EXIT_HANG)
+
+    def _write_lost_nodes(self, missing: list[int]) -> None:
+        """The missing ranks' nodes, one a line, where the launcher asked for them (from
+        the lowest failed rank, when on the job's first node)."""
+        path = os.environ.get(LOST_NODES_FILE)
+        # Judged from the job's first node, where the batch script runs (a node cut off from
+        # the others would name them instead).
+        if not path or not missing or max(missing) >= len(self.nodes) or \
+                os.environ.get("SLURM_NODEID", "0") != "0":
+            return
+        lost = sorted({self.nodes[r] for r in missing} - {node_name()})
+        with contextlib.suppress(OSError):
+            Path(path).write_text("".join(f"{n}\n" for n in lost))
 
     def _failed_ranks(self, rank: int, world: int, grace: float) -> list[int]:
         """The ranks that report a failed collective within ``grace`` seconds (this one

@@ -11,6 +11,8 @@ the difference. So a rank's own step time is its wall time less that wait (the l
 preparation less its own), and the straggler is the rank whose own time is longest. Slowness
 inside the forward and backward of one rank (a slow GPU) shows in the profiler's per-rank
 collective times instead (tools/trace_summary.py): the others spend it waiting there.
+The warning names the straggler's node too (Slurm's name for it, else the host's), gathered
+once at start: on a cluster the node is what to drain or replace.
 
 Recorded: ``step_time_s`` (the median rank's own step time), ``step_time_max_s`` and
 ``slowest_rank`` (only when it is a straggler), ``data_wait_share`` (the most any rank
@@ -27,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from pretrain.train.hang import node_name
 from pretrain.train.hooks import Hook, LoopContext, register
 
 log = logging.getLogger("pretrain")
@@ -57,6 +60,11 @@ class StepMonitor(Hook):
     def __init__(self, ctx: LoopContext):
         self.share = ctx.cfg.logging.straggler_share
         self.reset()
+        # each rank's node, so a straggler's warning names where to look (once, at start)
+        self.nodes = [node_name()]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self.nodes = [""] * dist.get_world_size()
+            dist.all_gather_object(self.nodes, node_name())
 
     def reset(self) -> None:
         self.steps, self.wall, self.prep, self.data = 0, 0.0, 0.0, 0.0
@@ -93,9 +101,10 @@ class StepMonitor(Hook):
             ctx.record("slowest_rank", rank)
             ctx.record("step_time_max_s", own[rank])
             if ctx.rank0:
-                log.warning("step %d: rank %d is a straggler: %.3f s a step, %.0f%% above "
-                            "the other ranks' median (logging.straggler_share %.0f%%); its "
-                            "data wait %.0f%% of its step", ctx.step, rank, own[rank],
+                log.warning("step %d: rank %d is a straggler (on %s): %.3f s a step, %.0f%% "
+                            "above the other ranks' median (logging.straggler_share %.0f%%); "
+                            "its data wait %.0f%% of its step", ctx.step, rank,
+                            self.nodes[rank] if rank < len(self.nodes) else "?", own[rank],
                             100 * excess, 100 * self.share, 100 * waits[rank])
 
 

@@ -1,0 +1,380 @@
+"""Against a real Slurm of several nodes on this machine (slurm/local_cluster.sh start
+--nodes 4: n1..n4, one slurmd each): tools/launch.py runs a 2-node ZeRO-3 and a 4-node pp2 x DDP2
+job (one rank a node, gloo; srun starts one torchrun a node, rendezvous on the first node)
+that train to the losses of one process; and a node killed mid-run (its slurmd and its
+ranks, -9) is named in one line, left out, and the job finishes on the node left from the
+last complete checkpoint, with the losses of an uninterrupted run.
+
+The cluster has its own state directory and ports (SLURM_LOCAL_DIR / SLURM_LOCAL_PORT /
+SLURM_LOCAL_DB_PORT below), so it runs beside the one-node cluster of tests/test_slurm.py;
+it is held under a machine-wide lock while used (pytest-xdist workers take turns), started
+if none runs and stopped by whoever started it. Skips, saying why, without Slurm;
+PRETRAIN_REQUIRE_SLURM=1 makes that a failure.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import (
+    CORPUS_FILES,
+    DATA_NAME,
+    REPO,
+    TOKENIZER_VOCAB,
+    by_step,
+    compose_config,
+    one_thread,
+    read_metrics,
+    read_result,
+)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+CLUSTER = REPO / "slurm" / "local_cluster.sh"
+NODES = 4
+CLUSTER_ENV = {"SLURM_LOCAL_DIR": os.environ.get("PRETRAIN_SLURM_NODES_DIR",
+                                                 "/tmp/pretrain-slurm-nodes"),
+               "SLURM_LOCAL_PORT": "7817", "SLURM_LOCAL_DB_PORT": "3407"}
+LOCK = "/tmp/pretrain-slurm-nodes.lock"
+GLOO_IF = "PRETRAIN_TEST_GLOO_IF"  # in the fixture's environment: eth0 with --netns, else lo
+DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd", "sbatch")
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "BOOT_FAIL", "DEADLINE"}
+
+
+def _path() -> str:
+    return os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+
+
+def _unavailable() -> str | None:
+    """Why a local Slurm cannot run here, or None (installing it first when possible)."""
+    if all(shutil.which(d, path=_path()) for d in DAEMONS):
+        return None
+    if not shutil.which("apt-get"):
+        return "Slurm is not installed and there is no apt-get to install it (Debian/Ubuntu)"
+    if os.geteuid() != 0:
+        return "Slurm is not installed and installing it (apt-get) needs root"
+    proc = subprocess.run(["bash", str(CLUSTER), "install"], capture_output=True, text=True,
+                          timeout=900)
+    return f"could not install Slurm: {proc.stderr.strip()[-500:]}" if proc.returncode else None
+
+
+def cluster(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CLUSTER), *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _skip_or_fail(msg: str) -> None:
+    if os.environ.get("PRETRAIN_REQUIRE_SLURM") == "1":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[dict[str, str]]:
+    """A running 4-node local cluster, this process's alone while the module runs; yields
+    the environment that reaches it (SLURM_CONF)."""
+    reason = _unavailable()
+    if reason:
+        _skip_or_fail(reason)
+    env = {**os.environ, "PATH": _path(), **CLUSTER_ENV}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "PRETRAIN_FAULT"):
+        env.pop(key, None)
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held until the module is done with the cluster
+        already = cluster(env, "status").returncode == 0
+        if not already:  # each node a network namespace of its own where this host allows
+            proc = cluster(env, "start", "--nodes", str(NODES), "--netns", timeout=300)
+            if proc.returncode:
+                cluster(env, "stop")
+                proc = cluster(env, "start", "--nodes", str(NODES), timeout=300)
+            if proc.returncode:
+                cluster(env, "stop")
+                _skip_or_fail(f"slurm/local_cluster.sh start --nodes {NODES} failed:\n"
+                              f"{proc.stderr[-3000:]}")
+        env["SLURM_CONF"] = cluster(env, "env").stdout.strip().split("=", 1)[1]
+        netns = Path(env["SLURM_LOCAL_DIR"], "netns")
+        # gloo on the interface the nodes reach each other by
+        env[GLOO_IF] = "eth0" if netns.exists() and netns.read_text().strip() == "1" else "lo"
+        try:
+            yield env
+        finally:
+            if not already:
+                cluster(env, "stop")
+
+
+def data_overrides(work_dir: Path) -> list[str]:
+    """The conftest corpus, prepared by the ``prepared`` fixture: jobs only read it."""
+    return ["model.vocab_size=300", "data.source=text", f"data.name={DATA_NAME}",
+            f"data.data_files=[{','.join(CORPUS_FILES)}]",
+            f"data.tokenizer_vocab_size={TOKENIZER_VOCAB}", "data.validation_fraction=0.1",
+            "data.num_proc=1", f"data.root={work_dir / 'data'}"]
+
+
+def run_args(work_dir: Path, runs: Path, name: str, steps: int, parallel: str = "zero3",
+             interval: int | None = None) -> list[str]:
+    """The nano model in fp32, one rank a node, the data-parallel size taken from the nodes
+    (parallel.dp=null): the global batch of 8 stays 8 on any number of nodes (more
+    accumulation on fewer)."""
+    return ["+recipe=tiny-zero3", "cluster=local", "model=nano", "precision=fp32",
+            f"parallel={parallel}", "parallel.dp=null", "cluster.procs_per_node=1",
+            *data_overrides(work_dir), f"runs_dir={runs}", f"run_name={name}", "budget=steps",
+            f"budget.steps={steps}", "train.global_batch_size=8", "parallel.micro_batch_size=2",
+            "schedule.warmup_steps=2", "train.eval_batches=2", f"train.eval_interval={steps}",
+            "train.sample_tokens=0", "logging=quiet", "logging.log_interval=1",
+            "checkpoint.enabled=true", f"checkpoint.interval_steps={interval or steps}",
+            "checkpoint.async_save=false"]
+
+
+def one_process(work_dir: Path, runs: Path, name: str, steps: int, **kw) -> dict[int, float]:
+    """The same run in one process, here (pretrain.train.trainer.run, what train.py calls):
+    its losses by step."""
+    from pretrain.train.trainer import run
+
+    args = [a for a in run_args(work_dir, runs, name, steps, **kw)
+            if not a.startswith(("cluster.", "parallel="))] + ["parallel=single"]
+    cfg = compose_config(args)
+    cwd = os.getcwd()
+    os.chdir(work_dir)
+    try:
+        with one_thread():
+            assert run(cfg, runs / name)["exit_code"] == 0
+    finally:
+        os.chdir(cwd)
+    return by_step(runs / name)
+
+
+def submit(args: list[str], cwd: Path, env: dict[str, str]) -> int:
+    args = [*args, f"cluster.env.GLOO_SOCKET_IFNAME={env[GLOO_IF]}"]
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    match = re.search(r"submitted job (\d+)", proc.stdout)
+    assert match, proc.stdout
+    return int(match.group(1))
+
+
+def job_info(job: int, env: dict[str, str]) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", str(job)], env=env,
+                         capture_output=True, text=True).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def wait_job(job: int, env: dict[str, str], timeout: float = 300) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_info(job, env)
+        if info.get("JobState") in TERMINAL:
+            return info
+        time.sleep(0.5)
+    subprocess.run(["scancel", str(job)], env=env)
+    pytest.fail(f"job {job} did not finish in {timeout} s: {job_info(job, env)}")
+
+
+def assert_same_losses(got: dict[int, float], want: dict[int, float], steps: list[int]):
+    """fp32, the tolerance of the re-layout tests (tests/test_relayout.py)."""
+    for step in steps:
+        assert abs(got[step] - want[step]) <= 1e-4, (step, got, want)
+
+
+TWO_NODE_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def two_nodes(nodes, work_dir, prepared, tmp_path_factory) -> tuple[int, Path]:
+    """A 2-node ZeRO-3 run, uninterrupted: (job, run dir). Shared by the tests that compare
+    with it."""
+    runs = tmp_path_factory.mktemp("two_nodes") / "runs"
+    job = submit([*run_args(work_dir, runs, "nodes", TWO_NODE_STEPS), "--nodes=2"], work_dir,
+                 nodes)
+    wait_job(job, nodes)
+    return job, runs / "nodes"
+
+
+def check_across_nodes(job: int, run: Path, n: int, want: dict[int, float], dp: int = 0
+                       ) -> None:
+    log = (run / f"slurm-{job}.out").read_text()
+    assert "training exited with 0 (finished: 1" in log, log[-4000:]
+    assert f"on {n} node(s) [n[1-{n}]] x 1 processes" in log and "rendezvous on n1" in log
+    plan = (run / "plan.json").read_text()
+    assert f'"world_size": {n}' in plan and f'"dp": {dp or n}' in plan, plan
+    assert_same_losses(by_step(run), want, sorted(want))
+
+
+def test_a_two_node_zero3_run_equals_one_process(two_nodes, work_dir, tmp_path):
+    job, run = two_nodes
+    check_across_nodes(job, run, 2, one_process(work_dir, tmp_path, "one", TWO_NODE_STEPS))
+
+
+def test_a_four_node_pipeline_of_ddp_equals_one_process(nodes, work_dir, prepared, tmp_path):
+    """pp=2 x dp=2 (DDP) on four nodes: each pipeline stage's send and receive, and each
+    stage's gradient all-reduce, cross nodes."""
+    steps, runs = 4, tmp_path / "runs"
+    job = submit([*run_args(work_dir, runs, "nodes", steps, "pp2"), "parallel.dp_mode=ddp",
+                  "--nodes=4"], work_dir, nodes)
+    wait_job(job, nodes)
+    check_across_nodes(job, runs / "nodes", 4, one_process(work_dir, runs, "one", steps), dp=2)
+    assert '"pp": 2' in (runs / "nodes" / "plan.json").read_text()
+
+
+def test_a_preempted_two_node_job_resumes_bit_identically(two_nodes, nodes, work_dir,
+                                                          tmp_path):
+    """SIGUSR1 to the batch script (what --signal=B:USR1 does before the time limit): srun
+    passes it to both nodes' torchrun, every rank saves, the job requeues itself and the
+    rerun on two nodes gives the uninterrupted run's losses bit for bit."""
+    runs = tmp_path / "runs"
+    env = {**nodes, "PRETRAIN_FAULT": "slow:rank=0:seconds=0.6"}  # time to signal it
+    job = submit([*run_args(work_dir, runs, "preempted", TWO_NODE_STEPS), "--nodes=2",
+                  "train.stop_check_interval=1"], work_dir, env)  # a stop seen next step
+    run = runs / "preempted"
+    deadline = time.monotonic() + 240
+    while not any(m.get("step", 0) >= 2 for m in read_metrics(run)):
+        assert time.monotonic() < deadline, f"never reached step 2: {job_info(job, nodes)}"
+        assert job_info(job, nodes).get("JobState") not in TERMINAL, "finished too early"
+        time.sleep(0.1)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=nodes, check=True)
+    info = wait_job(job, nodes, timeout=300)
+    log = (run / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-4000:]
+    assert "SIGUSR1: asking every rank" in log and f"requeueing job {job}" in log
+    assert f"job {job} (restart 1) on 2 node(s) [n[1-2]]" in log
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert saved[0] < f"step_{TWO_NODE_STEPS:07d}"  # the preemption's save, before the end
+    want = by_step(two_nodes[1])
+    assert by_step(run, pattern="metrics*.jsonl") == want  # bit for bit: resumed exactly
+
+
+@pytest.fixture(scope="module")
+def one_of_12(work_dir, prepared, tmp_path_factory) -> dict[int, float]:
+    """The losses of one uninterrupted process for the lost-node and cut tests' run."""
+    return one_process(work_dir, tmp_path_factory.mktemp("one12"), "one", 12, interval=4)
+
+
+def test_a_lost_node_is_left_out_and_the_run_finishes(nodes, work_dir, one_of_12, tmp_path):
+    """Two nodes; n2 killed (slurmd and ranks, SIGKILL) after the step-4 checkpoint: the
+    rank left names n2 and its rank in one line, the job gives n2 back and goes on with n1
+    alone from step 4 (dp 1, four microbatches a step), at most one interval redone, and
+    every step after the checkpoint has the loss of one uninterrupted process."""
+    steps, interval, runs = 12, 4, tmp_path / "runs"
+    env = {**nodes, "PRETRAIN_FAULT": "slow:rank=0:seconds=0.4"}  # time to kill it mid-run
+    job = submit([*run_args(work_dir, runs, "lost", steps, interval=interval), "--nodes=2"],
+                 work_dir, env)
+    run = runs / "lost"
+    deadline = time.monotonic() + 240
+    while not ((run / "checkpoints" / f"step_{interval:07d}" / "meta.json").exists()
+               and any(m.get("step", 0) > interval for m in read_metrics(run))):
+        assert time.monotonic() < deadline, f"no step after {interval}: {job_info(job, nodes)}"
+        assert job_info(job, nodes).get("JobState") not in TERMINAL, "finished too early"
+        time.sleep(0.2)
+    try:
+        killed = cluster(nodes, "kill-node", "n2")
+        assert killed.returncode == 0, killed.stderr
+        info = wait_job(job, nodes, timeout=300)
+    finally:
+        cluster(nodes, "revive-node", "n2", timeout=120)
+    log = (run / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-5000:]
+    hang = [line for line in log.splitlines() if "did not arrive" in line]
+    # the rendezvous numbers the nodes as they arrive: n2's rank is 0 or 1
+    assert hang and re.search(r"rank\(s\) \[(\d)\] did not arrive \(node n2: rank \1\); "
+                              r"exit 76", hang[0]), log[-5000:]
+    first, lost = log.split("lost node(s) n2 (training exited with ", 1)
+    resumed = re.match(r"\d+\); continuing on \[n1\] from \S+/step_(\d+)", lost)
+    assert resumed, lost[:500]
+    assert "restart 1 on 1 node(s) [n1]" in lost
+    assert re.search(r"rank \d is a straggler \(on n[12]\)", first)  # its node named
+    # at most one checkpoint interval redone: the steps the first attempt took past the
+    # checkpoint it resumed from
+    done = [int(s) for s in re.findall(r"step (\d+)/\d+ \| loss", first)]
+    assert 0 <= max(done) - int(resumed.group(1)) <= interval, (done, resumed.group(1))
+    assert re.search(r'"dp": 1, .*"grad_accum": 4', lost)  # one rank, 4 microbatches a step
+    assert read_result(run)["steps"] == steps
+    assert_same_losses(by_step(run), one_of_12, list(range(int(resumed.group(1)) + 1,
+                                                          steps + 1)))
+
+
+def test_a_node_cut_off_is_named_after_the_timeout_and_left_out(nodes, work_dir, one_of_12,
+                                                                tmp_path):
+    """Two nodes in network namespaces; n2's link cut after the step-4 checkpoint (n2 and
+    its rank live on, unreachable: no connection closes): the rank on n1 waits
+    comm.train_timeout_s, names n2 in one line, and the job goes on with n1 alone to the
+    losses of one uninterrupted process."""
+    if nodes[GLOO_IF] != "eth0":
+        pytest.skip("the cluster's nodes share one network (this host refused network "
+                    "namespaces: ip netns, unshare), so no link can be cut")
+    steps, interval, runs = 12, 4, tmp_path / "runs"
+    env = {**nodes, "PRETRAIN_FAULT": "slow:rank=0:seconds=0.4"}
+    job = submit([*run_args(work_dir, runs, "cut", steps, interval=interval), "--nodes=2",
+                  "comm.train_timeout_s=10"], work_dir, env)
+    run = runs / "cut"
+    deadline = time.monotonic() + 240
+    while not ((run / "checkpoints" / f"step_{interval:07d}" / "meta.json").exists()
+               and any(m.get("step", 0) > interval for m in read_metrics(run))):
+        assert time.monotonic() < deadline, f"no step after {interval}: {job_info(job, nodes)}"
+        assert job_info(job, nodes).get("JobState") not in TERMINAL, "finished too early"
+        time.sleep(0.2)
+    try:
+        cut = cluster(nodes, "cut-node", "n2")
+        assert cut.returncode == 0, cut.stderr
+        info = wait_job(job, nodes, timeout=300)
+    finally:
+        cluster(nodes, "restore-node", "n2", timeout=120)
+    log = (run / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-5000:]
+    assert re.search(r"within 10 s \(comm\.train_timeout_s\): rank\(s\) \[(\d)\] did not "
+                     r"arrive \(node n2: rank \1\); exit 76", log), log[-5000:]
+    resumed = re.search(r"lost node\(s\) n2 \(training exited with \d+\); continuing on "
+                        r"\[n1\] from \S+/step_(\d+)", log)
+    assert resumed, log[-5000:]
+    assert read_result(run)["steps"] == steps
+    assert_same_losses(by_step(run), one_of_12, list(range(int(resumed.group(1)) + 1,
+                                                          steps + 1)))
+
+
+STUB_LOSER = """
+import os, pathlib, sys
+# Stands in for train.py under torchrun, one rank a node: every attempt 'loses' its last
+# node (rank 0 names it where train/hang.py would) and the ranks exit 76, as after a hang.
+world = int(os.environ["WORLD_SIZE"])
+if os.environ["RANK"] == "0":
+    pathlib.Path(os.environ["PRETRAIN_LOST_NODES_FILE"]).write_text(f"n{world}\\n")
+    print(f"attempt on {world} node(s)", flush=True)
+sys.exit(76)
+"""
+
+
+def test_a_job_that_loses_node_after_node_gives_up_in_one_line(nodes, tmp_path):
+    """slurm/train.sbatch by hand with a stub that loses a node on every attempt: three
+    nodes, MAX_NODE_LOSSES=1: it goes on without n3, then stops with one line when n2 goes
+    too, and is not requeued."""
+    run = tmp_path / "run"
+    run.mkdir()
+    stub = tmp_path / "stub_loser.py"
+    stub.write_text(STUB_LOSER)
+    env = {**nodes, "RUN_DIR": str(run), "NPROC_PER_NODE": "1", "PYTHON": sys.executable,
+           "TRAIN_PY": str(stub), "GLOO_SOCKET_IFNAME": "lo", "ELASTIC": "1",
+           "MAX_NODE_LOSSES": "1"}
+    out = subprocess.run(["sbatch", "--parsable", "--nodes=3", f"--output={run}/slurm-%j.out",
+                          str(REPO / "slurm" / "train.sbatch")],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    job = int(out.strip().split(";")[0])
+    info = wait_job(job, nodes, timeout=180)
+    log = (run / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", log[-3000:]
+    assert "attempt on 3 node(s)" in log and "continuing on [n1,n2]" in log
+    assert "attempt on 2 node(s)" in log and "attempt on 1 node(s)" not in log
+    gave_up = [line for line in log.splitlines() if "giving up" in line]
+    assert len(gave_up) == 1 and gave_up[0].endswith(
+        "lost node(s) n2; giving up: 2 nodes lost in this job (n3 n2), more than "
+        "MAX_NODE_LOSSES=1; not requeued"), log[-3000:]
+    assert "requeueing" not in log
