@@ -45,7 +45,8 @@ def test_a_rerun_rung_is_compared_with_its_committed_figure(tmp_path, capsys):
                if r["width"] == "24" and r["tokens_per_param"] == "48.0")
     run = tmp_path / "model.d_model=24"
     (run / ".hydra").mkdir(parents=True)
-    (run / ".hydra" / "config.yaml").write_text("train:\n  seed: 1337\noptim:\n  betas: [0.9, 0.99]\n")
+    (run / ".hydra" / "config.yaml").write_text(
+        "train:\n  seed: 1337\noptim:\n  betas: [0.9, 0.99]\n")
     plan = {"n_params": int(row["n_params"]), "tokens": int(row["tokens"]), "width": 24,
             "global_batch_tokens": 128, "lr": 0.0025}
     (run / "plan.json").write_text(json.dumps(plan))

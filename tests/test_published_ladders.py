@@ -59,7 +59,7 @@ def test_the_policy_predicts_the_held_out_runs_as_documented(table, tmp_path):
     for name, (expected, _) in targets.items():
         h = held[name]
         assert 100 * h["error"] == pytest.approx(expected, abs=0.01), name
-        assert f"{expected:+.2f}%" in doc, f"{name}: docs/ladder/published.md lacks {expected:+.2f}%"
+        assert f"{expected:+.2f}%" in doc, f"{name}: published.md lacks {expected:+.2f}%"
         assert h["covered"] and h["interval"][0] < h["loss"] < h["interval"][1]
     # chosen by the ladder's backtest alone: the held-out runs are not in what it fitted
     assert not set(targets) & set(policy["ladder"])

@@ -98,7 +98,8 @@ def interval_bound_warnings(est: Estimate | None, law: str, bounds: Bounds = Bou
     width = (est.high - est.low) / est.value
     if width > bounds.max_interval:
         return [f"{law}: the predicted loss's 95% interval [{est.low:.4g}, {est.high:.4g}] "
-                f"is {100 * width:.1f}% of the loss, wider than the {100 * bounds.max_interval:.3g}%"
+                f"is {100 * width:.1f}% of the loss, wider than the "
+                f"{100 * bounds.max_interval:.3g}%"
                 " bound (--max-interval): the runs do not determine it"]
     return []
 

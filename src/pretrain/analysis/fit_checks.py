@@ -53,7 +53,8 @@ def with_seed_spread(est: Estimate, rel: float) -> Estimate:
     seed_std = rel * est.value
     std = math.hypot(est.std if math.isfinite(est.std) else 0.0, seed_std)
     low = min(est.low, est.value - 1.96 * std) if math.isfinite(est.low) else est.value - 1.96 * std
-    high = max(est.high, est.value + 1.96 * std) if math.isfinite(est.high) else est.value + 1.96 * std
+    high = (max(est.high, est.value + 1.96 * std) if math.isfinite(est.high)
+            else est.value + 1.96 * std)
     return Estimate(est.value, std, low, high)
 
 
@@ -90,7 +91,8 @@ def e_profile(points: Sequence[RunPoint], fractions: Sequence[float] = (0.0, 0.2
     not identify E, and a prediction far beyond them is E's guess, not the runs' (the byte
     ladder: rms 2.5-2.7% for E = 0 to 0.7, its 30x prediction -11% to +2%)."""
     low = min(p.loss for p in points)
-    n, d, l_arr = (np.array([getattr(p, k) for p in points]) for k in ("n_params", "tokens", "loss"))
+    n, d, l_arr = (np.array([getattr(p, k) for p in points])
+                   for k in ("n_params", "tokens", "loss"))
     out = []
     for f in fractions:
         law = fit_chinchilla_law(n, d, l_arr, fixed_e=f * low)

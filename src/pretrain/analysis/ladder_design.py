@@ -94,7 +94,8 @@ class Design:
     runs: list[Run] = field(default_factory=list)
     budget_seconds: float | None = None  # core-seconds the study may use
     budget_flops: float | None = None
-    min_steps: int = 0  # runs shorter than this are in their warm-up transient (the fit's --min-steps)
+    # runs shorter than this are in their warm-up transient (the fit's --min-steps)
+    min_steps: int = 0
 
     @property
     def largest(self) -> Size:
@@ -314,7 +315,8 @@ def _size_lines(d: Design) -> list[str]:
         rate = f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "?"
         lines.append(f"  {s.width:>5} {s.n_layer:>6} {s.n_head:>5} {s.head_width:>4} "
                      f"{s.n_params:>9,} {s.n_params_non_embedding:>9,} "
-                     f"{s.embedding_fraction:>4.0%} {s.flops_per_token:>10,} {s.lr:>8.3g} {rate:>8}")
+                     f"{s.embedding_fraction:>4.0%} {s.flops_per_token:>10,} {s.lr:>8.3g} "
+                     f"{rate:>8}")
     if len({d.batch_of(s.width) for s in d.sizes}) > 1:
         lines.append("  batch per size (tokens): " + ", ".join(
             f"{s.width}: {d.batch_of(s.width):,}" for s in d.sizes))

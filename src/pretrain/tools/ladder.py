@@ -25,7 +25,8 @@ data root, ``runs_dir``, a seed); a cooldown recipe whose ``branch_from`` is
 they change; one that names the source by its size alone (ladder-mix-cooldown) needs
 overrides that leave what is trained unchanged. The flags of the
 fit (``--target-flops``, ``--predict``, ``--predict-run``, ``--bootstrap``, ``--max-interval``,
-``--max-ratio``, ``--max-size-ratio``, ``--out``, ``--count``, ``--metric``, ``--min-steps``, ``--diagnose``,
+``--max-ratio``, ``--max-size-ratio``, ``--out``, ``--count``, ``--metric``, ``--min-steps``,
+``--diagnose``,
 ``--backtest``, ``--backtest-tolerance``, ``--min-params``,
 ``--no-plots``) go to
 tools/scaling_law.py. ``--dry-run`` prints the commands and
@@ -149,7 +150,8 @@ def unit_commands(recipe: str, units: list[Unit], budgets: list[float],
     seeds = list(dict.fromkeys(seed for _, seed in units))
     return [cmd for seed in seeds
             for cmd in stream_commands(recipe, [d for d, s in units if s == seed], budgets,
-                                       overrides + ([] if seed is None else [f"train.seed={seed}"]))]
+                                       overrides + ([] if seed is None
+                                                    else [f"train.seed={seed}"]))]
 
 
 def runs_dir(overrides: list[str]) -> Path:

@@ -33,13 +33,15 @@ def run_row(run: Path, label: str = "ladder") -> dict:
     for f in ("plan.json", "result.json"):
         if not (run / f).exists():
             raise UserError(f"{run}: no {f}; a finished run holds plan.json and result.json")
-    plan, result = json.loads((run / "plan.json").read_text()), json.loads((run / "result.json").read_text())
+    plan = json.loads((run / "plan.json").read_text())
+    result = json.loads((run / "result.json").read_text())
     seed, betas = _seed_and_betas(run / ".hydra" / "config.yaml")
     n, d = int(plan["n_params"]), int(result.get("tokens", plan["tokens"]))
     return {"set": label, "width": plan.get("width"), "seed": seed,
             "tokens_per_param": round(d / n, 2), "n_params": n, "tokens": d,
             "steps": result.get("steps"), "batch": plan.get("global_batch_tokens"),
-            "lr": plan.get("lr"), "beta2": round(float(betas[1]), 6) if betas else None, "flops": 6.0 * n * d,
+            "lr": plan.get("lr"), "beta2": round(float(betas[1]), 6) if betas else None,
+            "flops": 6.0 * n * d,
             "final_val_loss": result["final_val_loss"],
             "final_val_bpb": result.get("final_val_bpb"), "run": run.name}
 

@@ -15,21 +15,27 @@ lr = a C^b and batch = c C^d by least squares in log-log, with C = M x D in Deep
 convention (the plan's ``hparam_compute``); printed next to DeepSeek's published constants,
 with the override line that makes a recipe use the fitted laws. Writes ``hparams.json``.
 
-Otherwise it reads every run directory under the given folders that holds ``result.json`` (written only
-when a run finished its budget) and ``plan.json``; N is the plan's ``n_params``, D the
-tokens trained, C = 6 N D (``pretrain.budget.compute.run_compute``: the plan's ``compute``, the C
-of ``budget=flops``; not its ``total_flops``, the hardware work). Fits
+Otherwise it reads every run directory under the given folders that holds ``result.json``
+(written only when a run finished its budget) and ``plan.json``; N is the plan's ``n_params``,
+D the tokens trained, C = 6 N D (``pretrain.budget.compute.run_compute``: the plan's
+``compute``, the C of ``budget=flops``; not its ``total_flops``, the hardware work). Fits
 L(C) = a C^b + c (needs 3+ runs) and L(N, D) = E + A/N^alpha + B/D^beta (needs 6+ runs at
-different tokens per parameter: an iso-FLOP sweep, not a pure 20-tokens-per-param
-ladder), each with a Huber objective on log loss (Hoffmann et al. 2022) and a bootstrap
-over runs for the error bars. A cooldown branch (``checkpoint.branch_from``) is one point of its own D, so
-a WSD ladder plus its branches (recipes/ladder-tiny-wsd.yaml, ladder-tiny-cooldown.yaml) fits
+different tokens per parameter: an iso-FLOP sweep, not a pure 20-tokens-per-param ladder),
+each with a Huber objective on log loss (Hoffmann et al. 2022, analysis/fitting.py) and a
+bootstrap over runs for the error bars; a degenerate fit is refused, not printed as a
+prediction. A cooldown branch (``checkpoint.branch_from``) is one point of its own D, so a
+WSD ladder plus its branches (recipes/ladder-tiny-wsd.yaml, ladder-tiny-cooldown.yaml) fits
 L(N, D); a run that never decayed (constant LR, kept only to branch from) is left out.
-``--metric val_bpb`` fits bits per byte (result.json's ``final_val_bpb``; docs/bits-per-byte.md)
-instead of the loss in nats per token. ``--points FILE.csv`` adds runs from elsewhere (columns
-n_params, tokens, loss), such as Chinchilla's own, as Besiroglu et al. 2024 extracted them. Warns when the target's tokens (L(C)'s at
-the ladder's tokens per parameter, L(N, D)'s D_opt) exceed the corpus the runs read (their
-plans' ``data_tokens``): more than one epoch, which the fit of fresh-data runs cannot predict. Writes ``fit.json``, ``loss_vs_compute.png`` and
+``--metric val_bpb`` fits bits per byte (result.json's ``final_val_bpb``;
+docs/bits-per-byte.md) instead of the loss in nats per token. ``--points FILE.csv`` adds runs
+from elsewhere (columns n_params, tokens, loss; name, a group, non-embedding counts
+optional), such as Chinchilla's own, as Besiroglu et al. 2024 extracted them, or the
+published ladders of docs/ladder/published.md; ``--select``, ``--max-flops``, ``--ladder``
+and ``--heldout`` say which rows are the ladder and which are predicted, ``--policy`` chooses
+the law by the ladder's own backtest (tools/fit_policy.py). Warns when the target's tokens
+(L(C)'s at the ladder's tokens per parameter, L(N, D)'s D_opt) exceed the corpus the runs
+read (their plans' ``data_tokens``): more than one epoch, which the fit of fresh-data runs
+cannot predict. Writes ``fit.json``, ``loss_vs_compute.png`` and
 ``isoflop.png`` into ``--out`` (default: ``<first folder>/scaling_law``).
 """
 
