@@ -67,7 +67,8 @@ def write_ladder(runs: Path, widths: list[int], n_of=lambda w: 4096 * w + 24 * w
             if tpp == SOURCE_TPP:
                 _write(src, _plan(n, d, sources), loss)
             else:
-                run = sweeps / "ladder-mix-cooldown" / f"budget.tokens_per_param={tpp:g},model.d_model={w}"
+                name = f"budget.tokens_per_param={tpp:g},model.d_model={w}"
+                run = sweeps / "ladder-mix-cooldown" / name
                 _write(run, _plan(n, d, sources), loss,
                        {"source": str(src), "step": int(d / 2048), "tokens": 0.8 * d})
             points.append((n, d))
