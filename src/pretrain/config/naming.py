@@ -190,6 +190,22 @@ class RunsDirCheck(Callback):
         self.on_run_start(config)
 
 
+class ResolutionCheck(Callback):
+    """A Hydra callback (conf/config.yaml ``hydra.callbacks``, first): every value resolved
+    before Hydra resolves ``hydra.run.dir`` outside train.py's task function, so an error a
+    recipe's rule raises (``${pretrain_heads:...}`` refusing a width, a key an
+    interpolation names missing) is one line, exit 2, not OmegaConf's traceback."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        from pretrain.config.schema import resolve_every_value
+
+        HydraConfig.instance().set_config(config)  # as Hydra's run_job does next
+        with exit_on_user_error():
+            resolve_every_value(config)
+
+
 class OverrideError(UserError, ConfigCompositionException):
     """An override Hydra cannot apply (a bad value, a key the schema lacks), still the
     ConfigCompositionException Hydra raises; its line leaves out Hydra's indented details

@@ -486,6 +486,7 @@ def to_config(cfg: Any) -> Config:
     silently, so it is caught here.
     """
     from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
 
     unknown = [k for k in _unknown_keys(cfg, Config) if k not in ("hydra",)]
     if unknown:
@@ -493,6 +494,39 @@ def to_config(cfg: Any) -> Config:
             f"unknown config key(s): {', '.join(unknown)}. Check the spelling against "
             "src/pretrain/config/schema.py (python train.py --cfg job prints every key)."
         )
-    obj = OmegaConf.to_object(cfg)
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except InterpolationResolutionError as e:
+        raise resolution_error(e) from e
     assert isinstance(obj, Config), type(obj)
     return obj
+
+
+def resolve_every_value(cfg: Any) -> None:
+    """Resolve every value of a composed config, group by group in the schema's order, then
+    ``hydra.run.dir`` (which names the run, through every override): the first error comes
+    as a ConfigError naming its own key (resolution_error). The hydra node's other values
+    are Hydra's to resolve, when it has filled them in."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        for key in cfg:
+            value = cfg[key] if key != "hydra" else None
+            if OmegaConf.is_config(value):
+                OmegaConf.to_container(value, resolve=True)
+        if "hydra" in cfg:
+            OmegaConf.select(cfg, "hydra.run.dir")
+    except InterpolationResolutionError as e:
+        raise resolution_error(e) from e
+
+
+def resolution_error(e: Exception) -> ConfigError:
+    """An error raised while a value's interpolation resolved (a recipe's rule such as
+    ``${pretrain_heads:...}`` refusing a width, a key it names missing): the key, and the
+    rule's own message, which says the fix, as one problem; not OmegaConf's traceback."""
+    import re
+
+    message = str(getattr(e, "msg", None) or e).splitlines()[0]
+    message = re.sub(r"^\w+ raised while resolving interpolation: ", "", message)
+    return ConfigError([f"{getattr(e, 'full_key', '') or '?'}: {message}"])
