@@ -149,7 +149,9 @@ def test_a_hook_module_reaching_up_to_the_loop_breaks_the_contract(tmp_path):
 
 def test_the_loop_imports_nothing_from_parallel():
     """trainer.py reaches the layout only through the train module's interface."""
-    assert not {m for m in imports_of(SRC / "train" / "trainer.py") if m.startswith("pretrain.parallel")}
+    assert not {
+        m for m in imports_of(SRC / "train" / "trainer.py") if m.startswith("pretrain.parallel")
+    }
 
 
 @pytest.mark.parametrize("name", ["pp_group", "tied", "duplicate_params", "has_last_stage",

@@ -103,6 +103,17 @@ def submit(args: list[str], cwd: Path, env: dict[str, str]) -> int:
     return int(match.group(1))
 
 
+def why(job: int | str, env: dict[str, str]) -> str:
+    """What a failed wait shows: the job's state and reason, and the node's."""
+    info = job_info(job, env)
+    node = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %C %E"], env=env,
+                          capture_output=True, text=True).stdout.strip()
+    queue = subprocess.run(["squeue", "-h", "-o", "%i %T %R %C"], env=env,
+                           capture_output=True, text=True).stdout.strip()
+    return (f"job {job}: {info.get('JobState')} ({info.get('Reason')}); node: {node}; "
+            f"queue: {queue}")
+
+
 def job_info(job: int | str, env: dict[str, str]) -> dict[str, str]:
     out = subprocess.run(["scontrol", "show", "job", "-o", str(job)], env=env,
                          capture_output=True, text=True).stdout
@@ -117,7 +128,7 @@ def wait_job(job: int, env: dict[str, str], timeout: float = 300) -> dict[str, s
         if info.get("JobState") in TERMINAL:
             return info
         time.sleep(0.5)
-    pytest.fail(f"job {job} did not finish in {timeout} s: {job_info(job, env)}")
+    pytest.fail(f"job {job} did not finish in {timeout} s: {why(job, env)}")
 
 
 def sacct_states(jobs: list[str], env: dict[str, str], timeout: float = 30) -> dict[str, str]:
@@ -209,7 +220,7 @@ def test_usr1_reaches_the_workers_and_the_job_requeues(slurm, tmp_path):
     job = int(out.strip().split(";")[0])
     deadline = time.monotonic() + 120
     while not (run / "started.0").exists():
-        assert time.monotonic() < deadline, job_info(job, slurm)
+        assert time.monotonic() < deadline, why(job, slurm)
         time.sleep(0.2)
     time.sleep(1)  # both workers have installed their handler
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=slurm, check=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from helpers import REPO
@@ -57,9 +58,12 @@ def test_two_holders_take_turns_and_neither_stops_the_others_cluster(tmp_path):
     (tmp_path / "fake_cluster.sh").write_text(FAKE_CLUSTER)
     env = {"PATH": "/usr/bin:/bin", "SLURM_LOCAL_DIR": str(tmp_path / "state"),
            "LOG": str(tmp_path / "cluster.log")}
-    # a starts the cluster and stays until b is waiting for it; b, once inside, looks at
-    # the cluster only after a has left (at once, if it had to wait for a)
+    # a starts the cluster and stays until b is waiting for it; b, started once a is
+    # inside, looks at the cluster only after a has left (at once, if it had to wait for a)
     a = holder(tmp_path, "a", tmp_path / "b.waiting", env)
+    while not (tmp_path / "a.inside").exists():
+        assert a.poll() is None, "a ended before it held the cluster"
+        time.sleep(0.05)
     b = holder(tmp_path, "b", tmp_path / "a.left", env)
     assert a.wait(timeout=60) == 0 and b.wait(timeout=60) == 0
     assert (tmp_path / "a.saw").read_text() == "up"

@@ -308,7 +308,8 @@ def _choice_type(parts: list[str]) -> type | None:
 def check_override_values(overrides: list[str], conf_dir: Path | None = None) -> None:
     """Two of Hydra's own errors as one line each, before it composes (Hydra prints them as
     many lines and exits 1): a config group option or recipe that does not exist
-    (``+recipe=nonexistent``, ``model=gpt5``: the three nearest names), and a value outside a key's closed set (``model.norm=batchnorm``: the
+    (``+recipe=nonexistent``, ``model=gpt5``: the three nearest names), and a value outside a key's
+    closed set (``model.norm=batchnorm``: the
     options)."""
     from pretrain.config.paths import CONF_DIR
 

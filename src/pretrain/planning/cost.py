@@ -4,7 +4,8 @@ Stated assumptions (an idealised model for ranking layouts, not a promise of thr
 
 - Compute runs at the GPU's dense peak for the compute dtype (fp8: the block Linear FLOPs at
   the fp8 peak) times its calibrated ``kernel_efficiency`` (conf/gpu/, fitted on measured
-  runs: docs/benchmarks.md), eager blocks at ``EAGER_SPEED`` of compiled ones. Hardware FLOPs are model FLOPs (``budget.flops_per_token``: 6 N + 12 L h s
+  runs: docs/benchmarks.md), eager blocks at ``EAGER_SPEED`` of compiled ones. Hardware FLOPs are
+  model FLOPs (``budget.flops_per_token``: 6 N + 12 L h s
   per token) plus recomputation: full checkpointing re-runs each block's forward (a third of
   its FLOPs), op-level selective re-runs every other block Linear's forward
   (parallel/activation_checkpoint.recomputed_linears).
@@ -24,7 +25,8 @@ Stated assumptions (an idealised model for ranking layouts, not a promise of thr
   pipeline neighbour is on another node (ranks fill nodes TP first, then DP). Not overlapped.
 - Data parallel, per GPU, over NVLink when the DP group (times TP) fits in a node, else the
   network at g x its per-GPU bandwidth when a node holds g of the group's ranks (one ring
-  per NIC rail, NCCL's channels; at most NVLink's): ddp all-reduces the gradients (reduce dtype) once per step; zero2 reduce-scatters
+  per NIC rail, NCCL's channels; at most NVLink's): ddp all-reduces the gradients (reduce dtype)
+  once per step; zero2 reduce-scatters
   them and all-gathers parameters (compute dtype) once per step; zero3 all-gathers twice and
   reduce-scatters once per microbatch (the trainer reduces every microbatch under zero3);
   under a pipeline torch reduces once per step and, as it keeps parameters unsharded after
@@ -370,8 +372,7 @@ def _tp_traffic(cfg: Config, layout: Layout, gpu: GpuSpec) -> tuple[float, float
     m, t, mb = cfg.model, layout.tp, layout.microbatches
     if t == 1:
         return 0.0, 0.0
-    act = dtype_bytes(cfg.precision.compute_dtype) * layout.micro_batch_size * m.seq_len * \
-        m.d_model
+    act = dtype_bytes(cfg.precision.compute_dtype) * layout.micro_batch_size * m.seq_len * m.d_model
     # recomputation repeats forward collectives: both under full, the SP all-gathers
     # (not the saved reduce-scatters) under op-level selective and under none with SP
     # (which keeps the gathered inputs as shards)

@@ -278,9 +278,12 @@ def _ramp_lines(p: dict) -> list[str]:
 def _host_line(sm: dict) -> str:
     """The host's dispatch time against the GPU's, and which the step waits for."""
     if sm["host_bound"]:
-        return (f"  HOST-BOUND: dispatching the step's ops takes the host {sm['host']:.3g} s, "
-                f"the GPU's work {sm['device'] - sm['offload']:.3g} s: the GPU waits for launches (fewer, larger "
-                "ops per step help: larger micro batches, fewer loss chunks, fused kernels)")
+        return (
+            f"  HOST-BOUND: dispatching the step's ops takes the host {sm['host']:.3g} s, "
+            f"the GPU's work {sm['device'] - sm['offload']:.3g} s: the GPU waits for launches "
+            "(fewer, larger "
+            "ops per step help: larger micro batches, fewer loss chunks, fused kernels)"
+        )
     return f"  host dispatch {sm['host']:.3g} s per step (hidden behind the GPU's work)"
 
 

@@ -129,7 +129,10 @@ def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
         else:
             step_fn = plain_step(mode, trainer, cfg)
             if step_fn is None:
-                return {"mode": mode, "skipped": "hf reference exists for the GPT-2 architecture only"}
+                return {
+                    "mode": mode,
+                    "skipped": "hf reference exists for the GPT-2 architecture only",
+                }
         dt = timed(step_fn, warmup, steps, device)
         tokens = steps * trainer.budget.global_batch_tokens
         tps = tokens / dt
@@ -157,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--steps", type=int, default=10, help="measured steps")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
-    ap.add_argument("--modes", default="trainer,plain,hf", help="comma-separated: " + ",".join(MODES))
+    ap.add_argument(
+        "--modes", default="trainer,plain,hf", help="comma-separated: " + ",".join(MODES)
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON line per mode only")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     args, overrides = ap.parse_known_args(argv)
@@ -174,8 +179,18 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print(f"[bench] {mode}: {args.warmup} warm-up + {args.steps} measured steps ...",
                   file=sys.stderr, flush=True)
-        cmd = [sys.executable, "-m", "pretrain.tools.bench", "--_child", mode, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), *overrides]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pretrain.tools.bench",
+            "--_child",
+            mode,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            *overrides,
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
@@ -185,11 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(row))
     if not args.json:
-        head = f"{'mode':8} {'tokens/s':>10} {'step s':>8} {'TFLOP/s':>9} {'peak':>8} {'MFU':>7} {'mem GB':>7}"
+        head = (f"{'mode':8} {'tokens/s':>10} {'step s':>8} {'TFLOP/s':>9} {'peak':>8} "
+                f"{'MFU':>7} {'mem GB':>7}")
         first = next(r for r in rows if "skipped" not in r)
-        print(f"{first['recipe_model']}: {first['n_params']:,} params, seq {first['seq_len']}, "
-              f"batch {first['global_batch']} (micro {first['micro_batch']}), {first['precision']}, "
-              f"attention {first['attention']}, {first['device_name']}, {first['threads']} threads")
+        print(
+            f"{first['recipe_model']}: {first['n_params']:,} params, seq {first['seq_len']}, "
+            f"batch {first['global_batch']} (micro {first['micro_batch']}), {first['precision']}, "
+            f"attention {first['attention']}, {first['device_name']}, {first['threads']} threads"
+        )
         print(head)
         for r in rows:
             if "skipped" in r:

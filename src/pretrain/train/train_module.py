@@ -106,16 +106,26 @@ class TrainModule:
         )
         # a batch ramp's schedule runs in tokens, its LR x the batch's factor (TokenLR.place)
         self.ramp = ramp
-        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, steps, batch_tokens) \
-            if ramp is None else TokenLR(self.optimizer, cfg.schedule, steps, batch_tokens,
-                                         (ramp.start * ramp.seq_len, ramp.lr_factor(ramp.start)))
+        self.scheduler = (
+            build_scheduler(self.optimizer, cfg.schedule, steps, batch_tokens)
+            if ramp is None
+            else TokenLR(
+                self.optimizer,
+                cfg.schedule,
+                steps,
+                batch_tokens,
+            )(ramp.start * ramp.seq_len, ramp.lr_factor(ramp.start))
+        )
         self.scaler = self._grad_scaler(place.mesh)
         self.skipped_steps = 0
         self.nonfinite_in_a_row = 0
         self.skips = NonFiniteSteps(self.device, self.skipped_steps)
         o = cfg.optim  # optim.spike_guard: loss / grad-norm outliers skipped too
-        self.guard = SpikeGuard(self.device, o.spike_sigmas, o.spike_window, o.spike_warmup) \
-            if o.spike_guard else None
+        self.guard = (
+            SpikeGuard(self.device, o.spike_sigmas, o.spike_window, o.spike_warmup)
+            if o.spike_guard
+            else None
+        )
         self.strategy = step_strategy(self.parallel, self.scaler, optimizer=self.optimizer,
                                       small_seqs=None, grad_sq_norm=self.grad_sq_norm)
         self._measure_next = False  # measure_next: the next step measures the small batch

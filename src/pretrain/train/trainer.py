@@ -170,9 +170,15 @@ class Trainer:
             if tok.exists():  # beside the checkpoints, for tools/export_hf.py
                 (self.run_dir / "tokenizer.json").write_bytes(tok.read_bytes())
         self.metrics = MetricsLogger(
-            self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), self.batches.total_steps,
-            self.step, cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.wandb_entity,
-            cfg.logging.progress_bar, enabled=self.rank0,
+            self.run_dir,
+            OmegaConf.to_container(OmegaConf.structured(cfg)),
+            self.batches.total_steps,
+            self.step,
+            cfg.logging.wandb,
+            cfg.logging.wandb_project,
+            cfg.logging.wandb_entity,
+            cfg.logging.progress_bar,
+            enabled=self.rank0,
         )
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -229,8 +235,11 @@ class Trainer:
     def logging_step(self, step: int) -> bool:
         """Whether fit() logs after optimizer step ``step`` (1-based): hooks measure on
         those steps only, whose host syncs and collectives are there anyway."""
-        return step == 1 or self.batches.is_last(step, self.step, self.samples_seen) or \
-            step % self.cfg.logging.log_interval == 0
+        return (
+            step == 1
+            or self.batches.is_last(step, self.step, self.samples_seen)
+            or step % self.cfg.logging.log_interval == 0
+        )
 
     def evaluate(self) -> float | None:
         """The run's validation loss (evaluation.mixture_mean over its sources; None without
