@@ -22,6 +22,7 @@ import torch
 
 from pretrain import torch_compat
 from pretrain.budget.batch_ramp import RampSpec
+from pretrain.config.observe_schema import CommConfig
 from pretrain.config.schema import Config
 from pretrain.model.initialization import local_region
 from pretrain.model.moe import routing_stats, update_biases
@@ -67,7 +68,8 @@ def join(layout: Layout, device: torch.device, policy: Policy, world_size: int,
     without a process group or wrapper. ``comm``: the run's timeouts (comm.*)."""
     mesh = None
     if world_size > 1 or not layout.one_device:
-        device = dist_env.init_distributed(device, comm.init_timeout_s if comm else 600.0)
+        timeout_s = (comm or CommConfig()).init_timeout_s  # the default written once
+        device = dist_env.init_distributed(device, timeout_s)
         mesh = dist_env.build_mesh(layout, device)
     dp_rank = mesh.dp.get_local_rank() if mesh is not None else 0
     return Place(device, mesh, dist_env.is_rank0(), dp_rank, dist_env.rank())
