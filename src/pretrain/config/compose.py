@@ -23,7 +23,8 @@ from pretrain.config.naming import (
     register_resolvers,
 )
 from pretrain.config.paths import CONF_DIR
-from pretrain.config.schema import Config, register_configs, resolve_every_value, to_config
+from pretrain.config.schema import Config
+from pretrain.config.structured import register_configs, resolve_every_value, to_config
 
 
 def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:

@@ -199,7 +199,7 @@ class ResolutionCheck(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        from pretrain.config.schema import resolve_every_value
+        from pretrain.config.structured import resolve_every_value
 
         HydraConfig.instance().set_config(config)  # as Hydra's run_job does next
         with exit_on_user_error():
@@ -259,7 +259,7 @@ def _schema_keys(node: Any = Config, prefix: str = "") -> list[str]:
 def check_override_keys(overrides: list[str]) -> None:
     """A plain override (``key=value``) of a key the schema lacks, refused in one line with
     the nearest key, before Hydra composes: Hydra's own message for it suggests the ``+``
-    prefix, which config/schema.to_config refuses in turn. ``+``/``~`` overrides, Hydra's
+    prefix, which config/structured.to_config refuses in turn. ``+``/``~`` overrides, Hydra's
     own keys and group paths are Hydra's to check."""
     for override in overrides:
         key, eq, _ = override.partition("=")

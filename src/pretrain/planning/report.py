@@ -19,9 +19,10 @@ from pretrain.planning.autolayout import (
     tp_options,
     with_parallel,
 )
-from pretrain.planning.cost import offload_bytes, offload_seconds, step_cost
+from pretrain.planning.cost import step_cost
 from pretrain.planning.document import describe as describe_documents
 from pretrain.planning.memory import PARTS, checkpoint_bytes, estimate_memory
+from pretrain.planning.offload import offload_bytes, offload_seconds
 
 
 def _gib(x: float) -> float:
