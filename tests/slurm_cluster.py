@@ -34,6 +34,14 @@ def _script(script: Path, command: str, env: dict[str, str], **kwargs):
                           text=True, **kwargs)
 
 
+def machine_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without the OpenMP limits: local_cluster.sh gives its node ``nproc`` CPUs,
+    and nproc counts OMP_NUM_THREADS, which conftest.py sets to 1 in every xdist worker: a
+    cluster a worker started had a 1-CPU node, where a job asking for 2 never starts (issue
+    62: "the job never started within the test's 120 s")."""
+    return {k: v for k, v in env.items() if k not in ("OMP_NUM_THREADS", "OMP_THREAD_LIMIT")}
+
+
 @contextmanager
 def held_cluster(script: Path, env: dict[str, str], lock: Path = LOCK) -> Iterator[str]:
     """Hold the cluster that ``script`` (slurm/local_cluster.sh) runs: wait for the lock,
@@ -43,7 +51,7 @@ def held_cluster(script: Path, env: dict[str, str], lock: Path = LOCK) -> Iterat
         fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
         started = _script(script, "status", env).returncode != 0
         if started:
-            proc = _script(script, "start", env, timeout=300)
+            proc = _script(script, "start", machine_env(env), timeout=300)
             if proc.returncode:
                 _script(script, "stop", env, timeout=120)
                 raise ClusterStartError(f"{script.name} start failed:\n{proc.stderr[-3000:]}")

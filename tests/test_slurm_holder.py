@@ -9,6 +9,7 @@ what it checks is the holders' protocol, which is the part that broke."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ FAKE_CLUSTER = """#!/usr/bin/env bash
 set -eu
 state=$SLURM_LOCAL_DIR
 case $1 in
-  start) mkdir -p "$state"; echo start >> "$LOG" ;;
+  start) mkdir -p "$state"; echo start >> "$LOG"; nproc > "$state.cpus" ;;
   status) test -d "$state" ;;
   env) echo "export SLURM_CONF=$state/slurm.conf" ;;
   stop) rm -rf "$state"; echo stop >> "$LOG" ;;
@@ -84,3 +85,15 @@ def test_a_running_cluster_is_used_and_left_running(tmp_path):
         assert holder(tmp_path, name, tmp_path / "go", env).wait(timeout=60) == 0
         assert (tmp_path / f"{name}.saw").read_text() == "up"
     assert not (tmp_path / "cluster.log").exists() and (tmp_path / "state").is_dir()
+
+
+def test_a_cluster_a_worker_starts_gets_every_cpu(tmp_path):
+    """An xdist worker runs with OMP_NUM_THREADS=1 (conftest.py), which nproc counts: the
+    cluster it starts must still get the machine's CPUs, or a job asking for them waits
+    forever (issue 62's Slurm failure)."""
+    (tmp_path / "fake_cluster.sh").write_text(FAKE_CLUSTER)
+    (tmp_path / "go").touch()
+    env = {"PATH": "/usr/bin:/bin", "SLURM_LOCAL_DIR": str(tmp_path / "state"),
+           "LOG": str(tmp_path / "cluster.log"), "OMP_NUM_THREADS": "1"}
+    assert holder(tmp_path, "a", tmp_path / "go", env).wait(timeout=60) == 0
+    assert int((tmp_path / "state.cpus").read_text()) == len(os.sched_getaffinity(0))
