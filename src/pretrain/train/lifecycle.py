@@ -97,15 +97,9 @@ class Lifecycle:
             if tok.exists():  # beside the checkpoints, for tools/export_hf.py
                 (self.run_dir / "tokenizer.json").write_bytes(tok.read_bytes())
         self.metrics = MetricsLogger(
-            self.run_dir,
-            OmegaConf.to_container(OmegaConf.structured(cfg)),
-            self.batches.total_steps,
-            self.step,
-            cfg.logging.wandb,
-            cfg.logging.wandb_project,
-            cfg.logging.wandb_entity,
-            cfg.logging.progress_bar,
-            enabled=self.rank0,
+            self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)),
+            self.batches.total_steps, self.step, cfg.logging.wandb, cfg.logging.wandb_project,
+            cfg.logging.wandb_entity, cfg.logging.progress_bar, enabled=self.rank0,
         )
 
     def close(self, leave_group: bool = True) -> None:

@@ -111,12 +111,8 @@ class TrainModule:
         self.scheduler = (
             build_scheduler(self.optimizer, cfg.schedule, steps, batch_tokens)
             if ramp is None
-            else TokenLR(
-                self.optimizer,
-                cfg.schedule,
-                steps,
-                batch_tokens,
-            )(ramp.start * ramp.seq_len, ramp.lr_factor(ramp.start))
+            else TokenLR(self.optimizer, cfg.schedule, steps, batch_tokens,
+                         (ramp.start * ramp.seq_len, ramp.lr_factor(ramp.start)))
         )
         self.scaler = self._grad_scaler(place.mesh)
         self.skipped_steps = 0
