@@ -21,7 +21,7 @@ from pretrain.config.naming import (  # noqa: E402
     check_recipe_overrides,
     register_resolvers,
 )
-from pretrain.config.schema import register_configs, to_config  # noqa: E402
+from pretrain.config.structured import register_configs, to_config  # noqa: E402
 from pretrain.errors import exit_on_user_error  # noqa: E402
 
 register_configs()

@@ -127,7 +127,9 @@ install_packages() {
 write_configs() {
   local host nproc mem n=$NODES cpus i nodes_lines="" names
   host=$(hostname -s)
-  nproc=$(nproc)
+  # the machine's CPUs: nproc counts OMP_NUM_THREADS (1 in a pytest-xdist worker), and a
+  # node with fewer CPUs than a job asks for never runs it
+  nproc=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
   mem=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' | head -1)
   mem=$((mem * 9 / 10))  # no more than slurmd -C reports, or the node is drained
   mkdir -p "$STATE"/{etc,log,pids,run,spool/ctld,munge,mysql}

@@ -38,7 +38,8 @@ from helpers import (  # noqa: E402
 )
 
 from pretrain.config.naming import register_resolvers  # noqa: E402
-from pretrain.config.schema import Config, register_configs  # noqa: E402
+from pretrain.config.schema import Config  # noqa: E402
+from pretrain.config.structured import register_configs  # noqa: E402
 
 register_configs()
 register_resolvers()

@@ -93,7 +93,8 @@ CPU = "train.device=cpu"
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Compose conf/config.yaml + overrides exactly as the tools do (pretrain.config.compose, the same
+    """Compose conf/config.yaml + overrides exactly as the tools do (pretrain.config.compose, the
+    same
     path train.py's config takes), then unset HydraConfig so tests stay independent. On the
     CPU (``CPU``) unless the overrides name ``train.device``."""
     from pretrain.config.compose import compose_config as compose_like_the_tools

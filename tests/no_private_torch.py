@@ -3,7 +3,8 @@ of the package and run train.py with the arguments given: a torch that has none 
 far as the package can see (tests/test_torch_compat.py runs this in its own process).
 
 A method (a PipelineStage hook) is deleted from the torch class that defines it, a name of
-the ``torch`` package itself or a setting of a config module (inductor's) deleted from it. A module's name cannot simply be deleted: torch
+the ``torch`` package itself or a setting of a config module (inductor's) deleted from it. A
+module's name cannot simply be deleted: torch
 reads many of them itself (FakeTensor, is_traceable_wrapper_subclass), from its own module's
 globals or by a lazy import. So the module is replaced, in ``sys.modules`` and on its parent
 package, by a copy without the name, whose ``__getattr__`` still hands it to torch's code and

@@ -90,7 +90,8 @@ def run_steps(trainer: Trainer, inject: dict | None = None,
               snapshot_at: int | None = None, steps: int | None = None) -> dict:
     """Train ``trainer`` (set up) ``steps`` steps (default: its budget); per step the loss,
     grad norm, loss scale after the step, and whether this rank's local parameter shards
-    and the full (gathered) parameters changed. Also: skipped_steps, the warnings logged, the full parameters after
+    and the full (gathered) parameters changed. Also: skipped_steps, the warnings logged, the full
+    parameters after
     ``snapshot_at`` steps and at the end, and whether each block is compiled."""
     from torch._dynamo.utils import counters
 

@@ -19,11 +19,25 @@ STEPS = 8
 
 def test_adafactor_trains_a_nano_model_and_the_plan_counts_its_state(compose, markov_root,
                                                                      tmp_path):
-    cfg = compose(["model=nano", "optim=adafactor", "optim.lr=0.1", *MARKOV_DATA, f"data.root={markov_root}",
-                   "budget=steps", f"budget.steps={STEPS}", "train.global_batch_size=4",
-                   "parallel.micro_batch_size=4", "schedule.warmup_steps=0",
-                   "schedule.decay=constant", "train.eval_interval=1000",
-                   "train.sample_tokens=0", "logging=quiet", "precision=fp32"])
+    cfg = compose(
+        [
+            "model=nano",
+            "optim=adafactor",
+            "optim.lr=0.1",
+            *MARKOV_DATA,
+            f"data.root={markov_root}",
+            "budget=steps",
+            f"budget.steps={STEPS}",
+            "train.global_batch_size=4",
+            "parallel.micro_batch_size=4",
+            "schedule.warmup_steps=0",
+            "schedule.decay=constant",
+            "train.eval_interval=1000",
+            "train.sample_tokens=0",
+            "logging=quiet",
+            "precision=fp32",
+        ]
+    )
     trainer = Trainer(cfg, tmp_path / "run")
     try:
         trainer.setup()

@@ -149,7 +149,9 @@ def test_a_hook_module_reaching_up_to_the_loop_breaks_the_contract(tmp_path):
 
 def test_the_loop_imports_nothing_from_parallel():
     """trainer.py reaches the layout only through the train module's interface."""
-    assert not {m for m in imports_of(SRC / "train" / "trainer.py") if m.startswith("pretrain.parallel")}
+    assert not {
+        m for m in imports_of(SRC / "train" / "trainer.py") if m.startswith("pretrain.parallel")
+    }
 
 
 @pytest.mark.parametrize("name", ["pp_group", "tied", "duplicate_params", "has_last_stage",
@@ -161,13 +163,18 @@ def test_the_loop_asks_nothing_about_the_layout(name):
 
 def test_the_loop_is_short():
     """Services attach on the hook seam (train/hooks.py, train/services/), not inside
-    the loop (issue 41)."""
-    assert len((SRC / "train" / "trainer.py").read_text().splitlines()) <= 400
+    the loop (issue 41); setup's steps and close are train/lifecycle.py's (issue 62)."""
+    assert len((SRC / "train" / "trainer.py").read_text().splitlines()) <= 320
 
 
-def test_no_source_file_is_over_500_lines():
+# Being rewritten by the lead engineer (issue 62), who splits them then.
+REWRITTEN = ("tools/scaling_law.py",)
+
+
+def test_no_source_file_is_over_450_lines():
     long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 500}
+            if (n := len(p.read_text().splitlines())) > 450
+            and not str(p.relative_to(SRC)).startswith(REWRITTEN)}
     assert long == {}, "split these by what they hold"
 
 

@@ -36,7 +36,7 @@ def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 @pytest.mark.parametrize("overrides,key,fix", [
-    # a key the schema lacks, added with Hydra's "+" (config/schema.to_config)
+    # a key the schema lacks, added with Hydra's "+" (config/structured.to_config)
     (["+train.lr_typo=1"], "train.lr_typo", "python train.py --cfg job"),
     # a plain override of a key the schema lacks: checked before Hydra, with the nearest key
     # (Hydra's own message would advise the "+" that to_config then refuses)

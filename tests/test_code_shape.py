@@ -73,3 +73,35 @@ def test_no_function_in_src_nests_more_than_three_blocks():
 def test_tools_do_not_reach_into_src_with_sys_path(tool):
     assert "sys.path.insert" not in tool.read_text(), (
         f"{tool.name}: the package is installed (pip install -e .); import pretrain directly")
+
+
+# Being rewritten by the lead engineer (issue 62), who removes their backslashes then; the
+# same paths as pyproject.toml's per-file-ignores of E501.
+REWRITTEN = ("analysis/", "tools/scaling_law.py", "tools/fit_reports.py", "tools/ladder")
+
+
+def continued_lines(source: str) -> list[int]:
+    """Lines that end in a backslash continuation (not inside a string or a comment)."""
+    import io
+    import tokenize
+
+    in_string = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.STRING:
+            in_string.update(range(tok.start[0], tok.end[0]))
+    return [n for n, line in enumerate(source.split("\n"), 1)
+            if line.rstrip().endswith("\\") and n not in in_string
+            and not line.lstrip().startswith("#")]
+
+
+def test_the_continuation_finder_sees_a_backslash_and_not_one_in_a_string():
+    assert continued_lines('x = 1 + \\\n    2\ns = """a \\\nb"""\n') == [1]
+
+
+def test_no_backslash_continuations_in_src():
+    """Brackets wrap a long line: a backslash breaks on a trailing space, and tools that
+    follow a name through the code (and ruff's formatter) stop at it."""
+    found = [f"{p.relative_to(SRC)}:{n}" for p in sorted(SRC.rglob("*.py"))
+             if not str(p.relative_to(SRC)).startswith(REWRITTEN)
+             for n in continued_lines(p.read_text())]
+    assert not found, "wrap these in brackets:\n" + "\n".join(found)

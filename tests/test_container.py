@@ -120,7 +120,9 @@ def test_installed_extras_exist_in_pyproject(dockerfile):
              for group in re.findall(r"\.\[([\w,-]+)\]", run) for e in group.split(",")]
     assert "gpu" in named, "the image must install the gpu extra (flash-attn, torchao)"
     for extra in named:
-        assert extra in extras, f"the Dockerfile installs .[{extra}], pyproject.toml has no such extra"
+        assert extra in extras, (
+            f"the Dockerfile installs .[{extra}], pyproject.toml has no such extra"
+        )
 
 
 def test_pinned_gpu_packages_satisfy_pyproject(dockerfile):
@@ -128,7 +130,10 @@ def test_pinned_gpu_packages_satisfy_pyproject(dockerfile):
     '.[gpu]'` would try to replace them (flash-attn then rebuilt in build isolation)."""
     args = stage_args(dockerfile)
     pins = {"flash-attn": args["FLASH_ATTN_VERSION"], "torchao": args["TORCHAO_VERSION"]}
-    gpu = {Requirement(r).name: Requirement(r) for r in PYPROJECT["project"]["optional-dependencies"]["gpu"]}
+    gpu = {
+        Requirement(r).name: Requirement(r)
+        for r in PYPROJECT["project"]["optional-dependencies"]["gpu"]
+    }
     for name, version in pins.items():
         assert name in gpu, f"{name} is pinned in the Dockerfile but not in the gpu extra"
         assert gpu[name].specifier.contains(Version(version)), (name, version, str(gpu[name]))

@@ -87,7 +87,9 @@ def test_fp8_policy_and_mfu_peak():
 
     gpus = load_gpus()
     for name in ("h100-80gb", "h200-141gb"):
-        assert gpus[name].peak_flops("float8") == pytest.approx(2 * gpus[name].peak_flops("bfloat16"), rel=1e-3)
+        assert gpus[name].peak_flops("float8") == pytest.approx(
+            2 * gpus[name].peak_flops("bfloat16"), rel=1e-3
+        )
     assert not gpus["a100-80gb"].peak_flops("float8")
 
 

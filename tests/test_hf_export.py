@@ -123,8 +123,11 @@ def test_export_refuses_non_empty_output(tmp_path):
     out = tmp_path / "hf"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "export_hf.py"), str(run), str(out)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "export_hf.py"), str(run), str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "not empty" in proc.stderr
     assert (out / "keep.txt").read_text() == "mine"
 

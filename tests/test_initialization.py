@@ -82,7 +82,9 @@ def test_gpt_starts_the_same_from_the_same_seed_and_ties_its_head():
     n, std = cfg.model.n_layer, cfg.model.init_std
     wo = a["layers.0.attn.wo.weight"]
     assert wo.std().item() == pytest.approx(std / (2 * n) ** 0.5, rel=0.05)
-    assert torch.equal(a["layers.1.mlp_norm.weight"], torch.ones_like(a["layers.1.mlp_norm.weight"]))
+    assert torch.equal(
+        a["layers.1.mlp_norm.weight"], torch.ones_like(a["layers.1.mlp_norm.weight"])
+    )
 
 
 LAYOUTS = {  # name: (world, rank, overrides)

@@ -166,7 +166,8 @@ env > "$FAKE_LOG/srun.env"
 case "$FAKE_MODE" in
   exit*) exit "${FAKE_MODE#exit}" ;;
   wait-signal)  # like torchrun whose workers save on USR1: checkpoint, then exit 1
-    trap 'mkdir -p "$RUN_DIR/checkpoints/step_0000005"; echo usr1 > "$FAKE_LOG/srun.signal"; exit 1' USR1
+    trap 'mkdir -p "$RUN_DIR/checkpoints/step_0000005"
+          echo usr1 > "$FAKE_LOG/srun.signal"; exit 1' USR1
     touch "$FAKE_LOG/srun.started"
     for i in $(seq 200); do sleep 0.05; done; exit 0 ;;
   checkpoint-then-fail) mkdir -p "$RUN_DIR/checkpoints/step_0000009"

@@ -42,17 +42,26 @@ def gpt2_to_ours(hf) -> dict[str, torch.Tensor]:
         h, o = f"transformer.h.{i}.", f"layers.{i}."
         wq, wk, wv = sd[h + "attn.c_attn.weight"].t().chunk(3, dim=0)
         bq, bk, bv = sd[h + "attn.c_attn.bias"].chunk(3, dim=0)
-        out.update({
-            o + "attn_norm.weight": sd[h + "ln_1.weight"], o + "attn_norm.bias": sd[h + "ln_1.bias"],
-            o + "attn.wq.weight": wq, o + "attn.wq.bias": bq,
-            o + "attn.wk.weight": wk, o + "attn.wk.bias": bk,
-            o + "attn.wv.weight": wv, o + "attn.wv.bias": bv,
-            o + "attn.wo.weight": sd[h + "attn.c_proj.weight"].t(),
-            o + "attn.wo.bias": sd[h + "attn.c_proj.bias"],
-            o + "mlp_norm.weight": sd[h + "ln_2.weight"], o + "mlp_norm.bias": sd[h + "ln_2.bias"],
-            o + "mlp.w1.weight": sd[h + "mlp.c_fc.weight"].t(), o + "mlp.w1.bias": sd[h + "mlp.c_fc.bias"],
-            o + "mlp.w2.weight": sd[h + "mlp.c_proj.weight"].t(), o + "mlp.w2.bias": sd[h + "mlp.c_proj.bias"],
-        })
+        out.update(
+            {
+                o + "attn_norm.weight": sd[h + "ln_1.weight"],
+                o + "attn_norm.bias": sd[h + "ln_1.bias"],
+                o + "attn.wq.weight": wq,
+                o + "attn.wq.bias": bq,
+                o + "attn.wk.weight": wk,
+                o + "attn.wk.bias": bk,
+                o + "attn.wv.weight": wv,
+                o + "attn.wv.bias": bv,
+                o + "attn.wo.weight": sd[h + "attn.c_proj.weight"].t(),
+                o + "attn.wo.bias": sd[h + "attn.c_proj.bias"],
+                o + "mlp_norm.weight": sd[h + "ln_2.weight"],
+                o + "mlp_norm.bias": sd[h + "ln_2.bias"],
+                o + "mlp.w1.weight": sd[h + "mlp.c_fc.weight"].t(),
+                o + "mlp.w1.bias": sd[h + "mlp.c_fc.bias"],
+                o + "mlp.w2.weight": sd[h + "mlp.c_proj.weight"].t(),
+                o + "mlp.w2.bias": sd[h + "mlp.c_proj.bias"],
+            }
+        )
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -23,7 +23,9 @@ def schema_keys() -> list[str]:
     for section in dataclasses.fields(Config):
         keys.append(section.name)
         if dataclasses.is_dataclass(section.default_factory):
-            keys += [f"{section.name}.{f.name}" for f in dataclasses.fields(section.default_factory)]
+            keys += [
+                f"{section.name}.{f.name}" for f in dataclasses.fields(section.default_factory)
+            ]
     return keys
 
 

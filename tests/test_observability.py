@@ -24,8 +24,8 @@ from helpers import (
 
 from pretrain.config.schema import ConfigError
 from pretrain.decision.checks import head_suggestion
+from pretrain.hardware.profiler_trace import collective_table, summarize, summarize_folder
 from pretrain.train.hang import EXIT_HANG
-from pretrain.train.profiling import collective_table, summarize, summarize_folder
 from pretrain.train.services.step_monitor import own_times, straggler
 from pretrain.train.trainer import run
 

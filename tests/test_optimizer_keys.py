@@ -1,6 +1,7 @@
 """Which optim.* keys each optimizer reads (its spec's ``reads``, optim/registry.py) is true of
 its builder, and a key the user changed that the chosen optimizer does not read is a one-line
-warning naming the key and the optimizer (decision/checks.run_warnings, the plan's ``warnings``), in process and from
+warning naming the key and the optimizer (decision/checks.run_warnings, the plan's ``warnings``), in
+process and from
 ``train.py ... dry_run=true``."""
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ every bound (losses, grad norms, every coordinate within lr / 4, each tensor's u
 within 1e-3) is the layout test's own; bf16's iteration is torch's, checked on one
 process and on shards by the unit tests below. A wrong shard or a
 lost reduction still moves a whole update by O(1) (a gradient scaled by a constant is the
-one error Muon cannot see: Newton-Schulz normalises it away). The unit tests compare the trust ratios with a reference written from the
+one error Muon cannot see: Newton-Schulz normalises it away). The unit tests compare the trust
+ratios with a reference written from the
 papers, and Muon's update of a matrix sharded on either dimension with the one-process
 update (tests/optim_shard_worker.py, 2 processes)."""
 

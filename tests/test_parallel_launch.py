@@ -128,11 +128,25 @@ def test_kill_9_of_the_launcher_leaves_no_rank_alive(tmp_path, markov_root):
     """torchrun starts each rank in a session of its own: a launcher killed with SIGKILL
     (which it cannot pass on) must still take torchrun and both ranks with it, within
     10 s. The ranks are looked for as they train (rank 0 has logged a step)."""
-    args = ["+recipe=tiny-zero3", "model=nano", f"model.vocab_size={VOCAB}", *MARKOV_DATA,
-            f"data.root={markov_root}", "model.seq_len=32", "budget=steps",
-            "budget.steps=100000", "data.max_epochs=1e6", "train.eval_interval=100000", "train.eval_batches=1",
-            "logging=quiet", "logging.log_interval=1", f"runs_dir={tmp_path}",
-            "run_name=orphans", "checkpoint.enabled=false", "train.compile=false"]
+    args = [
+        "+recipe=tiny-zero3",
+        "model=nano",
+        f"model.vocab_size={VOCAB}",
+        *MARKOV_DATA,
+        f"data.root={markov_root}",
+        "model.seq_len=32",
+        "budget=steps",
+        "budget.steps=100000",
+        "data.max_epochs=1e6",
+        "train.eval_interval=100000",
+        "train.eval_batches=1",
+        "logging=quiet",
+        "logging.log_interval=1",
+        f"runs_dir={tmp_path}",
+        "run_name=orphans",
+        "checkpoint.enabled=false",
+        "train.compile=false",
+    ]
     log = (tmp_path / "launcher.log").open("w")
     launcher = subprocess.Popen([sys.executable, RUN_LOCAL, *args], cwd=tmp_path,
                                 stdout=log, stderr=subprocess.STDOUT, env=launch_env())

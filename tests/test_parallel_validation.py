@@ -79,7 +79,9 @@ def test_microbatches_at_least_pipeline_stages(compose):
 
 def test_global_batch_divisible_by_micro_batch_times_dp(compose):
     msg = only_problem(compose, ["train.global_batch_size=20"])
-    assert "train.global_batch_size=20 is not divisible by parallel.micro_batch_size=4 x dp=2" in msg
+    assert (
+        "train.global_batch_size=20 is not divisible by parallel.micro_batch_size=4 x dp=2" in msg
+    )
 
 
 def test_sequence_parallel_needs_tp(compose):
@@ -97,19 +99,35 @@ def test_unknown_schedule(compose):
         "interleaved_1f1b, zbv" in msg and "\n" not in msg
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["parallel.pp_schedule=zbv"], "zbv runs exactly 2 stages per rank"),
-    (["parallel.pp_schedule=interleaved_1f1b"], "needs parallel.virtual_stages >= 2"),
-    (["parallel.virtual_stages=2", "model.n_layer=4"], "runs one stage per rank"),
-    (["parallel.pp_schedule=zbv", "parallel.virtual_stages=2", "model.n_layer=4",
-      "train.compile=true"], "which torch.compile does not support"),
-    (["parallel.dp_mode=zero3", "parallel.dp_replicate=3"], "parallel.dp_replicate=3 must divide dp=2"),
-    (["parallel.dp_replicate=2", "parallel.dp_shard=2"], "must equal dp=2; set dp_shard=1"),
-    (["model.seq_len=63"], "use a seq_len divisible by 2"),
-    (["model.d_ff=255"], "the MLP width 255 (model.d_ff) is not divisible by parallel.tp=2"),
-    (["parallel.dp_mode=ddp", "parallel.offload=params"], "DDP (parallel.dp_mode=ddp) has none"),
-    (["parallel.offload=params", "optim=muon"], "use optim=adamw or"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["parallel.pp_schedule=zbv"], "zbv runs exactly 2 stages per rank"),
+        (["parallel.pp_schedule=interleaved_1f1b"], "needs parallel.virtual_stages >= 2"),
+        (["parallel.virtual_stages=2", "model.n_layer=4"], "runs one stage per rank"),
+        (
+            [
+                "parallel.pp_schedule=zbv",
+                "parallel.virtual_stages=2",
+                "model.n_layer=4",
+                "train.compile=true",
+            ],
+            "which torch.compile does not support",
+        ),
+        (
+            ["parallel.dp_mode=zero3", "parallel.dp_replicate=3"],
+            "parallel.dp_replicate=3 must divide dp=2",
+        ),
+        (["parallel.dp_replicate=2", "parallel.dp_shard=2"], "must equal dp=2; set dp_shard=1"),
+        (["model.seq_len=63"], "use a seq_len divisible by 2"),
+        (["model.d_ff=255"], "the MLP width 255 (model.d_ff) is not divisible by parallel.tp=2"),
+        (
+            ["parallel.dp_mode=ddp", "parallel.offload=params"],
+            "DDP (parallel.dp_mode=ddp) has none",
+        ),
+        (["parallel.offload=params", "optim=muon"], "use optim=adamw or"),
+    ],
+)
 def test_other_layout_errors(compose, overrides, needle):
     assert needle in only_problem(compose, overrides)
 

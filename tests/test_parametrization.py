@@ -82,7 +82,9 @@ def test_completep_residual_init_and_multiplier_follow_the_base_depth():
     cfg = tiny(parametrization="completep", base_width=64, base_depth=1)
     model = built(cfg)
     assert model.layers["0"].residual == 0.5
-    assert model.layers["1"].mlp.w2.weight.std().item() == pytest.approx(0.02 / math.sqrt(2), rel=0.05)
+    assert model.layers["1"].mlp.w2.weight.std().item() == pytest.approx(
+        0.02 / math.sqrt(2), rel=0.05
+    )
 
 
 def groups(cfg: ModelConfig, name: str = "adamw"):

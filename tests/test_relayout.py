@@ -26,12 +26,25 @@ from helpers import (
 K = 4  # steps before the save
 RUN_LOCAL = str(REPO / "tools" / "run_local.py")
 COMMON = [
-    "model=nano", "model.vocab_size=300", "data=local-text",
-    f"data.data_files=[{','.join(CORPUS_FILES)}]", "data.tokenizer_vocab_size=300",
-    "data.num_proc=1", "precision=fp32", "train.device=cpu", "budget=steps", f"budget.steps={K + 2}",
-    "schedule.warmup_steps=2", "train.global_batch_size=8", "parallel.micro_batch_size=2",
-    "train.eval_interval=1000", "train.eval_batches=2", "train.sample_tokens=0",
-    "logging=quiet", "logging.log_interval=1", "checkpoint.enabled=true",
+    "model=nano",
+    "model.vocab_size=300",
+    "data=local-text",
+    f"data.data_files=[{','.join(CORPUS_FILES)}]",
+    "data.tokenizer_vocab_size=300",
+    "data.num_proc=1",
+    "precision=fp32",
+    "train.device=cpu",
+    "budget=steps",
+    f"budget.steps={K + 2}",
+    "schedule.warmup_steps=2",
+    "train.global_batch_size=8",
+    "parallel.micro_batch_size=2",
+    "train.eval_interval=1000",
+    "train.eval_batches=2",
+    "train.sample_tokens=0",
+    "logging=quiet",
+    "logging.log_interval=1",
+    "checkpoint.enabled=true",
 ]
 LAYOUTS = {
     "one": ["parallel=single"],

@@ -81,8 +81,10 @@ def test_y():
     if "Muon" not in open("src/pretrain/optim/muon.py").read():
         pytest.skip("later")
 '''
-    assert source_reading_skips(stale) == ["not trainer_checkpoints()",
-                                           "'Muon' not in open('src/pretrain/optim/muon.py').read()"]
+    assert source_reading_skips(stale) == [
+        "not trainer_checkpoints()",
+        "'Muon' not in open('src/pretrain/optim/muon.py').read()",
+    ]
     machine = '''
 import pytest, torch, shutil
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -45,14 +45,27 @@ class OpCounter(TorchDispatchMode):
 
 
 def trainer_for(root, tmp_path, precision: str, narrow: bool) -> Trainer:
-    cfg = compose_config([
-        "model=gpt2-124m", f"model.seq_len={SEQ}",
-        *(["model.d_model=96", "model.vocab_size=256"] if narrow else []), *MARKOV_DATA, f"data.root={root}",
-        "train.device=cpu", f"precision={precision}", "budget=steps", "budget.steps=10",
-        f"parallel.micro_batch_size={MICRO}", f"train.global_batch_size={MICRO * ACCUM}",
-        "train.eval_interval=1000", "train.sample_tokens=0", "logging=quiet",
-        "logging.log_interval=1000", "train.noise_scale=false", f"runs_dir={tmp_path}",
-    ])
+    cfg = compose_config(
+        [
+            "model=gpt2-124m",
+            f"model.seq_len={SEQ}",
+            *(["model.d_model=96", "model.vocab_size=256"] if narrow else []),
+            *MARKOV_DATA,
+            f"data.root={root}",
+            "train.device=cpu",
+            f"precision={precision}",
+            "budget=steps",
+            "budget.steps=10",
+            f"parallel.micro_batch_size={MICRO}",
+            f"train.global_batch_size={MICRO * ACCUM}",
+            "train.eval_interval=1000",
+            "train.sample_tokens=0",
+            "logging=quiet",
+            "logging.log_interval=1000",
+            "train.noise_scale=false",
+            f"runs_dir={tmp_path}",
+        ]
+    )
     trainer = Trainer(cfg, tmp_path / precision)
     trainer.setup()
     return trainer

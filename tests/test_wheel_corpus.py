@@ -63,7 +63,9 @@ def test_an_archive_that_is_not_the_pinned_one_is_refused_naming_the_source(tmp_
     with pytest.raises(DataError) as e:
         prepare(cfg)
     msg = str(e.value)
-    assert "\n" not in msg and "(pinned)" in msg and whl.name in msg and "the pin is 00000000" in msg
+    assert (
+        "\n" not in msg and "(pinned)" in msg and whl.name in msg and "the pin is 00000000" in msg
+    )
     assert not (tmp_path / "data" / "pinned").exists()
 
 
@@ -84,7 +86,9 @@ def test_a_member_that_does_not_match_the_record_is_refused(tmp_path):
     with zipfile.ZipFile(whl) as src, zipfile.ZipFile(bad / whl.name, "w") as dst:
         for info in src.infolist():
             data = src.read(info)
-            dst.writestr(info, data.replace(b"x + 3", b"x - 3") if "mod3" in info.filename else data)
+            dst.writestr(
+                info, data.replace(b"x + 3", b"x - 3") if "mod3" in info.filename else data
+            )
     cfg.roots = [str(bad)]
     cfg.data_files = [f"{whl.name}#sha256={sha256(bad / whl.name)}"]  # pinned, but damaged
     with pytest.raises(DataError, match="member pkg/mod3.py does not match the wheel's RECORD"):

@@ -18,7 +18,9 @@ def make_wheel(folder: Path, name: str, version: str, files: dict[str, bytes]) -
     folder.mkdir(parents=True, exist_ok=True)
     info = f"{name}-{version}.dist-info"
     members = dict(files)
-    members[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
+    members[f"{info}/METADATA"] = (
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
+    )
     record = "".join(f"{m},{record_digest(b)},{len(b)}\n" for m, b in members.items())
     members[f"{info}/RECORD"] = (record + f"{info}/RECORD,,\n").encode()
     path = folder / f"{name}-{version}-py3-none-any.whl"

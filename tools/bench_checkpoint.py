@@ -1,4 +1,6 @@
-"""Same as the ``pretrain-bench-checkpoint`` command; the code is src/pretrain/tools/bench_checkpoint.py."""
+"""Same as the ``pretrain-bench-checkpoint`` command; the code is
+src/pretrain/tools/bench_checkpoint.py."""
+
 import sys
 
 from pretrain.tools.bench_checkpoint import main

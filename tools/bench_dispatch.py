@@ -1,4 +1,6 @@
-"""Same as the ``pretrain-bench-dispatch`` command; the code is src/pretrain/tools/bench_dispatch.py."""
+"""Same as the ``pretrain-bench-dispatch`` command; the code is
+src/pretrain/tools/bench_dispatch.py."""
+
 import sys
 
 from pretrain.tools.bench_dispatch import main

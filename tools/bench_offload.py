@@ -1,4 +1,6 @@
-"""Same as the ``pretrain-bench-offload`` command; the code is src/pretrain/tools/bench_offload.py."""
+"""Same as the ``pretrain-bench-offload`` command; the code is
+src/pretrain/tools/bench_offload.py."""
+
 import sys
 
 from pretrain.tools.bench_offload import main

@@ -1,4 +1,6 @@
-"""Same as the ``pretrain-bench-prepare`` command; the code is src/pretrain/tools/bench_prepare.py."""
+"""Same as the ``pretrain-bench-prepare`` command; the code is
+src/pretrain/tools/bench_prepare.py."""
+
 import sys
 
 from pretrain.tools.bench_prepare import main

@@ -1,4 +1,6 @@
-"""Same as the ``pretrain-compare-lm-eval`` command; the code is src/pretrain/tools/compare_lm_eval.py."""
+"""Same as the ``pretrain-compare-lm-eval`` command; the code is
+src/pretrain/tools/compare_lm_eval.py."""
+
 import sys
 
 from pretrain.tools.compare_lm_eval import main

@@ -1,4 +1,6 @@
-"""Same as the ``pretrain-trace-summary`` command; the code is src/pretrain/tools/trace_summary.py."""
+"""Same as the ``pretrain-trace-summary`` command; the code is
+src/pretrain/tools/trace_summary.py."""
+
 import sys
 
 from pretrain.tools.trace_summary import main

@@ -10,7 +10,8 @@ The rules, each stated once here (docs/batch-ramp.md):
 
 * Every batch is a whole number of ``start`` batches (or the full batch), and ``start`` a
   whole number of ``unit`` = micro batch x dp (x pp: a pipeline's micro batch count stays a
-  multiple of its ranks) sequences (``batch_ramp.start_tokens`` rounded up to it): a larger batch is more micro batches (gradient accumulation), never a larger
+  multiple of its ranks) sequences (``batch_ramp.start_tokens`` rounded up to it): a larger batch is
+  more micro batches (gradient accumulation), never a larger
   micro batch, so no tensor changes shape (a compiled model never recompiles for the ramp).
   The ramp's batches depend on the layout only through that rounding: a run resumed on a
   layout whose unit also divides ``start`` takes the same batches.
@@ -77,8 +78,7 @@ class RampSpec:
         else:
             grow = self.full - self.start
             if self.stages:
-                b = self.start + grow * (samples * self.stages // self.ramp_samples) \
-                    // self.stages
+                b = self.start + grow * (samples * self.stages // self.ramp_samples) // self.stages
             else:
                 b = self.start + grow * samples // self.ramp_samples
             b = min(self.full, max(self.start, b // self.start * self.start))
@@ -158,8 +158,10 @@ class BatchRamp:
         if s.kind != "noise_scale" or noise_tokens is None or self.current >= s.full:
             return False
         self.measurements += 1
-        if self.measurements < s.min_measurements or \
-                noise_tokens < s.factor * self.current * s.seq_len:
+        if (
+            self.measurements < s.min_measurements
+            or noise_tokens < s.factor * self.current * s.seq_len
+        ):
             return False
         self.current = min(s.full, 2 * self.current)
         self.measurements = 0

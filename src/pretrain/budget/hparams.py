@@ -26,7 +26,8 @@ batch, except for ``budget.kind=steps``, where D = steps x batch and a batch rul
 circular (refused).
 
 Both laws were fitted on AdamW runs. Which optimizer may use which LR rule is
-each optimizer's spec (``optim/specs.py`` lr_rules; decision/checks.py refuses the rest, saying why): Muon keeps deepseek (its
+each optimizer's spec (``optim/specs.py`` lr_rules; decision/checks.py refuses the rest, saying
+why): Muon keeps deepseek (its
 ``match_rms_adamw`` update has AdamW's RMS, so AdamW's LR is its LR); LAMB and LARS, whose
 steps are fractions of each weight's norm, take fixed or power (a fit of their own runs).
 The batch rule is left to every optimizer: the batch a run can use is set by the noise of

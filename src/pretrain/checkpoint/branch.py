@@ -173,8 +173,11 @@ def _no_source_message(cfg: Config, src: Path, start: int, steps: list[int]) -> 
     if not steps:
         return (head + "the source holds no complete checkpoint to branch from (it saved "
                 "none: checkpoint.enabled=false, or it stopped before its first save); " + make)
-    total = math.ceil(steps[0] / (1 - cfg.schedule.decay_fraction)) if \
-        cfg.schedule.decay_fraction < 1 else steps[0] + 1
+    total = (
+        math.ceil(steps[0] / (1 - cfg.schedule.decay_fraction))
+        if cfg.schedule.decay_fraction < 1
+        else steps[0] + 1
+    )
     while wsd_decay_start(total, cfg.schedule) < steps[0]:
         total += 1
     return (head + f"no complete checkpoint at or before step {start}, where this branch "

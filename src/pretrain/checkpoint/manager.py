@@ -94,7 +94,8 @@ def make_stager(device: torch.device) -> AsyncStager | None:
     so the next save copies into the same memory; without it ``dcp.async_save`` makes a
     stager per call and allocates the whole state again. The price: that copy of this
     rank's model and optimizer state stays allocated between saves (``close`` frees it).
-    On CUDA the memory is pinned and the device-to-host copies are non-blocking. Staging stays synchronous
+    On CUDA the memory is pinned and the device-to-host copies are non-blocking. Staging stays
+    synchronous
     (``use_async_staging=False``): ``async_save`` returns once the copy is taken, so the
     next optimizer step cannot change what is being written. On CPU pinning is ignored by
     torch (with a warning) and non-blocking copies raise (both need an accelerator): both

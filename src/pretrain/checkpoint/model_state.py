@@ -46,7 +46,11 @@ class ModelOptimizer(Stateful):
         out: dict[str, Any] = {}
         for part in self.parts:
             for name, t in get_model_state_dict(part).items():
-                if self.tied and name == "lm_head.weight" and getattr(part, "tok_emb", None) is not None:
+                if (
+                    self.tied
+                    and name == "lm_head.weight"
+                    and getattr(part, "tok_emb", None) is not None
+                ):
                     continue  # the same tensor as tok_emb.weight: stored once
                 out[self._canonical(name)] = t
         return out

@@ -3,7 +3,8 @@ initialising its weights), and whether that checkpoint fits this run.
 
 Rank 0 alone looks at the disk and reads meta.json; every rank gets its answer or raises its
 error (``folder.on_rank0``), so a checkpoint of another model, another loss-scaling
-state or another optimizer is refused with the fix named, before DCP would report a shape mismatch or a
+state or another optimizer is refused with the fix named, before DCP would report a shape mismatch
+or a
 missing ``param_groups`` key.
 """
 
@@ -139,7 +140,8 @@ def resume_path(cfg: Config, run_dir: Path) -> Path | None:
     """``choose_resume`` decided by rank 0, the same answer (or error) on every rank, and
     its checksums verified (every rank hashes its share of the files): a corrupt one is
     skipped with a warning naming the file, and the next newest tried; a corrupt
-    ``resume_from`` or branch source is an error. Every rank calls it, once the process group exists."""
+    ``resume_from`` or branch source is an error. Every rank calls it, once the process group
+    exists."""
     skip: list[Path] = []
     while (path := on_rank0(lambda: choose_resume(cfg, run_dir, skip))) is not None:
         if cfg.checkpoint.resume_from or not is_inside(path, run_dir):

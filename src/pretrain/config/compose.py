@@ -23,7 +23,8 @@ from pretrain.config.naming import (
     register_resolvers,
 )
 from pretrain.config.paths import CONF_DIR
-from pretrain.config.schema import Config, register_configs, to_config
+from pretrain.config.schema import Config
+from pretrain.config.structured import register_configs, resolve_every_value, to_config
 
 
 def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:
@@ -48,6 +49,7 @@ def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:
                 raise OverrideError(str(e)) from e
             raise OverrideError(f"{e}: {e.__cause__}") from e.__cause__
         HydraConfig.instance().set_config(cfg)  # lets ${pretrain_run_name:} resolve
+        resolve_every_value(cfg)  # a rule's error names its own key, as train.py's does
         with open_dict(cfg):
             cfg.run_name = str(cfg.run_name)
             del cfg["hydra"]

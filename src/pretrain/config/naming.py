@@ -190,6 +190,22 @@ class RunsDirCheck(Callback):
         self.on_run_start(config)
 
 
+class ResolutionCheck(Callback):
+    """A Hydra callback (conf/config.yaml ``hydra.callbacks``, first): every value resolved
+    before Hydra resolves ``hydra.run.dir`` outside train.py's task function, so an error a
+    recipe's rule raises (``${pretrain_heads:...}`` refusing a width, a key an
+    interpolation names missing) is one line, exit 2, not OmegaConf's traceback."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        from pretrain.config.structured import resolve_every_value
+
+        HydraConfig.instance().set_config(config)  # as Hydra's run_job does next
+        with exit_on_user_error():
+            resolve_every_value(config)
+
+
 class OverrideError(UserError, ConfigCompositionException):
     """An override Hydra cannot apply (a bad value, a key the schema lacks), still the
     ConfigCompositionException Hydra raises; its line leaves out Hydra's indented details
@@ -243,7 +259,7 @@ def _schema_keys(node: Any = Config, prefix: str = "") -> list[str]:
 def check_override_keys(overrides: list[str]) -> None:
     """A plain override (``key=value``) of a key the schema lacks, refused in one line with
     the nearest key, before Hydra composes: Hydra's own message for it suggests the ``+``
-    prefix, which config/schema.to_config refuses in turn. ``+``/``~`` overrides, Hydra's
+    prefix, which config/structured.to_config refuses in turn. ``+``/``~`` overrides, Hydra's
     own keys and group paths are Hydra's to check."""
     for override in overrides:
         key, eq, _ = override.partition("=")
@@ -292,7 +308,8 @@ def _choice_type(parts: list[str]) -> type | None:
 def check_override_values(overrides: list[str], conf_dir: Path | None = None) -> None:
     """Two of Hydra's own errors as one line each, before it composes (Hydra prints them as
     many lines and exits 1): a config group option or recipe that does not exist
-    (``+recipe=nonexistent``, ``model=gpt5``: the three nearest names), and a value outside a key's closed set (``model.norm=batchnorm``: the
+    (``+recipe=nonexistent``, ``model=gpt5``: the three nearest names), and a value outside a key's
+    closed set (``model.norm=batchnorm``: the
     options)."""
     from pretrain.config.paths import CONF_DIR
 

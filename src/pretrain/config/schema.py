@@ -1,4 +1,5 @@
-"""Structured config: the schema every recipe is checked against.
+"""Structured config: the schema every recipe is checked against (the dataclasses; how
+Hydra gets them and how a composed config becomes them: config/structured.py).
 
 Registered in Hydra's ConfigStore as ``base_config`` and put first in ``conf/config.yaml``'s
 defaults list, so every YAML file and command-line override is merged into these dataclasses:
@@ -9,9 +10,6 @@ enums below) is an error at composition time that names the key, not a silent no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-from hydra.core.config_store import ConfigStore
 
 from pretrain.config.choices import (  # re-exported: schema is where users import them
     ActivationCheckpointing,
@@ -439,12 +437,6 @@ class Config:
     dry_run: bool = False
 
 
-def register_configs() -> None:
-    """Register the schema; conf/config.yaml lists ``base_config`` first in its defaults."""
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
-
-
 class ConfigError(UserError, ValueError):
     """Values that are each allowed but do not go together (decision/checks.py lists them)."""
 
@@ -456,46 +448,3 @@ class ConfigError(UserError, ValueError):
     def lines(self) -> list[str]:
         """One line per problem (the entry points print them, pretrain.errors)."""
         return [" ".join(p.split()) for p in self.problems]
-
-
-class UnknownKeyError(UserError, KeyError):
-    def __str__(self) -> str:  # KeyError would print the message quoted
-        return str(self.args[0])
-
-
-def _unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
-    from dataclasses import fields, is_dataclass
-
-    from omegaconf import DictConfig
-
-    known = {f.name: f for f in fields(schema)}
-    bad = []
-    for key in node.keys() if isinstance(node, DictConfig) else []:
-        if key not in known:
-            bad.append(f"{prefix}{key}")
-            continue
-        sub_type = known[key].default_factory if callable(known[key].default_factory) else None
-        child = node._get_node(key)
-        if isinstance(child, DictConfig) and sub_type is not None and is_dataclass(sub_type):
-            bad += _unknown_keys(child, sub_type, f"{prefix}{key}.")
-    return bad
-
-
-def to_config(cfg: Any) -> Config:
-    """A composed Hydra DictConfig as the dataclass tree, refusing keys the schema lacks.
-
-    The schema already rejects ``model.n_layr=3``; a key added with Hydra's ``+`` prefix
-    (``+model.n_layr=3``, the fix Hydra's own message suggests) would otherwise be dropped
-    silently, so it is caught here.
-    """
-    from omegaconf import OmegaConf
-
-    unknown = [k for k in _unknown_keys(cfg, Config) if k not in ("hydra",)]
-    if unknown:
-        raise UnknownKeyError(
-            f"unknown config key(s): {', '.join(unknown)}. Check the spelling against "
-            "src/pretrain/config/schema.py (python train.py --cfg job prints every key)."
-        )
-    obj = OmegaConf.to_object(cfg)
-    assert isinstance(obj, Config), type(obj)
-    return obj

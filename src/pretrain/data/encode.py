@@ -3,7 +3,8 @@
 Piece i becomes ``train_<i>.bin`` and ``validation_<i>.bin`` (``-1``, ``-2`` ... after them
 when a split of the piece exceeds data.shard_tokens), token ids written straight to uint16 or
 uint32 files, documents ended by EOS, and the UTF-8 bytes of each split's text (its
-documents, the EOS tokens not counted: bits per byte divide by these); then the marker ``done/<i>.json`` (its counts), written
+documents, the EOS tokens not counted: bits per byte divide by these); then the marker
+``done/<i>.json`` (its counts), written
 last and atomically, so a piece is either finished or encoded again. Worker k of n takes the
 pieces i with i % n == k, so the files do not depend on n.
 
@@ -122,13 +123,16 @@ class Progress:
 def progress_line(label: str, done: int, skipped: int, tokens: int, total: int | None,
                   elapsed: float) -> str:
     rate = tokens / max(elapsed, 1e-9)
-    line = f"{label}: {tokens / 1e6:,.1f}M tokens, {rate / 1e6:.2f}M tokens/s, " \
-           f"{(done + skipped) / 1e6:,.0f}"
+    line = (
+        f"{label}: {tokens / 1e6:,.1f}M tokens, {rate / 1e6:.2f}M tokens/s, "
+        f"{(done + skipped) / 1e6:,.0f}"
+    )
     if total:
         left = total - done - skipped
         eta = left * elapsed / done if done else float("nan")
-        line += f"/{total / 1e6:,.0f} MB ({100 * (done + skipped) / total:.0f}%), ETA " + \
-            (f"{eta / 60:.1f} min" if eta == eta else "?")
+        line += f"/{total / 1e6:,.0f} MB ({100 * (done + skipped) / total:.0f}%), ETA " + (
+            f"{eta / 60:.1f} min" if eta == eta else "?"
+        )
     else:
         line += " MB"
     return line

@@ -42,8 +42,7 @@ def default_roots(source: str) -> list[str]:
 
 
 def roots(cfg: DataConfig) -> list[str]:
-    return [os.path.abspath(os.path.expanduser(r)) for r in cfg.roots] or \
-        default_roots(cfg.source)
+    return [os.path.abspath(os.path.expanduser(r)) for r in cfg.roots] or default_roots(cfg.source)
 
 
 def _walk(root: str, suffixes: set[str]) -> list[str]:
@@ -66,8 +65,11 @@ def find_files(cfg: DataConfig) -> list[str]:
     for d in dirs:
         for f in _walk(d, suffixes):
             real = os.path.realpath(f)
-            if real not in seen and os.path.isfile(real) and \
-                    0 < os.path.getsize(real) <= MAX_FILE_BYTES:
+            if (
+                real not in seen
+                and os.path.isfile(real)
+                and 0 < os.path.getsize(real) <= MAX_FILE_BYTES
+            ):
                 seen[real] = f
     if not seen:
         raise DataError(f"data.source={cfg.source} found no {sorted(suffixes)} files under "

@@ -36,8 +36,11 @@ MIXTURE_ONLY = ("mixture", "stages", "cooldown_weights")
 def source_config(cfg: DataConfig, i: int, tokenizer: str) -> DataConfig:
     """The single-source data config that prepares ``data.mixture[i]``."""
     base = {k: v for k, v in config_dict(cfg).items() if k not in MIXTURE_ONLY}
-    entry = config_dict(cfg.mixture[i]) if not isinstance(cfg.mixture[i], dict) \
+    entry = (
+        config_dict(cfg.mixture[i])
+        if not isinstance(cfg.mixture[i], dict)
         else dict(cfg.mixture[i])
+    )
     base.update({k: entry[k] for k in PREP_KEYS if entry.get(k) not in (None, [])})
     base.update(name=entry["name"], tokenizer=tokenizer)
     fields = {f.name for f in dataclasses.fields(DataConfig)}

@@ -54,6 +54,9 @@ def open_mixture(cfg: Config, stages: Sequence[WeightStage], batch_of=None) -> M
     train = [TokenWindows(p, "train", seq_len, seed=cfg.data.seed, stream=k + 1)
              for k, (_, p, _) in enumerate(sources)]
     full = cfg.train.global_batch_size
-    mixer = BatchMixer(stages, full, cfg.data.seed) if batch_of is None else \
-        RampMixer(stages, full, cfg.data.seed, batch_of)
+    mixer = (
+        BatchMixer(stages, full, cfg.data.seed)
+        if batch_of is None
+        else RampMixer(stages, full, cfg.data.seed, batch_of)
+    )
     return MixtureWindows(train, mixer)

@@ -65,9 +65,9 @@ INDEX = "index.json"
 FORMAT_VERSION = 2
 # The settings that determine the shards' bytes (num_proc, root, auto_prepare and anything
 # about training do not): the fingerprint covers these and the data files' stats.
-CONTENT_KEYS = ("source", "subset", "revision", "split", "data_files", "text_field", "max_documents",
-                "tokenizer", "tokenizer_vocab_size", "validation_fraction", "shard_tokens",
-                "seed", "piece_bytes", "tokenizer_sample_bytes")
+CONTENT_KEYS = ("source", "subset", "revision", "split", "data_files", "text_field",
+                "max_documents", "tokenizer", "tokenizer_vocab_size", "validation_fraction",
+                "shard_tokens", "seed", "piece_bytes", "tokenizer_sample_bytes")
 PROGRESS_FILES = "progress"
 
 
@@ -145,8 +145,11 @@ def _check_output(cfg: DataConfig, fp: str) -> bool:
             log.info("data: %s already prepared (%s tokens train), nothing to do", out,
                      f"{index['splits']['train']['tokens']:,}")
             return True
-        why = "with different settings" if index.get("format") == FORMAT_VERSION else \
-            f"by an older version (format {index.get('format')}, now {FORMAT_VERSION})"
+        why = (
+            "with different settings"
+            if index.get("format") == FORMAT_VERSION
+            else f"by an older version (format {index.get('format')}, now {FORMAT_VERSION})"
+        )
         raise DataError(
             f"{out} holds data prepared {why} (fingerprint {index.get('fingerprint')} != "
             f"{fp}); it is not overwritten. Use another data.name, or delete {out} to "
@@ -243,8 +246,11 @@ def _add_pieces(splits: dict, staging: Path, n: int) -> int:
             split["documents"] += part["documents"]
             split["tokens"] += part["tokens"]
             split["shards"] += part["shards"]
-            split["bytes"] = None if split["bytes"] is None or "bytes" not in part \
+            split["bytes"] = (
+                None
+                if split["bytes"] is None or "bytes" not in part
                 else split["bytes"] + part["bytes"]
+            )
     return max_id
 
 

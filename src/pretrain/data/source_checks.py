@@ -73,8 +73,9 @@ def check_sources(cfg: DataConfig) -> list[dict]:
     problems, indexes = [], []
     for i, (name, path, _) in enumerate(mixture_sources(cfg)):
         index = load_index(path) if (path / INDEX).exists() else None
-        problem = _source_problem(i, name, path, index) or \
-            (_pin_problem(i, cfg.mixture[i], path, index) if cfg.mixture else None)
+        problem = _source_problem(i, name, path, index) or (
+            _pin_problem(i, cfg.mixture[i], path, index) if cfg.mixture else None
+        )
         problems += [problem] if problem else []
         indexes.append(None if problem else index)
     found = [(n, p, ix) for (n, p, _), ix in zip(mixture_sources(cfg), indexes, strict=True)

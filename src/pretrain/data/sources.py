@@ -299,8 +299,14 @@ def _hub(piece: dict, cfg: DataConfig) -> Iterator[str | None]:
 
 
 # How each piece kind (see the module docstring) is read.
-_READERS = {"texts": _texts, "lines": _lines, "parquet": _parquet, "file": _file, "hub": _hub,
-            "wheel": lambda piece, cfg: (decode_utf8(raw, name) for name, raw in read_members(piece))}
+_READERS = {
+    "texts": _texts,
+    "lines": _lines,
+    "parquet": _parquet,
+    "file": _file,
+    "hub": _hub,
+    "wheel": lambda piece, cfg: (decode_utf8(raw, name) for name, raw in read_members(piece)),
+}
 
 
 def _byte_blocks(path: str, start: int, end: int) -> Iterator[bytes]:
@@ -394,7 +400,10 @@ def _arrow(path: str, field: str) -> Iterator[str | None]:
         if field not in reader.schema.names:
             raise DataError(f"data.text_field={field!r} is not a column of {path}; "
                             f"columns are {reader.schema.names}")
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
-            if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader
+        batches = (
+            (reader.get_batch(i) for i in range(reader.num_record_batches))
+            if isinstance(reader, pa.ipc.RecordBatchFileReader)
+            else reader
+        )
         for batch in batches:
             yield from batch.column(field).to_pylist()

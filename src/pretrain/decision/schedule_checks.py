@@ -10,7 +10,8 @@ refusals, as torchtitan's scheduler does (it warns when the warmup exceeds the s
 warmup plus decay does), because a run shorter than its warmup is sometimes meant: the
 smallest points of a scaling ladder (recipes/ladder-*.yaml) and the few-step smoke runs
 under the default ``schedule.warmup_steps=50``. Megatron asserts warmup < decay steps; here
-the warning names both numbers and the fix, in the log and in the plan (``warnings``, with decision/checks.run_warnings).
+the warning names both numbers and the fix, in the log and in the plan (``warnings``, with
+decision/checks.run_warnings).
 """
 
 from __future__ import annotations
@@ -51,11 +52,14 @@ def _warmup_warnings(cfg: Config, budget: Budget) -> list[str]:
     if cfg.schedule.decay == "wsd" and warmup > start:
         mix = (" and data.cooldown_weights (the cooldown mix)" if cfg.data.cooldown_weights
                else "")
-        w.append(f"the WSD decay{mix} start{'' if mix else 's'} at step {start} of {budget.steps} (schedule."
-                 f"decay_fraction={cfg.schedule.decay_fraction}), while {_warmup_key(cfg)} "
-                 f"still warms the LR up until step {warmup}: it starts before the LR's peak; "
-                 f"set schedule.warmup_steps={max(1, start // 2)} or lower, or raise the "
-                 "budget")
+        w.append(
+            f"the WSD decay{mix} start{'' if mix else 's'} at step {start} of {budget.steps} "
+            "(schedule."
+            f"decay_fraction={cfg.schedule.decay_fraction}), while {_warmup_key(cfg)} "
+            f"still warms the LR up until step {warmup}: it starts before the LR's peak; "
+            f"set schedule.warmup_steps={max(1, start // 2)} or lower, or raise the "
+            "budget"
+        )
     return w
 
 

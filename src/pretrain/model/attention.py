@@ -89,8 +89,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
         ok, _ = flash_attn_usable(device)
         # Hopper and newer: SDPA with cuDNN first (sdpa_priority) outruns flash-attn 2
         hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-        return "flash" if ok and not hopper and dtype in (torch.float16, torch.bfloat16) \
-            else "sdpa"
+        return "flash" if ok and not hopper and dtype in (torch.float16, torch.bfloat16) else "sdpa"
     return requested
 
 
@@ -130,8 +129,7 @@ def kernel(backend: str, device: torch.device | None = None):
     if backend == "flex":
         return flex_attention_kernel
     priority = sdpa_priority(device) if backend == "sdpa" else None
-    return functools.partial(sdpa_attention, backends=priority) if priority else \
-        KERNELS[backend]
+    return functools.partial(sdpa_attention, backends=priority) if priority else KERNELS[backend]
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -182,8 +180,11 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
     t = q.shape[2]
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]) if scale is None else \
-        (q @ k.transpose(-2, -1)) * scale
+    scores = (
+        (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        if scale is None
+        else (q @ k.transpose(-2, -1)) * scale
+    )
     if mask is None:
         mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))

@@ -84,12 +84,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=cfg.bias)
         self.wo = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
         # OLMoE / OLMo 2: RMSNorm over each whole projection (all heads) before RoPE.
-        self.q_norm = nn.RMSNorm(self.n_head * self.head_dim, eps=cfg.norm_eps) \
-            if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.n_kv_head * self.head_dim, eps=cfg.norm_eps) \
-            if cfg.qk_norm else None
+        self.q_norm = (
+            nn.RMSNorm(self.n_head * self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        )
+        self.k_norm = (
+            nn.RMSNorm(self.n_kv_head * self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        )
         self.dropout = cfg.dropout
-        self.scale = attention_scale(cfg)  # None: 1/sqrt(head_dim); muP: sqrt(base head_dim)/head_dim
+        self.scale = attention_scale(
+            cfg
+        )  # None: 1/sqrt(head_dim); muP: sqrt(base head_dim)/head_dim
         self.kernel = KERNELS["sdpa"]  # set by set_attention_backend
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask=None) -> torch.Tensor:
@@ -105,8 +109,11 @@ class Attention(nn.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         dropout = self.dropout if self.training else 0.0
         extra = {} if mask is None else {"mask": mask}  # document masking only
-        y = self.kernel(q, k, v, dropout, **extra) if self.scale is None else \
-            self.kernel(q, k, v, dropout, scale=self.scale, **extra)
+        y = (
+            self.kernel(q, k, v, dropout, **extra)
+            if self.scale is None
+            else self.kernel(q, k, v, dropout, scale=self.scale, **extra)
+        )
         return self.wo(y.reshape(b, t, -1))
 
 

@@ -10,7 +10,8 @@ Why a subclass. ``torch.optim.Muon`` accepts DTensor parameters without complain
 runs Newton-Schulz as DTensor ops on the shards: DTensor's sharding propagation picks
 collectives for each bf16 matmul of each iteration, and the result need not be the
 one-process update (tests/optim_shard_worker.py, a 9 x 6 matrix over 2 ranks, lr 0.1,
-3 steps: 2.5e-3 off when sharded on dim 0, equal when sharded on dim 1). Orthogonalisation is a function of the WHOLE matrix, so ``ShardedMuon``
+3 steps: 2.5e-3 off when sharded on dim 0, equal when sharded on dim 1). Orthogonalisation is a
+function of the WHOLE matrix, so ``ShardedMuon``
 gathers the momentum-corrected update (``full_tensor()``: one all-gather over every mesh
 dimension the matrix is sharded on, FSDP's and TP's), runs torch's own
 ``_zeropower_via_newtonschulz`` on it (bf16; ``optim.muon_ns_dtype=float32`` runs the

@@ -116,8 +116,11 @@ def lr_out_of_range_problem(cfg: OptimConfig) -> str | None:
     if str(cfg.name) not in OPTIMIZERS:
         return None  # name_problems says so
     lo, hi = spec(cfg.name).lr_range
-    if cfg.allow_lr_out_of_range or not cfg.lr > 0 or \
-            lo / LR_REFUSE_FACTOR <= cfg.lr <= hi * LR_REFUSE_FACTOR:
+    if (
+        cfg.allow_lr_out_of_range
+        or not cfg.lr > 0
+        or lo / LR_REFUSE_FACTOR <= cfg.lr <= hi * LR_REFUSE_FACTOR
+    ):
         return None
     side = "above" if cfg.lr > hi else "below"
     return (f"optim.lr={cfg.lr:g} is more than {LR_REFUSE_FACTOR:g}x {side} optim={cfg.name}'s "

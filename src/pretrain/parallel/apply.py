@@ -38,6 +38,9 @@ from pretrain.parallel.tensor_parallel import apply_tensor_parallel, enable_asyn
 from pretrain.parallel.tied import TiedEmbedding, tied_embedding
 from pretrain.precision.policy import Policy
 
+# (logits or hidden states, targets) -> (loss terms): the loss the layout computes
+Terms = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 @dataclass
 class ParallelModel:
@@ -66,9 +69,8 @@ class ParallelModel:
     # ((logits, targets), as ``loss``) or ``train_terms`` ((tokens, targets), as
     # ``train_loss``); evaluation keeps the plain loss
     z_loss: float = 0.0
-    terms: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
-    train_terms: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None \
-        = None
+    terms: Terms | None = None
+    train_terms: Terms | None = None
 
     def autocast(self, enabled: bool = True) -> AbstractContextManager:
         """The compute-dtype context of forwards (one process, mixed precision), a no-op
@@ -106,8 +108,7 @@ class ParallelModel:
     @property
     def pp_group(self):
         """The pipeline's process group (None without pipeline parallelism)."""
-        return self.mesh.pp.get_group() if self.mesh is not None and self.layout.pp > 1 \
-            else None
+        return self.mesh.pp.get_group() if self.mesh is not None and self.layout.pp > 1 else None
 
     @property
     def param_device(self) -> torch.device:
@@ -157,8 +158,11 @@ class ParallelModel:
         adding zero. Every rank must call it at the same point."""
         if self.mesh is None:
             return value
-        share = value.float() / self.layout.tp if self.has_last_stage else \
-            torch.zeros(value.shape, device=self.device)
+        share = (
+            value.float() / self.layout.tp
+            if self.has_last_stage
+            else torch.zeros(value.shape, device=self.device)
+        )
         return all_reduce(share.clone())
 
     def sum_over_replicas(self, value: torch.Tensor) -> torch.Tensor:

@@ -110,8 +110,9 @@ class Layout:
 
     def describe(self) -> str:
         if self.one_device:
-            text = f"one device, no wrapper, micro batch {self.micro_batch_size} x " \
-                   f"{self.microbatches}"
+            text = (
+                f"one device, no wrapper, micro batch {self.micro_batch_size} x {self.microbatches}"
+            )
             if self.activation_checkpointing != "none":
                 text += f", {self.activation_checkpointing} activation checkpointing"
             return text

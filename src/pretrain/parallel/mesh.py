@@ -27,7 +27,7 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 
-def init_distributed(device: torch.device, timeout_s: float = 600) -> torch.device:
+def init_distributed(device: torch.device, timeout_s: float) -> torch.device:
     """Join the process group torchrun/srun described in the environment (a group of one
     without a launcher); return this rank's device (cuda:LOCAL_RANK on GPUs). NCCL on
     CUDA, gloo on CPU. ``timeout_s``: every collective's until the run shortens it after

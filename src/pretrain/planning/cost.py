@@ -4,7 +4,8 @@ Stated assumptions (an idealised model for ranking layouts, not a promise of thr
 
 - Compute runs at the GPU's dense peak for the compute dtype (fp8: the block Linear FLOPs at
   the fp8 peak) times its calibrated ``kernel_efficiency`` (conf/gpu/, fitted on measured
-  runs: docs/benchmarks.md), eager blocks at ``EAGER_SPEED`` of compiled ones. Hardware FLOPs are model FLOPs (``budget.flops_per_token``: 6 N + 12 L h s
+  runs: docs/benchmarks.md), eager blocks at ``EAGER_SPEED`` of compiled ones. Hardware FLOPs are
+  model FLOPs (``budget.flops_per_token``: 6 N + 12 L h s
   per token) plus recomputation: full checkpointing re-runs each block's forward (a third of
   its FLOPs), op-level selective re-runs every other block Linear's forward
   (parallel/activation_checkpoint.recomputed_linears).
@@ -24,7 +25,8 @@ Stated assumptions (an idealised model for ranking layouts, not a promise of thr
   pipeline neighbour is on another node (ranks fill nodes TP first, then DP). Not overlapped.
 - Data parallel, per GPU, over NVLink when the DP group (times TP) fits in a node, else the
   network at g x its per-GPU bandwidth when a node holds g of the group's ranks (one ring
-  per NIC rail, NCCL's channels; at most NVLink's): ddp all-reduces the gradients (reduce dtype) once per step; zero2 reduce-scatters
+  per NIC rail, NCCL's channels; at most NVLink's): ddp all-reduces the gradients (reduce dtype)
+  once per step; zero2 reduce-scatters
   them and all-gathers parameters (compute dtype) once per step; zero3 all-gathers twice and
   reduce-scatters once per microbatch (the trainer reduces every microbatch under zero3);
   under a pipeline torch reduces once per step and, as it keeps parameters unsharded after
@@ -74,8 +76,6 @@ from pretrain.parallel.data_parallel import needs_wrapper
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.stages import stage_indices, stage_layers
 from pretrain.planning.calibration import (
-    HOST_ADAMW_NS,
-    HOST_GRAD_ADD_NS,
     HOST_S_PER_COMPILED_BLOCK,
     HOST_S_PER_COMPILED_LAUNCH,
     HOST_S_PER_FSDP_UNIT,
@@ -88,6 +88,7 @@ from pretrain.planning.calibration import (
     SOLO_HALF_WIDTH,
 )
 from pretrain.planning.document import attention_work
+from pretrain.planning.offload import offload_seconds
 from pretrain.planning.params import expert_share, inventory, rank_params
 from pretrain.precision.policy import dtype_bytes
 
@@ -302,54 +303,6 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
                     tp_hidden=tp_hidden, host=host)
 
 
-def defers_reduction(layout: Layout) -> bool:
-    """Whether gradients accumulate over the micro batches unreduced (one reduction a step):
-    a pipeline (torch's pipelining), or DDP/ZeRO-2 over more than one DP rank (the trainer's
-    no-sync, step_strategy.defer_reduction); otherwise each micro batch's backward reduces."""
-    return layout.pp > 1 or (layout.dp > 1 and layout.dp_spec.defers_reduction
-                             and layout.microbatches > 1)
-
-
-def offload_bytes(cfg: Config, layout: Layout) -> tuple[float, float]:
-    """(host-to-device, device-to-host) bytes per step of parallel.offload=params: the
-    parameter shard once per all-gather, the gradient shard once per reduce-scatter. FSDP2
-    reshards after every backward, so ZeRO-2 gathers once per micro batch, ZeRO-3 twice."""
-    if layout.offload != "params":
-        return 0.0, 0.0
-    local = rank_params(cfg.model, layout).local * dtype_bytes(cfg.precision.param_dtype)
-    mb = layout.microbatches
-    if layout.pp > 1:
-        gathers = mb if layout.dp_spec.reshard_after_forward else 1
-    else:
-        gathers = 2 * mb if layout.dp_spec.reshard_after_forward else mb
-    return gathers * local, offload_reductions(layout) * local
-
-
-def offload_reductions(layout: Layout) -> int:
-    """Gradient shards copied to the host per step (each after the first is summed there)."""
-    return 1 if defers_reduction(layout) else layout.microbatches
-
-
-def host_optimizer(cfg: Config) -> str:
-    """The AdamW build_optimizer makes for host parameters: fused only when optim.fused
-    says so (its default is fused on CUDA alone), else torch's single-tensor for-loop."""
-    return "fused" if cfg.optim.fused else "for_loop"
-
-
-def offload_seconds(cfg: Config, layout: Layout, gpu: GpuSpec) -> float:
-    """PCIe copies at the GPU type's ``pcie_gbps``, then the host's work, timed on a real
-    host (planning/calibration.py): the AdamW step over the rank's parameters and, for each
-    gradient shard copied back after the first, its sum into the host gradient."""
-    h2d, d2h = offload_bytes(cfg, layout)
-    if not h2d:
-        return 0.0
-    params = rank_params(cfg.model, layout).local
-    host = params * (HOST_ADAMW_NS[host_optimizer(cfg)]
-                     + (offload_reductions(layout) - 1) * HOST_GRAD_ADD_NS) * 1e-9
-    host /= gpu.host_speed
-    return (h2d + d2h) / (gpu.pcie_gbps * 1e9) + host
-
-
 def _tensor_parallel(cfg: Config, layout: Layout, gpu: GpuSpec, linear_time: float
                      ) -> tuple[float, float]:
     """(seconds per step of the TP collectives, the part async TP hides; 0 without TP).
@@ -370,8 +323,7 @@ def _tp_traffic(cfg: Config, layout: Layout, gpu: GpuSpec) -> tuple[float, float
     m, t, mb = cfg.model, layout.tp, layout.microbatches
     if t == 1:
         return 0.0, 0.0
-    act = dtype_bytes(cfg.precision.compute_dtype) * layout.micro_batch_size * m.seq_len * \
-        m.d_model
+    act = dtype_bytes(cfg.precision.compute_dtype) * layout.micro_batch_size * m.seq_len * m.d_model
     # recomputation repeats forward collectives: both under full, the SP all-gathers
     # (not the saved reduce-scatters) under op-level selective and under none with SP
     # (which keeps the gathered inputs as shards)

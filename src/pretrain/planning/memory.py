@@ -71,8 +71,8 @@ from pretrain.planning.activations import (
     layer_terms,
     live_recv_buffers,
 )
-from pretrain.planning.cost import defers_reduction
 from pretrain.planning.document import mask_bytes
+from pretrain.planning.offload import defers_reduction
 from pretrain.planning.params import StageParams, inventory, rank_params
 from pretrain.precision.policy import dtype_bytes
 

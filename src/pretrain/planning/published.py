@@ -22,7 +22,8 @@ figures below are the source's):
 
 ``compare`` runs the planner on a row: predicted tokens/s per GPU (the cost model with the
 GPU type's calibrated ``kernel_efficiency``; its GPU time: the host dispatch term counts this
-project's ops, not those of the code that was measured), memory of the fullest rank, and whether it fits.
+project's ops, not those of the code that was measured), memory of the fullest rank, and whether it
+fits.
 ``tools/plan.py --published`` prints them all; docs/benchmarks.md holds that table.
 """
 

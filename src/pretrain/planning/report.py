@@ -19,9 +19,10 @@ from pretrain.planning.autolayout import (
     tp_options,
     with_parallel,
 )
-from pretrain.planning.cost import offload_bytes, offload_seconds, step_cost
+from pretrain.planning.cost import step_cost
 from pretrain.planning.document import describe as describe_documents
 from pretrain.planning.memory import PARTS, checkpoint_bytes, estimate_memory
+from pretrain.planning.offload import offload_bytes, offload_seconds
 
 
 def _gib(x: float) -> float:
@@ -278,9 +279,12 @@ def _ramp_lines(p: dict) -> list[str]:
 def _host_line(sm: dict) -> str:
     """The host's dispatch time against the GPU's, and which the step waits for."""
     if sm["host_bound"]:
-        return (f"  HOST-BOUND: dispatching the step's ops takes the host {sm['host']:.3g} s, "
-                f"the GPU's work {sm['device'] - sm['offload']:.3g} s: the GPU waits for launches (fewer, larger "
-                "ops per step help: larger micro batches, fewer loss chunks, fused kernels)")
+        return (
+            f"  HOST-BOUND: dispatching the step's ops takes the host {sm['host']:.3g} s, "
+            f"the GPU's work {sm['device'] - sm['offload']:.3g} s: the GPU waits for launches "
+            "(fewer, larger "
+            "ops per step help: larger micro batches, fewer loss chunks, fused kernels)"
+        )
     return f"  host dispatch {sm['host']:.3g} s per step (hidden behind the GPU's work)"
 
 

@@ -129,7 +129,10 @@ def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
         else:
             step_fn = plain_step(mode, trainer, cfg)
             if step_fn is None:
-                return {"mode": mode, "skipped": "hf reference exists for the GPT-2 architecture only"}
+                return {
+                    "mode": mode,
+                    "skipped": "hf reference exists for the GPT-2 architecture only",
+                }
         dt = timed(step_fn, warmup, steps, device)
         tokens = steps * trainer.budget.global_batch_tokens
         tps = tokens / dt
@@ -150,6 +153,27 @@ def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
         }
 
 
+def print_table(rows: list[dict]) -> None:
+    """The measured modes as a table under one line saying what ran."""
+    head = (f"{'mode':8} {'tokens/s':>10} {'step s':>8} {'TFLOP/s':>9} {'peak':>8} "
+            f"{'MFU':>7} {'mem GB':>7}")
+    first = next(r for r in rows if "skipped" not in r)
+    print(
+        f"{first['recipe_model']}: {first['n_params']:,} params, seq {first['seq_len']}, "
+        f"batch {first['global_batch']} (micro {first['micro_batch']}), {first['precision']}, "
+        f"attention {first['attention']}, {first['device_name']}, {first['threads']} threads"
+    )
+    print(head)
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['mode']:8} skipped: {r['skipped']}")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        peak = f"{r['peak_tflops']:.3f}" if r["peak_tflops"] else "n/a"
+        print(f"{r['mode']:8} {r['tokens_per_s']:>10,.0f} {r['step_s']:>8.3f} "
+              f"{r['achieved_tflops']:>9.4f} {peak:>8} {mfu:>7} {r['peak_memory_gb']:>7.2f}")
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -157,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--steps", type=int, default=10, help="measured steps")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
-    ap.add_argument("--modes", default="trainer,plain,hf", help="comma-separated: " + ",".join(MODES))
+    ap.add_argument("--modes", default="trainer,plain,hf",
+                    help="comma-separated: " + ",".join(MODES))
     ap.add_argument("--json", action="store_true", help="print one JSON line per mode only")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     args, overrides = ap.parse_known_args(argv)
@@ -174,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print(f"[bench] {mode}: {args.warmup} warm-up + {args.steps} measured steps ...",
                   file=sys.stderr, flush=True)
-        cmd = [sys.executable, "-m", "pretrain.tools.bench", "--_child", mode, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), *overrides]
+        cmd = [sys.executable, "-m", "pretrain.tools.bench", "--_child", mode,
+               "--steps", str(args.steps), "--warmup", str(args.warmup), *overrides]
         out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
@@ -185,20 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(row))
     if not args.json:
-        head = f"{'mode':8} {'tokens/s':>10} {'step s':>8} {'TFLOP/s':>9} {'peak':>8} {'MFU':>7} {'mem GB':>7}"
-        first = next(r for r in rows if "skipped" not in r)
-        print(f"{first['recipe_model']}: {first['n_params']:,} params, seq {first['seq_len']}, "
-              f"batch {first['global_batch']} (micro {first['micro_batch']}), {first['precision']}, "
-              f"attention {first['attention']}, {first['device_name']}, {first['threads']} threads")
-        print(head)
-        for r in rows:
-            if "skipped" in r:
-                print(f"{r['mode']:8} skipped: {r['skipped']}")
-                continue
-            mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-            peak = f"{r['peak_tflops']:.3f}" if r["peak_tflops"] else "n/a"
-            print(f"{r['mode']:8} {r['tokens_per_s']:>10,.0f} {r['step_s']:>8.3f} "
-                  f"{r['achieved_tflops']:>9.4f} {peak:>8} {mfu:>7} {r['peak_memory_gb']:>7.2f}")
+        print_table(rows)
     return 0
 
 

@@ -4,7 +4,8 @@
         --batches 10000 --every 1000
 
 It opens the recipe's prepared data the way the trainer does (a mixture: open_mixture with
-the run's decided weights over steps; one corpus: TokenWindows) and reads ``--batches`` consecutive batches of
+the run's decided weights over steps; one corpus: TokenWindows) and reads ``--batches`` consecutive
+batches of
 the run's shape (train.global_batch_size samples of model.seq_len tokens, one process)
 through the trainer's Prefetcher (a reader thread ``depth`` batches ahead), consuming each
 batch as the trainer's step would receive it. Every ``--every`` batches it prints the

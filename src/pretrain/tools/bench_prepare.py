@@ -5,14 +5,16 @@
 The corpus (built once, reused while its parameters match) is the text this machine holds
 locally: the .py/.pyi/.md/.rst/.txt/.h files of the installed site-packages and of the
 standard library, streamed in a fixed order and cut into documents of 5-25 KB (about 89k
-documents per 1.3 GB); when the text runs out it is streamed again, cut at other places. Deterministic; written where --corpus says,
+documents per 1.3 GB); when the text runs out it is streamed again, cut at other places.
+Deterministic; written where --corpus says,
 never in the repository.
 
 It then prepares the corpus (tools/prepare_data.py, data.source=json, BPE 8192 trained on a
 sample) in a fresh output root and prints the wall time, tokens, tokens/s end to end, the
 tokenizer-training time, the peak memory (sum over the process tree, and the largest single
 process, sampled from /proc), the disk left behind besides the output (in the output root
-and the HF datasets cache), and the raw ``encode_batch`` speed on a sample for reference. The last line is JSON.
+and the HF datasets cache), and the raw ``encode_batch`` speed on a sample for reference. The last
+line is JSON.
 """
 
 from __future__ import annotations
@@ -266,10 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in load],
     }
-    print(f"wall {wall:.1f} s, {tokens:,} tokens, {tokens / wall / 1e6:.2f}M tokens/s end to end, "
-          f"tokenizer training {run['train_s']} s, peak RSS {run['peak_sum'] / 1e9:.2f} GB (tree) / "
-          f"{run['peak_max'] / 1e9:.2f} GB (one process), raw encode_batch "
-          f"{raw / 1e6:.2f}M tokens/s", file=sys.stderr)
+    print(
+        f"wall {wall:.1f} s, {tokens:,} tokens, {tokens / wall / 1e6:.2f}M tokens/s end to end, "
+        f"tokenizer training {run['train_s']} s, peak RSS {run['peak_sum'] / 1e9:.2f} GB (tree) / "
+        f"{run['peak_max'] / 1e9:.2f} GB (one process), raw encode_batch "
+        f"{raw / 1e6:.2f}M tokens/s",
+        file=sys.stderr,
+    )
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(result))

@@ -104,8 +104,9 @@ def load(source: str, tokenizer: str | None) -> tuple[torch.nn.Module, Path, int
     path = Path(source)
     if source.startswith("init:"):
         return load_init(source[len("init:"):], tokenizer)
-    model, tok, seq_len = load_hf(path) if (path / "config.json").is_file() \
-        else load_checkpoint(source)
+    model, tok, seq_len = (
+        load_hf(path) if (path / "config.json").is_file() else load_checkpoint(source)
+    )
     return model, Path(tokenizer) if tokenizer else tok, seq_len
 
 

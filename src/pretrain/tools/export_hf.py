@@ -83,8 +83,12 @@ def export(src: str, out: Path, dtype: str = "float32") -> Path:
     else:
         print(f"warning: no tokenizer.json found for {ckpt}; exported the model only",
               file=sys.stderr)
-    (out / "pretrain_meta.json").write_text(json.dumps(
-        {"checkpoint": str(ckpt), "step": meta.get("step"), "tokens": meta.get("tokens")}, indent=2))
+    (out / "pretrain_meta.json").write_text(
+        json.dumps(
+            {"checkpoint": str(ckpt), "step": meta.get("step"), "tokens": meta.get("tokens")},
+            indent=2,
+        )
+    )
     return out
 
 

@@ -97,22 +97,31 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path.cwd()
     run_dir = (workdir / cfg.runs_dir / cfg.run_name).resolve()
     script = render(cfg, alloc, run_dir, overrides, workdir, container)
-    kind = f"{alloc.gpus_per_node} GPUs" if alloc.gpus_per_node else f"{alloc.procs_per_node} CPU processes"
+    kind = (
+        f"{alloc.gpus_per_node} GPUs"
+        if alloc.gpus_per_node
+        else f"{alloc.procs_per_node} CPU processes"
+    )
     summary = (f"{cfg.run_name}: {alloc.nodes} node(s) x {kind} = world size "
                f"{alloc.world_size} (tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, "
                f"dp={derived_dp(cfg, alloc.world_size)})"
                + (f", in {container.image or container.apptainer_image}" if container else ""))
     path, prep_path = run_dir / "train.sbatch", run_dir / "prepare.sbatch"
-    prep_jobs = [] if args.no_prepare or data_prepared(cfg) else \
-        prepare_jobs(cfg, run_dir, prep_path)
+    prep_jobs = (
+        [] if args.no_prepare or data_prepared(cfg) else prepare_jobs(cfg, run_dir, prep_path)
+    )
     if args.dry_run:
         print(script)
         print(f"# {summary}", file=sys.stderr)
         if prep_jobs:
-            print(f"# {Path(cfg.data.root) / cfg.data.name} is not prepared: preparation jobs first, then training\n"
-                  + describe_preparation(prep_jobs, path)
-                  + f"\n# ---- {prep_path} ----\n" + prepare_script(cfg, overrides, workdir),
-                  file=sys.stderr)
+            print(
+                f"# {Path(cfg.data.root) / cfg.data.name} is not prepared: preparation jobs "
+                "first, then training\n"
+                + describe_preparation(prep_jobs, path)
+                + f"\n# ---- {prep_path} ----\n"
+                + prepare_script(cfg, overrides, workdir),
+                file=sys.stderr,
+            )
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(script)

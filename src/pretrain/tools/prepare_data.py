@@ -12,7 +12,8 @@ line is {"mixture": [per source: name, dir, bytes, seconds, tokens, prepared_now
 Overrides are train.py's (data=stdlib, data=local-text 'data.data_files=[corpus/*.jsonl]',
 +recipe=gpt2-124m, ...); the output is <data.root>/<data.name>/, exactly what training would
 prepare on first use. --workers defaults to data.num_proc. In the encode stage, --task and
---of default to SLURM_ARRAY_TASK_ID (minus SLURM_ARRAY_TASK_MIN) and SLURM_ARRAY_TASK_COUNT, so a Slurm array runs it as
+--of default to SLURM_ARRAY_TASK_ID (minus SLURM_ARRAY_TASK_MIN) and SLURM_ARRAY_TASK_COUNT, so a
+Slurm array runs it as
 
     sbatch --array=0-15 --wrap "python tools/prepare_data.py data=... --stage encode"
 

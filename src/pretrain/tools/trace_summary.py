@@ -4,7 +4,7 @@
     python tools/trace_summary.py runs/NAME/profile --top 8
 
 One line per trace (rank and window): its step time, the compute, communication and idle
-shares, the top ops by self time (the run's log line says the same, train/profiling.py);
+shares, the top ops by self time (the run's log line says the same, hardware/profiler_trace.py);
 then one line per collective over the ranks: its calls and time on each rank, and the
 slowest rank, the one the others waited for (it spends the least time inside the
 collective because it arrives last), and the rank that waited longest.
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from pretrain.errors import UserError, cli
-from pretrain.train.profiling import collective_table, summarize_folder
+from pretrain.hardware.profiler_trace import collective_table, summarize_folder
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

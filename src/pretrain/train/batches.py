@@ -43,10 +43,9 @@ class Batches:
     def last_tokens(self) -> int:
         return self.last * self.seq_len
 
-    def took(self, batch: int) -> int:
-        """A step of ``batch`` sequences was taken; returns it."""
+    def took(self, batch: int) -> None:
+        """A step of ``batch`` sequences was taken (``last_tokens`` is then its tokens)."""
         self.last = batch
-        return batch
 
     def next(self, samples: int) -> int:
         """Global sequences of the step after ``samples`` samples."""

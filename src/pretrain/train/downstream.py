@@ -2,7 +2,8 @@
 model's log-likelihood of each choice (data/task_scoring.py: lm-eval's ranked
 classification), from task data on this machine (data/tasks.py), at evaluation points.
 
-The hook (services/tasks.py) adds ``task/<name>/acc``, ``task/<name>/acc_norm`` and ``task/<name>/bpb`` to the
+The hook (services/tasks.py) adds ``task/<name>/acc``, ``task/<name>/acc_norm`` and
+``task/<name>/bpb`` to the
 evaluation's metrics (log line, metrics.jsonl, wandb) and the last values to result.json
 (flat numbers, so a sweep's fit can read a task's bpb as it reads val_loss).
 

@@ -100,8 +100,10 @@ class Evaluator:
     def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Validation batches ``indices`` (of micro_batch_size sequences), concatenated."""
         batches = [self.val_data.batch(i * self.mbs, self.mbs) for i in indices]
-        return to_device(torch.cat([b[0] for b in batches]), self.device), \
-            to_device(torch.cat([b[1] for b in batches]), self.device)
+        return (
+            to_device(torch.cat([b[0] for b in batches]), self.device),
+            to_device(torch.cat([b[1] for b in batches]), self.device),
+        )
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -278,6 +278,8 @@ class MetricsLogger:
                                     mode=wandb_mode, name=run_dir.name, config=config,
                                     id=wandb_run_id(run_dir, fresh=start_step == 0),
                                     resume="allow")
+            # wandb's own name for the run (Run.id), which its folders need not spell out
+            log.info("wandb run %s (%s) in %s", self.wandb.id, wandb_mode, self.wandb.dir)
         if progress_bar is None:
             progress_bar = sys.stderr.isatty()
         if progress_bar:

@@ -49,7 +49,11 @@ class StopRequest:
         sync, so the trainer calls it every ``train.stop_check_interval`` steps, on every
         rank after the same steps. A rank that got no signal itself reports ``signal``."""
         local = self.reason
-        if local is None and self.time_limit_s and time.monotonic() - self.start > self.time_limit_s:
+        if (
+            local is None
+            and self.time_limit_s
+            and time.monotonic() - self.start > self.time_limit_s
+        ):
             local = "time_limit"
         flag = torch.tensor([0 if local is None else 1 if local != "time_limit" else 2],
                             device=device)
@@ -129,8 +133,9 @@ class StopSavePolicy:
         locally; a minute interval needs rank 0's clock (``CheckpointManager.due``
         broadcasts it), so it is asked on stop-check steps only: such a save comes at most
         ``train.stop_check_interval - 1`` steps late."""
-        if sync_step or (self.every and step % self.every == 0) or \
-                step in self.ckpt.keep_steps:  # a branch point (checkpoint/branch.py)
+        if (
+            sync_step or (self.every and step % self.every == 0) or step in self.ckpt.keep_steps
+        ):  # a branch point (checkpoint/branch.py)
             return self.ckpt.due(step)
         return False
 

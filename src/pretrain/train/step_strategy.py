@@ -63,7 +63,8 @@ class AccumulationStep:
     the first micro batch's mean gradient (see services/noise_probe.NoiseScaleProbe): a batch that
     is one micro batch then runs as two halves (``small_seqs`` sequences first, each
     weighted by its size; under a batch ramp that starts at one micro batch, the first micro
-    batch of every measuring step does, so the small batch keeps its size), and DDP/ZeRO-2 reduce the first micro batch's gradients at once
+    batch of every measuring step does, so the small batch keeps its size), and DDP/ZeRO-2 reduce
+    the first micro batch's gradients at once
     instead of with the last's. Evaluation: one micro batch a forward, counted one by one
     (``eval_sizes``: 1, 1)."""
 
@@ -120,8 +121,7 @@ class AccumulationStep:
                     self.scaler.get_scale() if self.scaler and self.has_moe else 1.0)
                 with aux_loss_scale(unit), pm.autocast(enabled=False):
                     (self.scaler.scale(loss) if self.scaler else loss).backward()
-                total += local(loss.detach()) if z is None else \
-                    local(reported.detach()) * weight
+                total += local(loss.detach()) if z is None else local(reported.detach()) * weight
                 if measure and i == 0:
                     # the mean gradient of this micro batch: the loss was weighted
                     small_sq = self.grad_sq_norm() / weight ** 2
@@ -133,10 +133,11 @@ class AccumulationStep:
         measuring step of one micro batch (weighted by their sizes then)."""
         m = self.layout.micro_batch_size
         n = len(x) // m
-        if measure and self.small_seqs is not None and self.small_seqs < m:  # the first micro batch run as two halves
+        if (
+            measure and self.small_seqs is not None and self.small_seqs < m
+        ):  # the first micro batch run as two halves
             k = self.small_seqs
-            rest = list(zip(x[m:].chunk(n - 1), y[m:].chunk(n - 1), strict=True)) \
-                if n > 1 else []
+            rest = list(zip(x[m:].chunk(n - 1), y[m:].chunk(n - 1), strict=True)) if n > 1 else []
             return [(x[:k], y[:k]), (x[k:m], y[k:m]), *rest], True
         return list(zip(x.chunk(n), y.chunk(n), strict=True)), False
 

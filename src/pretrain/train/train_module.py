@@ -22,6 +22,7 @@ import torch
 
 from pretrain import torch_compat
 from pretrain.budget.batch_ramp import RampSpec
+from pretrain.config.observe_schema import CommConfig
 from pretrain.config.schema import Config
 from pretrain.model.initialization import local_region
 from pretrain.model.moe import routing_stats, update_biases
@@ -67,7 +68,8 @@ def join(layout: Layout, device: torch.device, policy: Policy, world_size: int,
     without a process group or wrapper. ``comm``: the run's timeouts (comm.*)."""
     mesh = None
     if world_size > 1 or not layout.one_device:
-        device = dist_env.init_distributed(device, comm.init_timeout_s if comm else 600.0)
+        timeout_s = (comm or CommConfig()).init_timeout_s  # the default written once
+        device = dist_env.init_distributed(device, timeout_s)
         mesh = dist_env.build_mesh(layout, device)
     dp_rank = mesh.dp.get_local_rank() if mesh is not None else 0
     return Place(device, mesh, dist_env.is_rank0(), dp_rank, dist_env.rank())
@@ -106,16 +108,22 @@ class TrainModule:
         )
         # a batch ramp's schedule runs in tokens, its LR x the batch's factor (TokenLR.place)
         self.ramp = ramp
-        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, steps, batch_tokens) \
-            if ramp is None else TokenLR(self.optimizer, cfg.schedule, steps, batch_tokens,
-                                         (ramp.start * ramp.seq_len, ramp.lr_factor(ramp.start)))
+        self.scheduler = (
+            build_scheduler(self.optimizer, cfg.schedule, steps, batch_tokens)
+            if ramp is None
+            else TokenLR(self.optimizer, cfg.schedule, steps, batch_tokens,
+                         (ramp.start * ramp.seq_len, ramp.lr_factor(ramp.start)))
+        )
         self.scaler = self._grad_scaler(place.mesh)
         self.skipped_steps = 0
         self.nonfinite_in_a_row = 0
         self.skips = NonFiniteSteps(self.device, self.skipped_steps)
         o = cfg.optim  # optim.spike_guard: loss / grad-norm outliers skipped too
-        self.guard = SpikeGuard(self.device, o.spike_sigmas, o.spike_window, o.spike_warmup) \
-            if o.spike_guard else None
+        self.guard = (
+            SpikeGuard(self.device, o.spike_sigmas, o.spike_window, o.spike_warmup)
+            if o.spike_guard
+            else None
+        )
         self.strategy = step_strategy(self.parallel, self.scaler, optimizer=self.optimizer,
                                       small_seqs=None, grad_sq_norm=self.grad_sq_norm)
         self._measure_next = False  # measure_next: the next step measures the small batch

@@ -3,12 +3,13 @@
 A linear story: resolve the run (decision/resolve.py: ``auto`` decided, plan printed), join
 the process group, read the prepared data, build the train module (train_module.py: model,
 optimizer, schedule, loss scaler, step strategy), resume or start, then loop: batch -> step
--> log -> evaluate -> stop or save. Beside the loop: batches.py (each step's batch: a batch
-ramp's), evaluation.py (every source's validation loss), metrics.py (loss window, throughput,
-MFU, sinks), checkpoint/ (saving, resume), preemption.py (stop, save, requeue), and the
-services on the hook seam (hooks.py: each sees a ``LoopContext``, never the trainer; the
-services/ package holds them). The loop asks nothing about the layout and imports nothing
-from ``parallel/`` (tests/test_architecture.py). Rank 0 alone logs."""
+-> log -> evaluate -> stop or save. Setup's steps and close are lifecycle.py's. Beside the
+loop: batches.py (each step's batch: a batch ramp's), evaluation.py (every source's
+validation loss), metrics.py (loss window, throughput, MFU, sinks), checkpoint/ (saving,
+resume), preemption.py (stop, save, requeue), and the services on the hook seam (hooks.py:
+each sees a ``LoopContext``, never the trainer; the services/ package holds them). The loop
+asks nothing about the layout and imports nothing from ``parallel/``
+(tests/test_architecture.py). Rank 0 alone logs."""
 
 from __future__ import annotations
 
@@ -18,44 +19,26 @@ import logging
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from pretrain.checkpoint.folder import on_rank0
 from pretrain.config.schema import Config
-from pretrain.data.prefetch import Prefetcher
-from pretrain.data.run_data import mixture_training_data, require_prepared, training_data
+from pretrain.data.run_data import require_prepared
 from pretrain.decision.checks import device_problems
 from pretrain.decision.resolve import announce, dry_run, resolve_run
-from pretrain.hardware.device import keep_freed_memory
 from pretrain.train.batches import Batches
-from pretrain.train.checkpointing import Checkpointing
-from pretrain.train.evaluation import validation
 from pretrain.train.hang import CollectiveWatch
 from pretrain.train.hooks import LoopContext, StepTiming, call_hooks
-from pretrain.train.metrics import (
-    LossWindow,
-    MetricsLogger,
-    PeakFlops,
-    Throughput,
-    log_startup_memory,
-    memory_metrics,
-)
-from pretrain.train.preemption import (
-    STOPPED,
-    StopRequest,
-    StopSavePolicy,
-    already_finished,
-    requeue_exit,
-)
-from pretrain.train.run_lock import RunLock
+from pretrain.train.lifecycle import Lifecycle
+from pretrain.train.metrics import LossWindow, Throughput, memory_metrics
+from pretrain.train.preemption import StopRequest, already_finished, requeue_exit
 from pretrain.train.services import build_hooks
-from pretrain.train.train_module import TrainModule, join, leave, max_over_ranks
+from pretrain.train.train_module import join, max_over_ranks
 
 log = logging.getLogger("pretrain")
 
 
-class Trainer:
-    """Runs one recipe. Also a DCP ``Stateful``: its progress (step, data position, LR
+class Trainer(Lifecycle):
+    """Runs one recipe (``setup``, ``fit``, ``close``: what comes before and after the loop is
+    lifecycle.py's). Also a DCP ``Stateful``: its progress (step, data position, LR
     schedule, loss scale, RNG) is saved and restored with the model and optimizer."""
 
     def __init__(self, cfg: Config, run_dir: Path):
@@ -104,77 +87,6 @@ class Trainer:
         self.hooks = build_hooks(self.ctx)
         self._start_run()
 
-    def _load_data(self) -> None:
-        """The training and (when prepared) validation windows, read ahead on a thread."""
-        cfg = self.cfg
-        if cfg.data.mixture:  # data/mixture_windows.py, for the decided weights over steps
-            # each source's validation split: evaluation.validation opens them
-            self.train_data, epochs = mixture_training_data(
-                cfg, self.decision, self.world_size, self.budget.steps, self.batches.sizes)
-            self.val_data = None
-        else:
-            self.train_data, self.val_data, epochs = training_data(cfg, self.world_size,
-                                                                   self.budget.tokens)
-        self.plan.update(epochs)  # the report: the data's size once it exists
-        # the next batches read on a thread while a step runs, pinned for async copies
-        self.prefetch = Prefetcher(self.train_data, self.layout.local_batch_size,
-                                   cfg.train.global_batch_size, pin=self.device.type == "cuda",
-                                   plan=self.batches.plan(self.layout.dp, self.place.dp_rank))
-        if self.device.type == "cpu":
-            keep_freed_memory()
-
-    def _build_training(self) -> None:
-        """The train module, the validation and the MFU denominator."""
-        cfg, layout = self.cfg, self.layout
-        self.checkpoints = Checkpointing(cfg, self.run_dir, self.device,
-                                         keep_steps=self.decision.branch_points)
-        self.ckpt, self.branch = self.checkpoints.manager, self.checkpoints.branch
-        self.module = TrainModule(
-            cfg, layout, self.place, self.policy, attention=self.decision.attention,
-            lr=self.decision.lr, steps=self.budget.steps,
-            batch_tokens=self.budget.global_batch_tokens,
-            initialise=self.checkpoints.resume_from is None,
-            last_good=lambda: self.ckpt.latest() if cfg.checkpoint.enabled else None,
-            ramp=self.run.ramp)
-        self.validation = validation(cfg, self.module, dp_rank=self.place.dp_rank,
-                                     device=self.device, own=self.val_data)
-        log_startup_memory(self.device, max_over_ranks)
-        self.peak = PeakFlops(self.device, self.policy, self.world_size, measure=self.rank0)
-        # Every rank continues from the same RNG state (rank 0 alone drew random numbers to
-        # time the peak), so dropout masks agree wherever activations are replicated (TP).
-        torch.manual_seed(cfg.train.seed)
-
-    def _context(self) -> LoopContext:
-        """The hooks' view of the run (hooks.LoopContext): facts, the live step, record."""
-        return LoopContext(
-            cfg=self.cfg, module=self.module, device=self.device, rank0=self.rank0,
-            layout=self.layout, dp_rank=self.place.dp_rank, world_size=self.world_size,
-            total_steps=self.batches.total_steps, batch_tokens=self.budget.global_batch_tokens,
-            tokenizer=self.train_data.path / "tokenizer.json", logs=self.logging_step,
-            _step=lambda: self.step, _samples=lambda: self.samples_seen, _batches=self.batches,
-            run_dir=self.run_dir, timing=self.timing, rank=self.place.rank)
-
-    def _start_run(self) -> None:
-        """The run directory (this attempt not stopped, the tokenizer beside the
-        checkpoints), the checkpoint resumed from, the stop policy and the metrics."""
-        cfg = self.cfg
-        self.lock = RunLock(self.run_dir)
-        on_rank0(self.lock.acquire)  # before anything in the directory is touched
-        if self.rank0:
-            (self.run_dir / STOPPED).unlink(missing_ok=True)  # this attempt is not stopped
-        self.checkpoints.resume(self)
-        self.stop = StopSavePolicy(cfg.train, cfg.checkpoint.interval_steps, self.ckpt,
-                                   self.device, self.stop_request)
-        if self.rank0:
-            tok = self.train_data.path / "tokenizer.json"
-            if tok.exists():  # beside the checkpoints, for tools/export_hf.py
-                (self.run_dir / "tokenizer.json").write_bytes(tok.read_bytes())
-        self.metrics = MetricsLogger(
-            self.run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), self.batches.total_steps,
-            self.step, cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.wandb_entity,
-            cfg.logging.progress_bar, enabled=self.rank0,
-        )
-
     # -- checkpoints ---------------------------------------------------------------------
 
     def state_dict(self) -> dict:
@@ -219,7 +131,8 @@ class Trainer:
         x, y = self.timing.fetch(self._local_batch, then=lambda: self._call_hooks("before_step"))
         loss, grad_norm, _ = self.module.step(x, y, self.step + 1,
                                               samples_after=self.samples_seen + batch)
-        self.samples_seen += self.batches.took(batch)
+        self.batches.took(batch)
+        self.samples_seen += batch
         self.step += 1
         return loss, grad_norm
 
@@ -229,8 +142,11 @@ class Trainer:
     def logging_step(self, step: int) -> bool:
         """Whether fit() logs after optimizer step ``step`` (1-based): hooks measure on
         those steps only, whose host syncs and collectives are there anyway."""
-        return step == 1 or self.batches.is_last(step, self.step, self.samples_seen) or \
-            step % self.cfg.logging.log_interval == 0
+        return (
+            step == 1
+            or self.batches.is_last(step, self.step, self.samples_seen)
+            or step % self.cfg.logging.log_interval == 0
+        )
 
     def evaluate(self) -> float | None:
         """The run's validation loss (evaluation.mixture_mean over its sources; None without
@@ -361,21 +277,6 @@ class Trainer:
             (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
         self.metrics.close()
         return result
-
-    def close(self, leave_group: bool = True) -> None:
-        """Give back what setup took, whatever happened: signal handlers, the hooks, the
-        read-ahead thread, the checkpoint worker, the run lock, the process group (unless
-        not ``leave_group``: a test running several layouts in one)."""
-        self.stop_request.restore()
-        self._close_hooks()
-        if self.prefetch is not None:
-            self.prefetch.close()
-        if getattr(self, "ckpt", None) is not None:
-            self.ckpt.close()
-        if self.lock is not None:
-            self.lock.release()
-        if leave_group:
-            leave()
 
 
 def run(cfg: Config, run_dir: Path) -> dict | None:

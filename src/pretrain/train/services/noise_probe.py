@@ -43,12 +43,17 @@ class NoiseScaleProbe:
         if self.small_seqs is None:
             return f"gradient noise scale: {self.why_not}"
         small = self.small_seqs * self.dp
-        how = "first micro batch" if self.micro_batches >= 2 else \
-            "first half of the batch (one micro batch, run as two halves on logging steps)"
-        return (f"gradient noise scale (McCandlish et al. 2018): on logging steps, B_small = "
-                f"each rank's {how} x dp={self.dp} = {small} sequences = "
-                f"{small * self.seq_len:,} tokens, B_big = the global batch, "
-                f"{self.big_tokens:,} tokens (a batch ramp: each step's); EMA {self.estimator.beta:.2f}")
+        how = (
+            "first micro batch"
+            if self.micro_batches >= 2
+            else "first half of the batch (one micro batch, run as two halves on logging steps)"
+        )
+        return (
+            f"gradient noise scale (McCandlish et al. 2018): on logging steps, B_small = "
+            f"each rank's {how} x dp={self.dp} = {small} sequences = "
+            f"{small * self.seq_len:,} tokens, B_big = the global batch, "
+            f"{self.big_tokens:,} tokens (a batch ramp: each step's); EMA {self.estimator.beta:.2f}"
+        )
 
     def restore(self, state: dict | None) -> None:
         """A resumed run's averages, from its checkpoint (None: saved before they were)."""

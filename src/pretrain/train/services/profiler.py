@@ -3,7 +3,7 @@ OLMo-core's ProfilerCallback): on the ranks of ``profile.ranks`` (empty: every r
 schedule ``skip_first`` / ``wait`` / ``warmup`` / ``active`` x ``repeat`` over optimizer
 steps; each finished window's Chrome/Perfetto trace is written to
 ``<run dir>/profile/rank<r>_step<n>.json`` (open it at ui.perfetto.dev or chrome://tracing)
-and summarised in one log line (train/profiling.py: top ops by self time; compute,
+and summarised in one log line (hardware/profiler_trace.py: top ops by self time; compute,
 communication and idle shares). ``tools/trace_summary.py`` reads the folder, every rank.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity
 
+from pretrain.hardware.profiler_trace import read_trace, summarize
 from pretrain.train.hooks import Hook, LoopContext, register
-from pretrain.train.profiling import read_trace, summarize
 
 log = logging.getLogger("pretrain")
 

@@ -1,0 +1,64 @@
+"""The local Slurm of slurm/local_cluster.sh, held by one test process at a time.
+
+Under README's ``pytest -q -n auto`` the tests marked ``slurm`` land on several workers
+(``--dist worksteal`` moves them between workers), and another pytest run on this machine
+(another checkout) may want the cluster too: its ports (6817-6819, 3306) are the machine's,
+so there is one cluster a machine whatever its state directory. A holder therefore takes an
+exclusive lock on one file per machine (``fcntl.flock``: the kernel releases it if the
+holder dies), uses the cluster if it is running or starts it, and at the end stops it only
+if it started it. So no process stops a cluster while another uses it, and one holder's
+jobs (each asks for the node's CPUs) never queue behind another's: the others wait for
+the lock, not for a job. (Issue 62: two workers shared a cluster that one of them stopped,
+and a job waited for CPUs another worker's job held.)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+# One lock a machine: the cluster's ports are the machine's, whatever SLURM_LOCAL_DIR says.
+LOCK = Path(tempfile.gettempdir()) / "pretrain-slurm.lock"
+
+
+class ClusterStartError(RuntimeError):
+    """``local_cluster.sh start`` failed; the message holds the end of its stderr."""
+
+
+def _script(script: Path, command: str, env: dict[str, str], **kwargs):
+    return subprocess.run(["bash", str(script), command], env=env, capture_output=True,
+                          text=True, **kwargs)
+
+
+def machine_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without the OpenMP limits: local_cluster.sh gives its node ``nproc`` CPUs,
+    and nproc counts OMP_NUM_THREADS, which conftest.py sets to 1 in every xdist worker: a
+    cluster a worker started had a 1-CPU node, where a job asking for 2 never starts (issue
+    62: "the job never started within the test's 120 s")."""
+    return {k: v for k, v in env.items() if k not in ("OMP_NUM_THREADS", "OMP_THREAD_LIMIT")}
+
+
+@contextmanager
+def held_cluster(script: Path, env: dict[str, str], lock: Path = LOCK) -> Iterator[str]:
+    """Hold the cluster that ``script`` (slurm/local_cluster.sh) runs: wait for the lock,
+    start the cluster if it is down, yield its SLURM_CONF; stop it afterwards only if this
+    holder started it."""
+    with lock.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+        started = _script(script, "status", env).returncode != 0
+        if started:
+            proc = _script(script, "start", machine_env(env), timeout=300)
+            if proc.returncode:
+                _script(script, "stop", env, timeout=120)
+                raise ClusterStartError(f"{script.name} start failed:\n{proc.stderr[-3000:]}")
+        try:
+            line = _script(script, "env", env, check=True).stdout
+            yield line.strip().split("=", 1)[1]
+        finally:
+            if started:
+                _script(script, "stop", env, timeout=120)
+
