@@ -71,8 +71,9 @@ def main() -> int:
     ap.add_argument("--fixed-dp", action="store_true")
     args = ap.parse_args()
     env = {**os.environ, "PATH": os.environ["PATH"] + ":/usr/sbin:/sbin"}
-    env["SLURM_CONF"] = subprocess.run(["bash", str(CLUSTER), "env"], env=env, check=True,
-                                       capture_output=True, text=True).stdout.split("=", 1)[1].strip()
+    shown = subprocess.run(["bash", str(CLUSTER), "env"], env=env, check=True,
+                           capture_output=True, text=True).stdout
+    env["SLURM_CONF"] = shown.split("=", 1)[1].strip()
     name = "fixed-dp" if args.fixed_dp else "elastic"
     runs = args.work / "runs"
     common = ["+recipe=tiny-zero3", "cluster=local", "model=nano", "precision=fp32",

@@ -199,8 +199,8 @@ def optimal_params(compute: float, tpp: float) -> float:
 def problems(d: Design) -> list[str]:
     """What keeps the design from identifying L(N, D), or from fitting its budget; each says
     which knob to turn. Empty: the design may run."""
-    return _size_problems(d) + _multiple_problems(d) + _backtest_problems(d) + \
-        _budget_problems(d)
+    return (_size_problems(d) + _multiple_problems(d) + _backtest_problems(d)
+            + _budget_problems(d))
 
 
 def _backtest_problems(d: Design) -> list[str]:

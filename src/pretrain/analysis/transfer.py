@@ -69,8 +69,9 @@ def best_lr(points: Sequence[TransferPoint]) -> WidthOptimum:
 def grid_ratio(points: Iterable[TransferPoint]) -> float:
     """The LR grid's step: the median ratio of neighbouring distinct LRs."""
     lrs = sorted({round(p.lr, 12) for p in points})
-    return float(np.median([b / a for a, b in zip(lrs, lrs[1:], strict=False)])) \
-        if len(lrs) > 1 else 2.0
+    if len(lrs) < 2:
+        return 2.0
+    return float(np.median([b / a for a, b in zip(lrs, lrs[1:], strict=False)]))
 
 
 def analyse(points: Sequence[TransferPoint]) -> dict:

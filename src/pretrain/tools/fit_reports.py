@@ -15,7 +15,13 @@ from pretrain.analysis.fit_checks import (
     sizes_of,
 )
 from pretrain.analysis.runs import COUNTS, RunPoint
-from pretrain.analysis.scaling import FitReport
+from pretrain.analysis.scaling import (
+    FitReport,
+    isoflop_bracketed,
+    isoflop_groups,
+    isoflop_minimum,
+    isoflop_problem,
+)
 
 
 def report_seed_spread(points: list[RunPoint], fit: dict) -> None:
@@ -150,3 +156,29 @@ def report_backtest(points: list[RunPoint], ratio: float, predict: list[tuple[fl
         fit["chosen"] = {**c.law.as_dict(), "count": c.candidate.count,
                          "min_tokens_per_param": c.candidate.min_tpp,
                          "runs": len(c.candidate.runs(points)), "score": c.score}
+
+
+def report_isoflop(points: list[RunPoint], fit: dict) -> None:
+    """Warn where a budget's best run is at the edge of its sizes; print (and record in
+    ``fit``) each budget's parabola minimum."""
+    for g in isoflop_groups(points):
+        if len(g) >= 3 and not isoflop_bracketed(g):
+            side = "below" if min(g, key=lambda p: p.loss) is g[0] else "above"
+            print(f"\nwarning: at C = {g[0].flops:.3g} the best size is the "
+                  f"{'smallest' if side == 'below' else 'largest'} run: the iso-FLOP valley lies "
+                  f"{side} the sizes run ({g[0].n_params:.3g}..{g[-1].n_params:.3g}); "
+                  "extend the sweep that way")
+    groups = [g for g in isoflop_groups(points) if len(g) >= 3]
+    if not groups:
+        return
+    print("\niso-FLOP minima (parabola in log N, approach 2):")
+    fit["isoflop_minima"] = []
+    for g in groups:
+        minimum, why = isoflop_minimum(g), isoflop_problem(g)
+        if minimum is None:
+            print(f"  C = {g[0].flops:.3g}: none: {why}")
+            fit["isoflop_minima"].append({"flops": g[0].flops, "none": why})
+            continue
+        n_opt, loss = minimum
+        print(f"  C = {g[0].flops:.3g}: N_opt = {n_opt:.3g}, loss {loss:.4f}")
+        fit["isoflop_minima"].append({"flops": g[0].flops, "n_opt": n_opt, "loss": loss})

@@ -59,10 +59,6 @@ from pretrain.analysis.scaling import (
     CHINCHILLA,
     FitReport,
     compute_frontier,
-    isoflop_bracketed,
-    isoflop_groups,
-    isoflop_minimum,
-    isoflop_problem,
     report_chinchilla_law,
     report_compute_law,
 )
@@ -138,8 +134,8 @@ def report_target_data(points: list[RunPoint], target: float, chinchilla: FitRep
     1; pretrain/analysis/target_data.py); record the epochs in ``fit``."""
     from pretrain.analysis.target_data import target_epochs
 
-    d_opt = chinchilla.predictions["d_opt"].value if chinchilla and chinchilla.predictions \
-        else None
+    d_opt = (chinchilla.predictions["d_opt"].value if chinchilla and chinchilla.predictions
+             else None)
     record, warnings = target_epochs(points, target, d_opt)
     if record:
         fit["target_data"] = record
@@ -223,32 +219,6 @@ def report_points(points: list[RunPoint], chinchilla: FitReport,
                   f"[{wide['low']:.4g}, {wide['high']:.4g}]")
         for w in why:
             print(f"      - {w}")
-
-
-def report_isoflop(points: list[RunPoint], fit: dict) -> None:
-    """Warn where a budget's best run is at the edge of its sizes; print (and record in
-    ``fit``) each budget's parabola minimum."""
-    for g in isoflop_groups(points):
-        if len(g) >= 3 and not isoflop_bracketed(g):
-            side = "below" if min(g, key=lambda p: p.loss) is g[0] else "above"
-            print(f"\nwarning: at C = {g[0].flops:.3g} the best size is the "
-                  f"{'smallest' if side == 'below' else 'largest'} run: the iso-FLOP valley lies "
-                  f"{side} the sizes run ({g[0].n_params:.3g}..{g[-1].n_params:.3g}); "
-                  "extend the sweep that way")
-    groups = [g for g in isoflop_groups(points) if len(g) >= 3]
-    if not groups:
-        return
-    print("\niso-FLOP minima (parabola in log N, approach 2):")
-    fit["isoflop_minima"] = []
-    for g in groups:
-        minimum, why = isoflop_minimum(g), isoflop_problem(g)
-        if minimum is None:
-            print(f"  C = {g[0].flops:.3g}: none: {why}")
-            fit["isoflop_minima"].append({"flops": g[0].flops, "none": why})
-            continue
-        n_opt, loss = minimum
-        print(f"  C = {g[0].flops:.3g}: N_opt = {n_opt:.3g}, loss {loss:.4f}")
-        fit["isoflop_minima"].append({"flops": g[0].flops, "n_opt": n_opt, "loss": loss})
 
 
 def cooldown_points(dirs: list[Path], key: str = METRICS["val_loss"], count: str = "total",
@@ -447,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                       fit.get("seed_spread", {}).get("relative", float("nan")))
     report_target_data(points, target, chinchilla, fit)
     report_extrapolation(points, target, {"L(C)": compute, "L(N, D)": chinchilla}, fit, args)
+    from pretrain.tools.fit_reports import report_isoflop
+
     report_isoflop(points, fit)
     if args.diagnose:
         report_diagnosis(points, chinchilla, args.count, fit,
