@@ -1,6 +1,7 @@
-"""``tools/scaling_law.py``'s reports on what a fit can be trusted for: the seed spread (the
-noise floor), ``--diagnose`` (residuals, each size left out, the counts of N compared) and the
-fit with E held fixed (pretrain/analysis/fit_checks.py)."""
+"""``tools/scaling_law.py``'s reports beside the fits: the seed spread (the noise floor),
+``--diagnose`` (residuals, each size left out, the counts of N compared), the fit with E held
+fixed (pretrain/analysis/fit_checks.py), ``--backtest R`` (analysis/backtest.py), the iso-FLOP
+minima and ``--chinchilla``'s published optimum."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pretrain.analysis.fit_checks import (
 )
 from pretrain.analysis.runs import COUNTS, RunPoint
 from pretrain.analysis.scaling import (
+    CHINCHILLA,
     FitReport,
     isoflop_bracketed,
     isoflop_groups,
@@ -182,3 +184,19 @@ def report_isoflop(points: list[RunPoint], fit: dict) -> None:
         n_opt, loss = minimum
         print(f"  C = {g[0].flops:.3g}: N_opt = {n_opt:.3g}, loss {loss:.4f}")
         fit["isoflop_minima"].append({"flops": g[0].flops, "n_opt": n_opt, "loss": loss})
+
+
+def print_chinchilla(budgets: list[float]) -> list[dict]:
+    """Compute-optimal N and D from the published fit (Hoffmann et al. 2022, approach 3)."""
+    law = CHINCHILLA
+    print(f"Chinchilla approach 3 (Hoffmann et al. 2022): L(N, D) = {law.E} + {law.A}/N^"
+          f"{law.alpha} + {law.B}/D^{law.beta}; optimum under C = 6ND")
+    rows = []
+    for c in budgets:
+        n, d = law.optimal(c)
+        row = {"flops": c, "n_opt": float(n), "d_opt": float(d),
+               "tokens_per_param": float(d / n), "loss": float(law.optimal_loss(c))}
+        rows.append(row)
+        print(f"  C = {c:.3g}: N = {n:.3g} params, D = {d:.3g} tokens "
+              f"({d / n:.1f} tokens/param), predicted loss {row['loss']:.3f}")
+    return rows

@@ -56,7 +56,6 @@ from pretrain.analysis.runs import (
     without_short_runs,
 )
 from pretrain.analysis.scaling import (
-    CHINCHILLA,
     FitReport,
     compute_frontier,
     report_chinchilla_law,
@@ -71,22 +70,6 @@ from pretrain.tools.fit_reports import (
     report_e_profile,
     report_seed_spread,
 )
-
-
-def print_chinchilla(budgets: list[float]) -> list[dict]:
-    """Compute-optimal N and D from the published fit (Hoffmann et al. 2022, approach 3)."""
-    law = CHINCHILLA
-    print(f"Chinchilla approach 3 (Hoffmann et al. 2022): L(N, D) = {law.E} + {law.A}/N^"
-          f"{law.alpha} + {law.B}/D^{law.beta}; optimum under C = 6ND")
-    rows = []
-    for c in budgets:
-        n, d = law.optimal(c)
-        row = {"flops": c, "n_opt": float(n), "d_opt": float(d),
-               "tokens_per_param": float(d / n), "loss": float(law.optimal_loss(c))}
-        rows.append(row)
-        print(f"  C = {c:.3g}: N = {n:.3g} params, D = {d:.3g} tokens "
-              f"({d / n:.1f} tokens/param), predicted loss {row['loss']:.3f}")
-    return rows
 
 
 def print_runs(points: list[RunPoint], metric: str = "loss") -> None:
@@ -270,6 +253,20 @@ def _point(text: str) -> tuple[float, float]:
 DEFAULT_COUNT = "total"
 
 
+def add_bounds(ap: argparse.ArgumentParser) -> None:
+    """The bounds past which a prediction is called extrapolated (analysis/extrapolation.py)."""
+    ap.add_argument("--max-interval", type=float, default=0.05, metavar="FRACTION",
+                    help="call a prediction extrapolated when its 95%% bootstrap interval is "
+                         "wider than this fraction of the loss (default 0.05)")
+    ap.add_argument("--max-ratio", type=float, default=100.0, metavar="X",
+                    help="call a prediction extrapolated when the target is more than X "
+                         "times the largest run's compute (default 100)")
+    ap.add_argument("--max-size-ratio", type=float, default=3.0, metavar="X",
+                    help="call a prediction extrapolated when its N (the target's N_opt, or "
+                         "a --predict point's) is more than X times the largest size run "
+                         "(default 3)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", type=Path, help="folders holding finished runs")
@@ -318,16 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backtest-tolerance", type=float, default=TOLERANCE, metavar="FRACTION",
                     help="the top rungs' mean |error| a supported backtest allows "
                          f"({TOLERANCE:g})")
-    ap.add_argument("--max-interval", type=float, default=0.05, metavar="FRACTION",
-                    help="call a prediction extrapolated when its 95%% bootstrap interval is "
-                         "wider than this fraction of the loss (default 0.05)")
-    ap.add_argument("--max-ratio", type=float, default=100.0, metavar="X",
-                    help="call a prediction extrapolated when the target is more than X "
-                         "times the largest run's compute (default 100)")
-    ap.add_argument("--max-size-ratio", type=float, default=3.0, metavar="X",
-                    help="call a prediction extrapolated when its N (the target's N_opt, or "
-                         "a --predict point's) is more than X times the largest size run "
-                         "(default 3)")
+    add_bounds(ap)
     from pretrain.tools.fit_policy import add_arguments
 
     add_arguments(ap)
@@ -359,6 +347,41 @@ def selected_points(args: argparse.Namespace) -> tuple[list[RunPoint], list[RunP
     return select(points, args)
 
 
+def fit_and_report(points: list[RunPoint], heldout: list[RunPoint], target: float,
+                   fit: dict, args: argparse.Namespace) -> tuple:
+    """Every fit and report of the runs into ``fit``, in the order printed: the seed
+    spread, --backtest, the fit policy (--policy, held-out runs, or L(N, D) degenerate),
+    L(C) and L(N, D), the target, the iso-FLOP minima, --diagnose."""
+    from pretrain.tools.fit_policy import refusals, report_policy
+    from pretrain.tools.fit_reports import report_isoflop
+
+    report_seed_spread(points, fit)
+    spread = fit.get("seed_spread", {}).get("relative", float("nan"))
+    resamples = max(args.bootstrap // 2, 0)
+    if args.backtest:
+        try:
+            report_backtest(points, args.backtest, args.predict, fit, args.backtest_tolerance,
+                            resamples)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    if args.policy or heldout:
+        report_policy(points, heldout, [] if args.backtest else args.predict, fit, resamples,
+                      spread)
+    compute, chinchilla = fit_laws(points, target, args.bootstrap, args.seed, fit)
+    if "policy" not in fit and chinchilla is not None and refusals(
+            points, {"L(N, D)": chinchilla}, fit):
+        print("\nL(N, D) is degenerate on these runs: the fit policy chooses another")
+        report_policy(points, [], args.predict, fit, resamples, spread)
+    report_target_data(points, target, chinchilla, fit)
+    report_extrapolation(points, target, {"L(C)": compute, "L(N, D)": chinchilla}, fit, args)
+    report_isoflop(points, fit)
+    if args.diagnose:
+        report_diagnosis(points, chinchilla, args.count, fit,
+                         lambda count: collect_points(args, count, quiet=True))
+        report_e_profile(points, args.predict, fit)
+    return compute, chinchilla
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
@@ -370,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     if report is not None:
         return report
     if args.chinchilla:
+        from pretrain.tools.fit_reports import print_chinchilla
+
         print_chinchilla(args.chinchilla)
         if not args.dirs:
             return 0
@@ -394,37 +419,7 @@ def main(argv: list[str] | None = None) -> int:
 
     fit: dict = {"metric": metric_key(args.metric), "count": args.count,
                  "runs": [vars(p) for p in points], "target_flops": target}
-    report_seed_spread(points, fit)
-    if args.backtest:
-        try:
-            report_backtest(points, args.backtest, args.predict, fit, args.backtest_tolerance,
-                            max(args.bootstrap // 2, 0))
-        except ValueError as e:
-            raise UserError(str(e)) from None
-    if args.policy or heldout:
-        from pretrain.tools.fit_policy import report_policy
-
-        spread = fit.get("seed_spread", {}).get("relative", float("nan"))
-        report_policy(points, heldout, [] if args.backtest else args.predict, fit,
-                      max(args.bootstrap // 2, 0), spread)
-    compute, chinchilla = fit_laws(points, target, args.bootstrap, args.seed, fit)
-    from pretrain.tools.fit_policy import refusals, report_policy
-
-    if "policy" not in fit and chinchilla is not None and refusals(
-            points, {"L(N, D)": chinchilla}, fit):
-        print("\nL(N, D) is degenerate on these runs: the fit policy chooses another")
-        report_policy(points, [], args.predict, fit, max(args.bootstrap // 2, 0),
-                      fit.get("seed_spread", {}).get("relative", float("nan")))
-    report_target_data(points, target, chinchilla, fit)
-    report_extrapolation(points, target, {"L(C)": compute, "L(N, D)": chinchilla}, fit, args)
-    from pretrain.tools.fit_reports import report_isoflop
-
-    report_isoflop(points, fit)
-    if args.diagnose:
-        report_diagnosis(points, chinchilla, args.count, fit,
-                         lambda count: collect_points(args, count, quiet=True))
-        report_e_profile(points, args.predict, fit)
-
+    compute, chinchilla = fit_and_report(points, heldout, target, fit, args)
     # the numbers first: a plot that cannot be drawn must not lose them
     (out / "fit.json").write_text(json.dumps(fit, indent=2))
     print(f"\nfit: {out / 'fit.json'}")

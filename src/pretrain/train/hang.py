@@ -211,8 +211,8 @@ class CollectiveWatch:
         path = os.environ.get(LOST_NODES_FILE)
         # Judged from the job's first node, where the batch script runs (a node cut off from
         # the others would name them instead).
-        if not path or not missing or max(missing) >= len(self.nodes) or \
-                os.environ.get("SLURM_NODEID", "0") != "0":
+        if (not path or not missing or max(missing) >= len(self.nodes)
+                or os.environ.get("SLURM_NODEID", "0") != "0"):
             return
         lost = sorted({self.nodes[r] for r in missing} - {node_name()})
         with contextlib.suppress(OSError):
