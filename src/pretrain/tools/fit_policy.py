@@ -12,6 +12,7 @@ import argparse
 import math
 import re
 
+from pretrain.analysis.policy import candidates
 from pretrain.analysis.prediction import Choice, Prediction, choose, predict
 from pretrain.analysis.runs import RunPoint
 from pretrain.analysis.scaling import FitReport
@@ -116,9 +117,14 @@ def report_policy(ladder: list[RunPoint], heldout: list[RunPoint],
                   noise: float = math.nan) -> Choice:
     """Choose by backtest, predict the held-out runs and the ``--predict`` points; recorded
     in ``fit["policy"]``."""
-    choice = choose(ladder, noise=noise)
-    print_choice(choice)
     points = [RunPoint(f"N={n:.4g},D={d:.4g}", n, d, 6 * n * d, math.nan) for n, d in at]
+    # a count of N is a candidate only where every target has it (a --predict point gives N
+    # in --count's units alone, a table's held-out row may give its non-embedding count too)
+    targets = [*heldout, *points]
+    cands = [c for c in candidates(ladder)
+             if all(t.count(c.count) is not None for t in targets)]
+    choice = choose(ladder, cands, noise=noise)
+    print_choice(choice)
     held = predict(choice, ladder, heldout, resamples, noise=noise)
     asked = predict(choice, ladder, points, resamples, noise=noise)
     print_predictions(held, "held-out runs, predicted by the chosen candidate")
@@ -126,6 +132,11 @@ def report_policy(ladder: list[RunPoint], heldout: list[RunPoint],
     fit["policy"] = {**choice.as_dict(), "ladder": [p.name for p in ladder],
                      "heldout": [p.as_dict() for p in held],
                      "predict": [p.as_dict() for p in asked]}
+    if choice.chosen is not None:  # what tools/ladder_check.py predicts with
+        c = choice.chosen
+        fit["chosen"] = {**c.law.as_dict(), "count": c.candidate.count,
+                         "min_tokens_per_param": c.candidate.min_tpp,
+                         "runs": len(c.candidate.runs(ladder)), "score": c.score}
     return choice
 
 

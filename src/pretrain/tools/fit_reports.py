@@ -149,15 +149,10 @@ def report_backtest(points: list[RunPoint], ratio: float, predict: list[tuple[fl
     bt = backtest(points, ratio, tolerance=tolerance, noise=spread)
     _print_backtest(bt, points, spread, tolerance)
     fit["backtest"] = bt.as_dict()
-    choice = report_policy(points, [], predict, fit, bootstrap, spread)
+    report_policy(points, [], predict, fit, bootstrap, spread)
     for entry in fit["policy"]["predict"]:
         entry["supported"] = bt.supported
     fit["backtest"]["predict"] = fit["policy"]["predict"]
-    if choice.chosen is not None:
-        c = choice.chosen
-        fit["chosen"] = {**c.law.as_dict(), "count": c.candidate.count,
-                         "min_tokens_per_param": c.candidate.min_tpp,
-                         "runs": len(c.candidate.runs(points)), "score": c.score}
 
 
 def report_isoflop(points: list[RunPoint], fit: dict) -> None:

@@ -364,9 +364,8 @@ def fit_and_report(points: list[RunPoint], heldout: list[RunPoint], target: floa
                             resamples)
         except ValueError as e:
             raise UserError(str(e)) from None
-    if args.policy or heldout:
-        report_policy(points, heldout, [] if args.backtest else args.predict, fit, resamples,
-                      spread)
+    if heldout or (args.policy and "policy" not in fit):  # --backtest ran it on no held-out
+        report_policy(points, heldout, args.predict, fit, resamples, spread)
     compute, chinchilla = fit_laws(points, target, args.bootstrap, args.seed, fit)
     if "policy" not in fit and chinchilla is not None and refusals(
             points, {"L(N, D)": chinchilla}, fit):
