@@ -15,6 +15,8 @@ and a job waited for CPUs another worker's job held.)
 from __future__ import annotations
 
 import fcntl
+import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -23,6 +25,32 @@ from pathlib import Path
 
 # One lock a machine: the cluster's ports are the machine's, whatever SLURM_LOCAL_DIR says.
 LOCK = Path(tempfile.gettempdir()) / "pretrain-slurm.lock"
+
+
+# The states a job ends in (squeue/scontrol's JobState).
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "BOOT_FAIL", "DEADLINE"}
+
+
+def sbin_path() -> str:
+    """PATH with the sbin folders Debian's Slurm daemons are installed in."""
+    return os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+
+
+def unavailable(script: Path, daemons: tuple[str, ...]) -> str | None:
+    """Why a local Slurm cannot run here, or None (installing it first with ``script``'s
+    ``install`` when it is missing and this is root on Debian/Ubuntu)."""
+    if all(shutil.which(d, path=sbin_path()) for d in daemons):
+        return None
+    if not shutil.which("apt-get"):
+        return "Slurm is not installed and there is no apt-get to install it (Debian/Ubuntu)"
+    if os.geteuid() != 0:
+        return "Slurm is not installed and installing it (apt-get) needs root"
+    proc = subprocess.run(["bash", str(script), "install"], capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode:
+        return f"could not install Slurm with apt-get: {proc.stderr.strip()[-500:]}"
+    return None
 
 
 class ClusterStartError(RuntimeError):

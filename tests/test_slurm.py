@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -25,45 +24,24 @@ from pathlib import Path
 
 import pytest
 from helpers import CORPUS_FILES, DATA_NAME, REPO, TOKENIZER_VOCAB, read_metrics, read_result
-from slurm_cluster import ClusterStartError, held_cluster
+from slurm_cluster import TERMINAL, ClusterStartError, held_cluster, sbin_path, unavailable
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 CLUSTER = REPO / "slurm" / "local_cluster.sh"
 DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd", "sbatch", "sacct")
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-            "BOOT_FAIL", "DEADLINE"}
-
-
-def _sbin_path() -> str:
-    return os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
-
-
-def _unavailable() -> str | None:
-    """Why a local Slurm cannot run here, or None (installing it first when possible)."""
-    if all(shutil.which(d, path=_sbin_path()) for d in DAEMONS):
-        return None
-    if not shutil.which("apt-get"):
-        return "Slurm is not installed and there is no apt-get to install it (Debian/Ubuntu)"
-    if os.geteuid() != 0:
-        return "Slurm is not installed and installing it (apt-get) needs root"
-    proc = subprocess.run(["bash", str(CLUSTER), "install"], capture_output=True, text=True,
-                          timeout=900)
-    if proc.returncode:
-        return f"could not install Slurm with apt-get: {proc.stderr.strip()[-500:]}"
-    return None
 
 
 @pytest.fixture(scope="module")
 def slurm() -> Iterator[dict[str, str]]:
     """A running local cluster, held by this process alone while the module's tests run
     (tests/slurm_cluster.py: other workers wait); yields the environment that reaches it."""
-    reason = _unavailable()
+    reason = unavailable(CLUSTER, DAEMONS)
     if reason:
         if os.environ.get("PRETRAIN_REQUIRE_SLURM") == "1":
             pytest.fail(f"PRETRAIN_REQUIRE_SLURM=1 but {reason}")
         pytest.skip(reason)
-    env = {**os.environ, "PATH": _sbin_path()}
+    env = {**os.environ, "PATH": sbin_path()}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     try:

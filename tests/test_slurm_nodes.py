@@ -17,7 +17,6 @@ from __future__ import annotations
 import fcntl
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from helpers import (
     read_metrics,
     read_result,
 )
+from slurm_cluster import TERMINAL, sbin_path, unavailable
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -47,25 +47,6 @@ CLUSTER_ENV = {"SLURM_LOCAL_DIR": os.environ.get("PRETRAIN_SLURM_NODES_DIR",
 LOCK = "/tmp/pretrain-slurm-nodes.lock"
 GLOO_IF = "PRETRAIN_TEST_GLOO_IF"  # in the fixture's environment: eth0 with --netns, else lo
 DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd", "sbatch")
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-            "BOOT_FAIL", "DEADLINE"}
-
-
-def _path() -> str:
-    return os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
-
-
-def _unavailable() -> str | None:
-    """Why a local Slurm cannot run here, or None (installing it first when possible)."""
-    if all(shutil.which(d, path=_path()) for d in DAEMONS):
-        return None
-    if not shutil.which("apt-get"):
-        return "Slurm is not installed and there is no apt-get to install it (Debian/Ubuntu)"
-    if os.geteuid() != 0:
-        return "Slurm is not installed and installing it (apt-get) needs root"
-    proc = subprocess.run(["bash", str(CLUSTER), "install"], capture_output=True, text=True,
-                          timeout=900)
-    return f"could not install Slurm: {proc.stderr.strip()[-500:]}" if proc.returncode else None
 
 
 def cluster(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -83,10 +64,10 @@ def _skip_or_fail(msg: str) -> None:
 def nodes() -> Iterator[dict[str, str]]:
     """A running 4-node local cluster, this process's alone while the module runs; yields
     the environment that reaches it (SLURM_CONF)."""
-    reason = _unavailable()
+    reason = unavailable(CLUSTER, DAEMONS)
     if reason:
         _skip_or_fail(reason)
-    env = {**os.environ, "PATH": _path(), **CLUSTER_ENV}
+    env = {**os.environ, "PATH": sbin_path(), **CLUSTER_ENV}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "PRETRAIN_FAULT"):
         env.pop(key, None)
