@@ -9,7 +9,8 @@ bf16's loss for 20 steps; an async checkpoint staged from GPU memory loading bac
 ``parallel.offload=params`` training from pinned host copies; tools/bench_gpu.py running one
 cell; ``tools/plan.py --simulate`` of a 1.3B rank on the CUDA build within 10% of the
 planner for forward/backward and for the optimizer step; a CUDA memory snapshot at a chosen step
-and on an out-of-memory error."""
+and on an out-of-memory error; CUDA graphs (``train.cuda_graphs``) training as the
+compiled step without them."""
 
 from __future__ import annotations
 
@@ -98,6 +99,31 @@ def test_sdpa_runs_cudnn_or_flash_attention_on_hopper():
     assert ops & fused, sorted(o for o in ops if "attention" in o)
     assert not ops & {"aten::_scaled_dot_product_efficient_attention",
                       "aten::_scaled_dot_product_attention_math"}
+
+
+def test_cuda_graphs_train_as_the_eager_step_with_accumulation_and_noise_halves(
+        markov_root, tmp_path):
+    """``train.cuda_graphs=true`` replays forward+loss+backward; two micro batches a step and
+    the noise scale's half-batch measurement run the graph more than once before the
+    optimizer step. On an H200 (torch 2.11) the default recipe with graphs on failed at once
+    ("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run":
+    a replay's gradient kept as .grad); the gradients now stay allocated. Same losses as
+    the compiled step without graphs, from the same weights and batches."""
+    losses = {}
+    for graphs in ("true", "false"):
+        torch._dynamo.reset()
+        t = trainer(markov_root, tmp_path / graphs, "model=tiny", "model.vocab_size=256",
+                    "precision=bf16", "model.attention=sdpa", "train.compile=true",
+                    f"train.cuda_graphs={graphs}", "budget.steps=8",
+                    "train.global_batch_size=16", "parallel.micro_batch_size=8",
+                    "train.noise_scale=true")
+        try:
+            losses[graphs] = [float(t.train_step()[0]) for _ in range(8)]
+        finally:
+            t.close()
+    for step, (a, b) in enumerate(zip(losses["true"], losses["false"], strict=True), 1):
+        assert abs(a - b) <= 0.02, (step, losses)
+    assert losses["true"][-1] < losses["true"][0], losses
 
 
 def test_fp8_linears_run_and_track_bf16_for_20_steps(markov_root, tmp_path):

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -100,18 +101,20 @@ def plain_step(mode: str, trainer, cfg):
     return step_fn
 
 
-def timed(step_fn, warmup: int, steps: int, device: torch.device) -> float:
-    """Seconds for ``steps`` calls of ``step_fn`` after ``warmup`` unmeasured ones."""
+def timed(step_fn, warmup: int, steps: int, device: torch.device,
+          count: Callable[[], int] = lambda: 0) -> tuple[float, int]:
+    """Seconds for ``steps`` calls of ``step_fn`` after ``warmup`` unmeasured ones, and how
+    far ``count`` (the samples the trainer has taken) moved over the measured ones."""
     for _ in range(warmup):
         step_fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    c0, t0 = count(), time.perf_counter()
     for _ in range(steps):
         step_fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, count() - c0
 
 
 def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
@@ -133,8 +136,11 @@ def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
                     "mode": mode,
                     "skipped": "hf reference exists for the GPT-2 architecture only",
                 }
-        dt = timed(step_fn, warmup, steps, device)
-        tokens = steps * trainer.budget.global_batch_tokens
+        dt, samples = timed(step_fn, warmup, steps, device, lambda: trainer.samples_seen)
+        # the tokens the steps took: under a batch ramp (gpt3-1.3b's) fewer than the
+        # full batch's, which counted as taken once read 2x the card's peak
+        tokens = (samples * cfg.model.seq_len if mode == "trainer"
+                  else steps * trainer.budget.global_batch_tokens)
         tps = tokens / dt
         achieved = tps * trainer.budget.flops_per_token
         trainer.peak.check(achieved)  # a peak timed in a busy moment is measured again
@@ -145,6 +151,7 @@ def measure(mode: str, overrides: list[str], steps: int, warmup: int) -> dict:
             "attention": trainer.decision.attention, "compile": cfg.train.compile,
             "n_params": trainer.budget.n_params, "seq_len": cfg.model.seq_len,
             "global_batch": gbs, "micro_batch": mbs, "steps": steps,
+            "batch_taken": round(tokens / steps / cfg.model.seq_len, 2),
             "tokens_per_s": round(tps, 1), "step_s": round(dt / steps, 4),
             "achieved_tflops": round(achieved / 1e12, 4),
             "peak_tflops": round(trainer.peak.value / 1e12, 4) if trainer.peak.value else None,

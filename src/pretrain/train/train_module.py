@@ -147,6 +147,15 @@ class TrainModule:
                              graphs)
         t0 = time.perf_counter()
         materialize(pm, self.device, cfg.train.seed if initialise else None)
+        # Under CUDA graphs the gradients stay allocated from step to step: a replayed
+        # backward's outputs are the graph's own memory, which the next micro batch's replay
+        # (a new cudagraph-trees iteration) overwrites; autograd adds them into a gradient
+        # that exists, in place, before that, instead of keeping the output itself as .grad
+        self.keep_grads = graphs
+        if graphs:
+            for p in pm.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         if initialise:
             log.info("initialised this rank's shards in %.2f s (%.1f MB of parameters)",
                      time.perf_counter() - t0, sum(local_region(p)[0].nbytes
@@ -259,7 +268,7 @@ class TrainModule:
         self._update(grad_norm, step, loss.detach())
         for part in self.parts:  # aux_free MoE layers: their biases follow the step's load
             update_biases(part, self.parallel.sum_over_replicas)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         self.scheduler.step()
         return loss.detach(), grad_norm, small_sq
 
