@@ -306,8 +306,10 @@ def cuda_graphed(fn: Callable) -> Callable:
     cudagraph trees (forward and backward) and replayed, inputs copied into static buffers;
     static shapes and fullgraph as ``_compiled``. Each call marks a new step, so a micro
     batch's replay may reuse the memory of the last one's outputs, which the step has
-    consumed by then (its loss summed on the device). On the CPU inductor skips the graphs
-    and this is ``_compiled`` (tests/test_cuda_graphs.py)."""
+    consumed by then: its loss summed on the device, its gradients added into ``.grad``
+    tensors that stay allocated under graphs (``TrainModule.keep_grads``; kept as the
+    replay's own output, the next replay overwrote them on an H200). On the CPU inductor
+    skips the graphs and this is ``_compiled`` (tests/test_cuda_graphs.py)."""
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
 
     def replay(*args: torch.Tensor):
