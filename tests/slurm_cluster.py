@@ -19,9 +19,12 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 # One lock a machine: the cluster's ports are the machine's, whatever SLURM_LOCAL_DIR says.
 LOCK = Path(tempfile.gettempdir()) / "pretrain-slurm.lock"
@@ -30,6 +33,28 @@ LOCK = Path(tempfile.gettempdir()) / "pretrain-slurm.lock"
 # The states a job ends in (squeue/scontrol's JobState).
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE"}
+
+
+def job_info(job: int | str, env: dict[str, str]) -> dict[str, str]:
+    """``scontrol show job``'s fields (empty once the controller has forgotten the job)."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", str(job)], env=env,
+                         capture_output=True, text=True).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def wait_job(job: int, env: dict[str, str], timeout: float = 300,
+             describe: Callable[[int, dict[str, str]], object] = job_info) -> dict[str, str]:
+    """Poll until the job reaches a final state (a requeued job passes through PENDING);
+    past ``timeout`` cancel it and fail the test with ``describe``'s account of it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_info(job, env)
+        if info.get("JobState") in TERMINAL:
+            return info
+        time.sleep(0.5)
+    why = describe(job, env)
+    subprocess.run(["scancel", str(job)], env=env)
+    pytest.fail(f"job {job} did not finish in {timeout} s: {why}")
 
 
 def sbin_path() -> str:

@@ -101,14 +101,14 @@ def test_sdpa_runs_cudnn_or_flash_attention_on_hopper():
                       "aten::_scaled_dot_product_attention_math"}
 
 
-def test_cuda_graphs_train_as_the_eager_step_with_accumulation_and_noise_halves(
+def test_cuda_graphs_train_as_the_compiled_step_with_accumulation(
         markov_root, tmp_path):
-    """``train.cuda_graphs=true`` replays forward+loss+backward; two micro batches a step and
-    the noise scale's half-batch measurement run the graph more than once before the
-    optimizer step. On an H200 (torch 2.11) the default recipe with graphs on failed at once
-    ("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run":
-    a replay's gradient kept as .grad); the gradients now stay allocated. Same losses as
-    the compiled step without graphs, from the same weights and batches."""
+    """``train.cuda_graphs=true`` replays forward+loss+backward; two micro batches a step
+    run the graph twice before the optimizer step (as the noise scale's two halves do in a
+    step of one micro batch). On an H200 (torch 2.11) the default recipe with graphs on
+    failed at once ("accessing tensor output of CUDAGraphs that has been overwritten by a
+    subsequent run": a replay's gradient kept as .grad); the gradients now stay allocated.
+    Same losses as the compiled step without graphs, from the same weights and batches."""
     losses = {}
     for graphs in ("true", "false"):
         torch._dynamo.reset()

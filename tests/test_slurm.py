@@ -24,7 +24,15 @@ from pathlib import Path
 
 import pytest
 from helpers import CORPUS_FILES, DATA_NAME, REPO, TOKENIZER_VOCAB, read_metrics, read_result
-from slurm_cluster import TERMINAL, ClusterStartError, held_cluster, sbin_path, unavailable
+from slurm_cluster import (
+    TERMINAL,
+    ClusterStartError,
+    held_cluster,
+    job_info,
+    sbin_path,
+    unavailable,
+)
+from slurm_cluster import wait_job as wait_any_job
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -92,21 +100,9 @@ def why(job: int | str, env: dict[str, str]) -> str:
             f"queue: {queue}")
 
 
-def job_info(job: int | str, env: dict[str, str]) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", "-o", str(job)], env=env,
-                         capture_output=True, text=True).stdout
-    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
-
-
 def wait_job(job: int, env: dict[str, str], timeout: float = 300) -> dict[str, str]:
-    """Poll until the job reaches a final state (a requeued job passes through PENDING)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = job_info(job, env)
-        if info.get("JobState") in TERMINAL:
-            return info
-        time.sleep(0.5)
-    pytest.fail(f"job {job} did not finish in {timeout} s: {why(job, env)}")
+    """slurm_cluster.wait_job, a timeout naming the node and the queue (``why``)."""
+    return wait_any_job(job, env, timeout, describe=why)
 
 
 def sacct_states(jobs: list[str], env: dict[str, str], timeout: float = 30) -> dict[str, str]:

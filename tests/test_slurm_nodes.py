@@ -35,7 +35,7 @@ from helpers import (
     read_metrics,
     read_result,
 )
-from slurm_cluster import TERMINAL, sbin_path, unavailable
+from slurm_cluster import TERMINAL, job_info, sbin_path, unavailable, wait_job
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -145,21 +145,14 @@ def submit(args: list[str], cwd: Path, env: dict[str, str]) -> int:
     return int(match.group(1))
 
 
-def job_info(job: int, env: dict[str, str]) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", "-o", str(job)], env=env,
-                         capture_output=True, text=True).stdout
-    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
-
-
-def wait_job(job: int, env: dict[str, str], timeout: float = 300) -> dict[str, str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = job_info(job, env)
-        if info.get("JobState") in TERMINAL:
-            return info
-        time.sleep(0.5)
-    subprocess.run(["scancel", str(job)], env=env)
-    pytest.fail(f"job {job} did not finish in {timeout} s: {job_info(job, env)}")
+def wait_past_checkpoint(run: Path, interval: int, job: int, nodes: dict[str, str]) -> None:
+    """Until the run has saved its step-``interval`` checkpoint and taken a step past it."""
+    deadline = time.monotonic() + 240
+    while not ((run / "checkpoints" / f"step_{interval:07d}" / "meta.json").exists()
+               and any(m.get("step", 0) > interval for m in read_metrics(run))):
+        assert time.monotonic() < deadline, f"no step after {interval}: {job_info(job, nodes)}"
+        assert job_info(job, nodes).get("JobState") not in TERMINAL, "finished too early"
+        time.sleep(0.2)
 
 
 def assert_same_losses(got: dict[int, float], want: dict[int, float], steps: list[int]):
@@ -251,12 +244,7 @@ def test_a_lost_node_is_left_out_and_the_run_finishes(nodes, work_dir, one_of_12
     job = submit([*run_args(work_dir, runs, "lost", steps, interval=interval), "--nodes=2"],
                  work_dir, env)
     run = runs / "lost"
-    deadline = time.monotonic() + 240
-    while not ((run / "checkpoints" / f"step_{interval:07d}" / "meta.json").exists()
-               and any(m.get("step", 0) > interval for m in read_metrics(run))):
-        assert time.monotonic() < deadline, f"no step after {interval}: {job_info(job, nodes)}"
-        assert job_info(job, nodes).get("JobState") not in TERMINAL, "finished too early"
-        time.sleep(0.2)
+    wait_past_checkpoint(run, interval, job, nodes)
     try:
         killed = cluster(nodes, "kill-node", "n2")
         assert killed.returncode == 0, killed.stderr
@@ -298,12 +286,7 @@ def test_a_node_cut_off_is_named_after_the_timeout_and_left_out(nodes, work_dir,
     job = submit([*run_args(work_dir, runs, "cut", steps, interval=interval), "--nodes=2",
                   "comm.train_timeout_s=10"], work_dir, env)
     run = runs / "cut"
-    deadline = time.monotonic() + 240
-    while not ((run / "checkpoints" / f"step_{interval:07d}" / "meta.json").exists()
-               and any(m.get("step", 0) > interval for m in read_metrics(run))):
-        assert time.monotonic() < deadline, f"no step after {interval}: {job_info(job, nodes)}"
-        assert job_info(job, nodes).get("JobState") not in TERMINAL, "finished too early"
-        time.sleep(0.2)
+    wait_past_checkpoint(run, interval, job, nodes)
     try:
         cut = cluster(nodes, "cut-node", "n2")
         assert cut.returncode == 0, cut.stderr
