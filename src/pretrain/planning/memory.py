@@ -103,6 +103,7 @@ class RankMemory:
     parts: dict[str, float]
     host: dict[str, float] = field(default_factory=dict)  # offloaded, per GPU
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    grads_held: bool = False  # the gradients exist at a backward's start
 
     @property
     def peak_phase(self) -> str:
@@ -242,7 +243,8 @@ def _weights_and_grad_buffers(cfg: Config, layout: Layout, sp: StageParams
     if accumulate:  # FSDP2's unsharded accumulators, and one block's gradient being made
         accumulators = reduce_b * sp.unsharded
         return weights, accumulators + e * max(biggest_block, sp.root), accumulators
-    return weights, (e + reduce_b) * max(sp.root, 2 * biggest_block), 0.0
+    # one group's gradient reduced while the next block's is made (measured: --simulate)
+    return weights, (e + reduce_b) * max(sp.root, biggest_block) + e * biggest_block, 0.0
 
 
 def optimizer_state_bytes(name: str, sp: StageParams, pb: int) -> int:
@@ -309,7 +311,7 @@ def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda")
         for held in (parts, *phases.values()):
             held["allocator fragmentation"] = FRAGMENTATION * sum(held.values())
             held["CUDA context + NCCL"] = (1 + (layout.world_size > 1)) * GIB
-    return RankMemory(pp_rank, parts, host, phases)
+    return RankMemory(pp_rank, parts, host, phases, held)
 
 
 def _earlier_micro_batches(layout: Layout, cfg: Config) -> bool:

@@ -87,10 +87,12 @@ def phase_parts(parts: dict[str, float], bw: Backward) -> dict[str, dict[str, fl
     return {name: {k: v for k, v in held.items() if k in parts} for name, held in phases.items()}
 
 
-def by_kind(parts: dict[str, float]) -> dict[str, float]:
-    """``parts`` summed by MemTracker's kinds."""
+def by_kind(parts: dict[str, float], autocast: bool = False) -> dict[str, float]:
+    """``parts`` summed by MemTracker's kinds; under autocast the weight copies are
+    autocast's cache, made by the forward: activations to MemTracker."""
+    kind_of = {**KIND_OF, "compute-dtype weight copies": "Activation"} if autocast else KIND_OF
     out = dict.fromkeys(KINDS, 0.0)
     for name, b in parts.items():
-        if name in KIND_OF:
-            out[KIND_OF[name]] += b
+        if name in kind_of:
+            out[kind_of[name]] += b
     return out

@@ -34,6 +34,7 @@ from pretrain.model.initialization import local_region
 from pretrain.model.loss import cross_entropy
 from pretrain.optim.specs import build_optimizer
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
+from pretrain.parallel.data_parallel import autocasts
 from pretrain.parallel.layout import Layout, resolve_layout
 from pretrain.parallel.mesh import build_mesh
 from pretrain.parallel.tensor_parallel import loss_context
@@ -321,6 +322,7 @@ def predicted(cfg: Config, layout: Layout, pp_rank: int, tp_rank: int) -> dict:
     pb = dtype_bytes(cfg.precision.param_dtype)
     rm = rank_memory(cfg, layout, pp_rank, device="cpu")
     parts, phases = rm.parts, rm.phases
+    auto = autocasts(layout, cfg.precision.compute_dtype != cfg.precision.param_dtype)
     step_phase = max((k for k in phases if k != "optimizer step"),
                      key=lambda k: sum(phases[k].values()))
     return {
@@ -330,7 +332,10 @@ def predicted(cfg: Config, layout: Layout, pp_rank: int, tp_rank: int) -> dict:
         "memory_by_part": {k: int(v) for k, v in parts.items()},
         "step_peak_phase": step_phase,
         "step_peak_by_part": {k: int(v) for k, v in phases[step_phase].items()},
-        "step_peak_by_kind": {k: int(v) for k, v in by_kind(phases[step_phase]).items()},
+        "step_peak_by_kind": {k: int(v) for k, v in by_kind(phases[step_phase], auto).items()},
+        # parallel.offload=params: on the host, where this CPU's simulation holds them too
+        "host_by_kind": {k: int(v) for k, v in by_kind(
+            {k: v for k, v in rm.host.items() if k != "gradients" or rm.grads_held}).items()},
         "step_peak_bytes": int(sum(phases[step_phase].values())),
         "optimizer_step_peak_bytes": int(sum(phases["optimizer step"].values())),
         "optimizer_step_transient_bytes": int(parts.get("optimizer step transient", 0)),
