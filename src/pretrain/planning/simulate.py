@@ -143,6 +143,21 @@ def _forget(tracker, part: torch.nn.Module) -> None:
         tracker.memory_tracking.pop(module, None)
 
 
+def _measured_micro_batches(pm: ParallelModel, inputs: list[list[torch.Tensor]], cfg: Config,
+                            layout: Layout, policy: Policy, tracker, unreduced: bool) -> None:
+    """Under the tracker: the accumulators' micro batch first when ``unreduced``, then the
+    rank's micro batches in flight (a pipeline) or one through each stage."""
+    for part in pm.parts if unreduced else ():
+        _forget(tracker, part)
+        _forward_backward(part, _stage_input(part, cfg, layout, policy), cfg, layout, policy)
+    if layout.pp > 1:
+        _in_flight(pm, inputs, cfg, layout, tracker)
+        return
+    for part, x in zip(pm.parts, inputs[0], strict=True):
+        _forget(tracker, part)
+        _forward_backward(part, x, cfg, layout, policy)
+
+
 def _in_flight(pm: ParallelModel, inputs: list[list[torch.Tensor]], cfg: Config,
                layout: Layout, tracker) -> None:
     """The rank's micro batches in flight at its peak (``inputs[i]``: the i-th one's input
@@ -293,15 +308,7 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str,
         tracker.track_external(*pm.parts, optimizer, *(x for xs in inputs for x in xs))
         # one process: autocast, as the trainer's step (a no-op otherwise)
         with untracked_sharding_propagation(), tracker, pm.autocast():
-            for part in pm.parts if unreduced else ():  # the accumulators' micro batch
-                _forget(tracker, part)
-                _forward_backward(part, _stage_input(part, cfg, layout, policy), cfg, layout,
-                                  policy)
-            if layout.pp > 1:
-                _in_flight(pm, inputs, cfg, layout, tracker)
-            else:
-                for part, x in zip(pm.parts, inputs[0], strict=True):
-                    _forward_backward(part, x, cfg, layout, policy)
+            _measured_micro_batches(pm, inputs, cfg, layout, policy, tracker, unreduced)
         step_peak = tracker.get_tracker_snapshot("peak")
         before = _bytes(tracker.get_tracker_snapshot("current"))
         # entered again, its peak starts from what the step starts with
