@@ -52,12 +52,14 @@ def test_the_wrapped_eager_step_of_ec9a543_was_host_bound():
 
 def test_one_graph_compiled_step_is_not_host_bound():
     """One process compiled (model and loss one graph): a few thousand kernel launches a
-    step, far below the kernels' time, at both shapes; the dispatch counted eager would be
+    step and what runs outside the graph (planning/host.py: an AccumulateGrad per parameter
+    tensor and micro batch, clipping, the optimizer, the loop), well below the kernels' time
+    at both shapes; the dispatch counted eager would be
     over 1.5x the GPU time at 124M (0.278 s against 0.146 on the H100 since the one-GPU
     recalibration on the H200, planning/calibration.py; 2.4x before it)."""
     for shape in (GPT2_124M, GPT3_13B):
         _, _, compiled = _cost([*shape, *BENCH, "train.compile=true"])
-        assert not compiled.host_bound and compiled.host < 0.2 * compiled.device
+        assert not compiled.host_bound and compiled.host < 0.3 * compiled.device
     _, _, eager = _cost([*GPT2_124M, *BENCH, "train.compile=false"])
     assert eager.host > 1.5 * eager.device
 
