@@ -6,7 +6,8 @@ largest phase), by MemTracker's kinds (``phases.KIND_OF``).
 
 The presets keep their real widths (hidden size, heads, FFN, vocabulary, experts) and run
 fewer layers, so the whole matrix takes minutes on a 2-core CPU; a layer's memory is the
-same, and the parts that scale with the layers scale in both.
+same, and the parts that scale with the layers scale in both. One row runs a whole model:
+torchtitan's Llama 3 8B row (planning/published.py), rank 0.
 
 What the simulation cannot model on the CPU is said on its row: ``parallel.offload=params``
 pins host copies (FSDP2's ``CPUOffloadPolicy``); here only what stays on the GPU is
@@ -91,6 +92,10 @@ ROWS = (
                                        "parallel.dp=2", "parallel.micro_batch_size=1",
                                        "train.global_batch_size=8", "parallel.pp_schedule=zbv",
                                        "parallel.virtual_stages=2"), rank=0),
+    Row("Llama 3 8B zero3 selective (torchtitan's row, all 32 layers)", (
+        "model=llama3-8b", "precision=bf16", "parallel.dp=8", "parallel.dp_mode=zero3",
+        "parallel.micro_batch_size=2", "parallel.activation_checkpointing=selective",
+        "train.global_batch_size=16", "train.compile=false"), rank=0),
     Row("Mixtral EP4 zero3", (*_MOE, "parallel=zero3", "parallel.dp=8", "parallel.ep=4",
                               "parallel.micro_batch_size=1", "train.global_batch_size=8",
                               "model.seq_len=1024")),
