@@ -5,7 +5,7 @@
     python tools/plan.py +recipe=gpt3-6.7b parallel=auto --gpus 256 --gpu a100-80gb --json
     python tools/plan.py +recipe=tiny --gpu-file my_gpus/        # extra GPU types (YAML)
     python tools/plan.py +recipe=gpt3-175b --simulate --rank 1023  # start one rank for real
-    python tools/plan.py --check-matrix        # planned vs simulated peak on 18 layouts
+    python tools/plan.py --check-matrix        # planned vs simulated peak on 19 layouts
 
 ``--simulate`` starts rank R of the run on this CPU, on a fake process group of the run's
 world size: the real mesh, parallelisation, initial weights of that rank's shards and
