@@ -48,14 +48,22 @@ def verdict(overrides: list[str], gpu: str = "h200-141gb"):
 
 
 @pytest.mark.parametrize("overrides", [[], RUNG_10M], ids=["default", "rung-10m"])
-def test_small_models_are_host_bound_and_a_graph_removes_the_host_time(overrides):
-    """The default recipe (2.6M parameters): about 580 ops a step, 13.7 ms of host time
-    against 0.2 ms of GPU work (the H200 measured about 16 ms a step: 125k tokens/s at
-    2,048 tokens a step, issue 49); the 10M rung, host 25 ms against 11 ms."""
-    _, _, v = verdict(overrides)
-    assert v.host_bound and v.host_s > 2 * v.device_s
-    assert v.step_ops > 500 and v.graphed_host_s < v.host_s / 20
-    assert v.graphed_step_s < v.step_s / 2
+def test_small_models_are_host_bound_and_a_graph_removes_the_region_not_the_rest(overrides):
+    """The default recipe (2.6M parameters) and the 10M rung are host-bound; a graph
+    replaces the forward/backward region's ops with one replay a micro batch and leaves what
+    runs outside it (planning/host.py: AccumulateGrad and clipping's .to per parameter
+    tensor, the optimizer, the bookkeeping, the loop's Python): the H200 measured the
+    default's graphed step at 5.9 ms (2.2x), not the 0.29 ms (47x) of a model without it."""
+    from pretrain.planning.graphs import GRAPH_REPLAY_S
+    from pretrain.planning.host import outside_ops, outside_seconds
+
+    cfg, layout, v = verdict(overrides)
+    assert v.host_bound and v.host_s > 1.5 * v.device_s
+    outside = outside_ops(cfg, layout)
+    assert outside["AccumulateGrad"] == layout.microbatches * outside["clipping's .to"] > 60
+    assert v.graphed_host_s == pytest.approx(
+        layout.microbatches * GRAPH_REPLAY_S + outside_seconds(cfg, layout))
+    assert v.graphed_step_s < v.step_s
     assert "HOST-BOUND" in v.line()
 
 

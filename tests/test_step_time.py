@@ -52,12 +52,14 @@ def test_the_wrapped_eager_step_of_ec9a543_was_host_bound():
 
 def test_one_graph_compiled_step_is_not_host_bound():
     """One process compiled (model and loss one graph): a few thousand kernel launches a
-    step, far below the kernels' time, at both shapes; the dispatch counted eager would be
+    step and what runs outside the graph (planning/host.py: an AccumulateGrad per parameter
+    tensor and micro batch, clipping, the optimizer, the loop), well below the kernels' time
+    at both shapes; the dispatch counted eager would be
     over 1.5x the GPU time at 124M (0.278 s against 0.146 on the H100 since the one-GPU
     recalibration on the H200, planning/calibration.py; 2.4x before it)."""
     for shape in (GPT2_124M, GPT3_13B):
         _, _, compiled = _cost([*shape, *BENCH, "train.compile=true"])
-        assert not compiled.host_bound and compiled.host < 0.2 * compiled.device
+        assert not compiled.host_bound and compiled.host < 0.3 * compiled.device
     _, _, eager = _cost([*GPT2_124M, *BENCH, "train.compile=false"])
     assert eager.host > 1.5 * eager.device
 
@@ -98,7 +100,7 @@ def test_offload_plan_is_within_30_percent_of_the_h100_run():
                "parallel.activation_checkpointing=full"]
     cfg, layout, cost = _cost(offload)
     assert cost.total == pytest.approx(24.0, rel=0.30)
-    parts = estimate_memory(cfg, layout, get_gpu("h100-80gb")).worst.parts
+    parts = estimate_memory(cfg, layout, get_gpu("h100-80gb")).worst.at_peak
     allocated = sum(v for k, v in parts.items()
                     if k not in ("CUDA context + NCCL", "allocator fragmentation"))
     assert allocated == pytest.approx(3.76e9, rel=0.15)
@@ -129,7 +131,7 @@ def test_an_offloaded_step_on_this_gpu_is_within_30_percent_of_the_plan():
     print(f"offload step: measured {got['step_s']:.2f} s, planned {cost.total:.2f} s; "
           f"peak allocated {got['peak_memory_gb']:.2f} GB")
     assert got["step_s"] == pytest.approx(cost.total, rel=0.30)
-    parts = estimate_memory(cfg, layout, gpu).worst.parts
+    parts = estimate_memory(cfg, layout, gpu).worst.at_peak
     allocated = sum(v for k, v in parts.items()
                     if k not in ("CUDA context + NCCL", "allocator fragmentation"))
     assert got["peak_memory_gb"] * 1e9 == pytest.approx(allocated, rel=0.30)

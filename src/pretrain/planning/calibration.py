@@ -37,6 +37,19 @@ HOST_GRAD_ADD_NS = 0.71
 # - an eager op, one process (what the trainer runs since the one-device path, cdb9968):
 #   the iso eager loop's 0.278 s / 11,695 = 23.8 us of host time per dispatched op.
 HOST_S_PER_OP = (65536 / 235_619) / 11695
+# - outside the forward/backward region (planning/host.py): a CPU profile of the trainer's
+#   step (`torch.profiler` over Trainer.train_step_local, +recipe=tiny train.compile=true
+#   optim.fused=true, 4 steps; docs/benchmarks.md, "One H200, 2026-11-28") found 182 aten ops
+#   a step outside the compiled region: 68 AccumulateGrad and 68 clipping `.to` (one per
+#   parameter tensor), 11 of clipping's and fused AdamW's own (dispatch.count_ops' `step`),
+#   and the step's bookkeeping, the rest:
+BOOKKEEPING_OPS = 182 - 68 - 68 - 11
+#   and the loop's own Python, which no op count sees: what the H200's graphed default step
+#   (5.9 ms, torch 2.11, 9f55048) leaves after one replay (GRAPH_REPLAY_S, 30 us) and the
+#   182 ops at HOST_S_PER_OP (4.33 ms). A residual of that one measurement, not a CPU fit:
+#   the default recipe's graphed figure reproduces it by construction; the 10M rung's
+#   graphed step (9.8 ms measured) is the check (docs/planning.md).
+HOST_S_LOOP = 5.9e-3 - 30e-6 - 182 * HOST_S_PER_OP
 # - FSDP2's wrapper (multi-process layouts, offload; at dp=1 too at ec9a543): its hooks,
 #   copies and casts per unit (each block and the root) and micro batch: the trainer's
 #   eager step (0.384 s) less the iso eager loop (0.278 s), over 4 x 13 unit calls: 2.0 ms.

@@ -88,6 +88,7 @@ from pretrain.planning.calibration import (
     SOLO_HALF_WIDTH,
 )
 from pretrain.planning.document import attention_work
+from pretrain.planning.host import outside_seconds
 from pretrain.planning.offload import offload_seconds
 from pretrain.planning.params import expert_share, inventory, rank_params
 from pretrain.precision.policy import dtype_bytes
@@ -198,9 +199,10 @@ def host_seconds(cfg: Config, layout: Layout, wrapped: bool | None = None) -> fl
     per the path the trainer takes (parallel/apply.py): one process compiled runs model and
     loss as one graph (its kernels' launches); compiled blocks elsewhere (a call each, the
     rest eager); eager, every op, the chunked loss's loop included; FSDP2's hooks per unit
-    where a wrapper goes on (``wrapped``: the layout's answer unless given); then clipping
-    and the optimizer step. A pipeline rank is charged its blocks and, an upper bound, the
-    embeddings, head and loss too."""
+    where a wrapper goes on (``wrapped``: the layout's answer unless given); then what runs
+    outside that region (planning/host.py: AccumulateGrad, clipping, the optimizer step,
+    the step's bookkeeping and the loop's Python). A pipeline rank is charged its blocks
+    and, an upper bound, the embeddings, head and loss too."""
     from pretrain.planning.dispatch import count_ops, loss_chunks
 
     m = cfg.model
@@ -222,7 +224,7 @@ def host_seconds(cfg: Config, layout: Layout, wrapped: bool | None = None) -> fl
         per_mb = (c.outside + blocks * c.per_block + loss) * HOST_S_PER_OP
     if wrapped:
         per_mb += (blocks + 1) * HOST_S_PER_FSDP_UNIT
-    return layout.microbatches * per_mb + c.step * HOST_S_PER_OP
+    return layout.microbatches * per_mb + outside_seconds(cfg, layout)
 
 
 def _selective_recompute(cfg: Config, block_fwd: float) -> float:

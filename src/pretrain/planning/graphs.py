@@ -26,9 +26,9 @@ from pretrain.budget.compute import Budget
 from pretrain.config.schema import Config
 from pretrain.hardware.gpus import GpuSpec
 from pretrain.parallel.layout import Layout
-from pretrain.planning.calibration import HOST_S_PER_OP
 from pretrain.planning.cost import step_cost
 from pretrain.planning.dispatch import count_ops, loss_chunks
+from pretrain.planning.host import outside_ops, outside_seconds
 
 SETTINGS = ("auto", "true", "false")
 # The host's cost of one graph replay (cudaGraphLaunch) and of copying a micro batch's
@@ -77,8 +77,9 @@ def graph_verdict(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> 
     compiled = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True))
     graphed = step_cost(compiled, layout, gpu, budget)
     return GraphVerdict(
-        region_ops=region, step_ops=mb * region + c.step, host_s=cost.host,
-        device_s=cost.device, graphed_host_s=mb * GRAPH_REPLAY_S + c.step * HOST_S_PER_OP,
+        region_ops=region, step_ops=mb * region + sum(outside_ops(cfg, layout).values()),
+        host_s=cost.host, device_s=cost.device,
+        graphed_host_s=mb * GRAPH_REPLAY_S + outside_seconds(cfg, layout),
         graphed_device_s=graphed.device, host_bound=cost.host_bound)
 
 

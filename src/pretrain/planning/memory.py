@@ -44,8 +44,9 @@ Parts (bytes per GPU, for the pipeline rank that needs the most):
   a 4-byte scale per converted weight is counted (precomputed for fp8 FSDP all-gathers).
 - CUDA context and NCCL: 1 GiB, plus 1 GiB when there is more than one GPU (stated
   allowance: CUDA context and cuBLAS workspaces ~0.5-1 GiB, NCCL channel buffers ~1 GiB).
-- allocator fragmentation: 10% of everything above the fixed allowance (PyTorch's caching
-  allocator reserves more than it allocates; 5-15% is typical).
+- allocator fragmentation: 28% of the phase's allocated bytes (PyTorch's caching allocator
+  reserves more than it allocates; fitted on torchtitan's published reserved memory:
+  ``FRAGMENTATION``).
 """
 
 from __future__ import annotations
@@ -74,11 +75,17 @@ from pretrain.planning.activations import (
 from pretrain.planning.document import mask_bytes
 from pretrain.planning.offload import defers_reduction
 from pretrain.planning.params import StageParams, inventory, rank_params
+from pretrain.planning.phases import Backward, grads_at_backward_start, phase_parts
 from pretrain.precision.policy import dtype_bytes
 
 # PipelineStep (step_strategy.py) calls schedule.step(..., return_outputs=False): no logits kept
 KEEPS_PIPELINE_OUTPUTS = False
-FRAGMENTATION = 0.10
+# The caching allocator's reserve beyond the allocated peak: torchtitan's published peak
+# *reserved* memory (planning/published.py, 10 rows) is 1.11-1.62x the planner's allocated
+# peak by phase (less the CUDA context); 0.28 keeps every row at or under 1.15x and the
+# 8B FSDP 8 row at 0.81 (tests/test_published.py). Fitted, not derived: the reserve grows
+# with the largest transients (the 128k-vocabulary loss), which a share does not see.
+FRAGMENTATION = 0.28
 
 PARTS = (
     "parameters", "gradients", "optimizer state", "optimizer step transient",
@@ -94,13 +101,28 @@ OFFLOADED = ("parameters", "gradients", "optimizer state", "optimizer step trans
 
 @dataclass
 class RankMemory:
+    """``parts``: what each part holds at its own largest; ``phases``: what each phase of
+    the step holds (planning/phases.py), the allowances (CUDA context, fragmentation of
+    that phase) included; the total is the largest phase's."""
+
     pp_rank: int
     parts: dict[str, float]
     host: dict[str, float] = field(default_factory=dict)  # offloaded, per GPU
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    grads_held: bool = False  # the gradients exist at a backward's start
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda k: sum(self.phases[k].values()))
+
+    @property
+    def at_peak(self) -> dict[str, float]:
+        """The parts held at the step's peak (the largest phase)."""
+        return self.phases[self.peak_phase] if self.phases else self.parts
 
     @property
     def total(self) -> float:
-        return sum(self.parts.values())
+        return sum(self.at_peak.values())
 
     @property
     def activation_peak(self) -> float:
@@ -156,8 +178,9 @@ def activation_setup(cfg: Config, layout: Layout, device: str = "cuda") -> Activ
 
 
 def _activations(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: int
-                 ) -> tuple[float, float, float]:
-    """(saved in flight, head + loss saved, transient peak) for one pipeline rank."""
+                 ) -> tuple[float, float, float, float]:
+    """(saved in flight, head + loss saved, the loss backward's transient, a block
+    backward's transient) for one pipeline rank."""
     m = cfg.model
     ac, every = layout.activation_checkpointing, cfg.parallel.ac_every_n_layers
     stages = stage_indices(layout, pp_rank)
@@ -183,7 +206,7 @@ def _activations(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: int
                                             if ac == "selective" and every == 0 else 0)
     elif a.sequence_parallel:  # none keeps shards: the rest of one block made again
         work += sum(everything.values()) - layer_bytes(m, a, "none")
-    return saved, head, max(loss_transient, work)
+    return saved, head, loss_transient, work
 
 
 def _pipeline_buffers(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: int) -> float:
@@ -209,25 +232,25 @@ def _pipeline_buffers(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: 
 
 
 def _weights_and_grad_buffers(cfg: Config, layout: Layout, sp: StageParams
-                              ) -> tuple[float, float]:
+                              ) -> tuple[float, float, float]:
     prec = cfg.precision
     e, reduce_b = dtype_bytes(prec.compute_dtype), dtype_bytes(prec.reduce_dtype)
     biggest_block = max(sp.blocks, default=0)
     mixed = prec.compute_dtype != prec.param_dtype
     if autocasts(layout, mixed):  # autocast's cache: each weight's cast, for the whole step
-        return e * sp.local, 0.0
+        return e * sp.local, 0.0, 0.0
     if not needs_wrapper(layout, mixed):
-        return 0.0, 0.0  # no DP wrapper: no copies, gradients straight into .grad
+        return 0.0, 0.0, 0.0  # no DP wrapper: no copies, gradients straight into .grad
     if layout.dp_spec.reshard_after_forward and layout.pp == 1:
         weights = e * (sp.root + 2 * biggest_block)
     else:
         weights = e * sp.unsharded
     accumulate = defers_reduction(layout)  # else each backward reduces (dp=1 too)
-    if accumulate:
-        buffers = reduce_b * sp.unsharded + e * max(biggest_block, sp.root)
-    else:
-        buffers = (e + reduce_b) * max(sp.root, 2 * biggest_block)
-    return weights, buffers
+    if accumulate:  # FSDP2's unsharded accumulators, and one block's gradient being made
+        accumulators = reduce_b * sp.unsharded
+        return weights, accumulators + e * max(biggest_block, sp.root), accumulators
+    # one group's gradient reduced while the next block's is made (measured: --simulate)
+    return weights, (e + reduce_b) * max(sp.root, biggest_block) + e * biggest_block, 0.0
 
 
 def optimizer_state_bytes(name: str, sp: StageParams, pb: int) -> int:
@@ -268,8 +291,8 @@ def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda")
         # (a DP wrapper reduce-scatters it into its shard)
         pos = cfg.model.seq_len * cfg.model.d_model
         grads += pb * (pos - pos // layout.tp)
-    weights, buffers = _weights_and_grad_buffers(cfg, layout, sp)
-    saved, head, transient = _activations(cfg, layout, a, pp_rank)
+    weights, buffers, accumulators = _weights_and_grad_buffers(cfg, layout, sp)
+    saved, head, loss_transient, work = _activations(cfg, layout, a, pp_rank)
     parts = {
         "parameters": pb * sp.local,
         "gradients": grads,
@@ -279,15 +302,30 @@ def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda")
         "gradient buffers": buffers,
         "activations": saved,
         "logits and loss": head,
-        "backward transient": transient,
+        "backward transient": max(loss_transient, work),
         "pipeline buffers": _pipeline_buffers(cfg, layout, a, pp_rank),
         "fp8 scaling state": 4.0 * sp.n_linear if prec.fp8 else 0.0,
     }
     host = {k: parts.pop(k) for k in OFFLOADED} if layout.offload == "params" else {}
+    held = grads_at_backward_start(_earlier_micro_batches(layout, cfg), accumulators > 0)
+    # ZeRO-3 reshards every group after forward, the root too (measured: --simulate): the
+    # loss's backward runs before the head's weights are gathered again
+    resharded = layout.dp_spec.reshard_after_forward and layout.pp == 1 and wrapped
+    phases = phase_parts(parts, Backward(accumulators, held, loss_transient, work,
+                                         0.0 if resharded else weights))
     if device == "cuda":
-        parts["allocator fragmentation"] = FRAGMENTATION * sum(parts.values())
-        parts["CUDA context + NCCL"] = (1 + (layout.world_size > 1)) * GIB
-    return RankMemory(pp_rank, parts, host)
+        for held in (parts, *phases.values()):
+            held["allocator fragmentation"] = FRAGMENTATION * sum(held.values())
+            held["CUDA context + NCCL"] = (1 + (layout.world_size > 1)) * GIB
+    return RankMemory(pp_rank, parts, host, phases, held)
+
+
+def _earlier_micro_batches(layout: Layout, cfg: Config) -> bool:
+    """Whether a backward can start with an earlier micro batch's (or step's) gradients
+    held: accumulation, a pipeline, or CUDA graphs (train_module.keep_grads)."""
+    graphs = str(cfg.train.cuda_graphs).lower() in ("true", "auto") and layout.one_device
+    return layout.microbatches > 1 or layout.pp > 1 or graphs
+
 
 
 def estimate_memory(cfg: Config, layout: Layout, gpu: GpuSpec | None = None,

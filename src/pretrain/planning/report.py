@@ -145,8 +145,9 @@ def build_plan(cfg: Config, n_gpus: int, gpu: GpuSpec, run_plan: dict,
         **run_plan,
         "gpu": gpu.name, "gpus": n_gpus, "gpu_memory_gib": gpu.memory_gib,
         "layout_text": layout.describe(),
-        "memory_gib": {k: _gib(worst.parts.get(k, 0.0)) for k in PARTS},
+        "memory_gib": {k: _gib(worst.at_peak.get(k, 0.0)) for k in PARTS},
         "memory_total_gib": _gib(worst.total), "fullest_pp_rank": worst.pp_rank,
+        "memory_peak_phase": worst.peak_phase,
         **_offload_facts(cfg, layout, gpu, worst.host),
         "checkpoint_gib": _gib(checkpoint_bytes(cfg)),
         "fits": mem.fits,
@@ -212,7 +213,8 @@ def format_plan(p: dict) -> str:
         lines.append(describe(p["hparam_rules"]))
     if p.get("lr_warning"):
         lines.append(f"warning: {p['lr_warning']}")
-    lines.append(f"memory per GPU (pipeline rank {p['fullest_pp_rank']}, the fullest):")
+    lines.append(f"memory per GPU (pipeline rank {p['fullest_pp_rank']}, the fullest, at its "
+                 f"peak: {p['memory_peak_phase']}):")
     for k, v in p["memory_gib"].items():
         if v:
             lines.append(f"  {k:<28} {v:10.2f} GiB")

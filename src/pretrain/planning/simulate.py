@@ -34,11 +34,15 @@ from pretrain.model.initialization import local_region
 from pretrain.model.loss import cross_entropy
 from pretrain.optim.specs import build_optimizer
 from pretrain.parallel.apply import ParallelModel, materialize, parallelize_gpt
+from pretrain.parallel.data_parallel import autocasts
 from pretrain.parallel.layout import Layout, resolve_layout
 from pretrain.parallel.mesh import build_mesh
 from pretrain.parallel.tensor_parallel import loss_context
+from pretrain.planning.activations import inflight_chunks
 from pretrain.planning.memory import rank_memory
+from pretrain.planning.offload import defers_reduction
 from pretrain.planning.params import rank_params
+from pretrain.planning.phases import by_kind
 from pretrain.precision.policy import Policy, dtype_bytes, resolve_policy
 
 log = logging.getLogger("pretrain.simulate")
@@ -113,20 +117,81 @@ def _stage_input(part: GPT, cfg: Config, layout: Layout, policy: Policy) -> torc
     return torch.randn(b, s, cfg.model.d_model, dtype=dtype, requires_grad=True)
 
 
+def _forward(part: GPT, x: torch.Tensor, cfg: Config, layout: Layout) -> torch.Tensor:
+    """One micro batch through one stage: the real loss on the last stage, a sum of the
+    output (standing in for the next stage's gradient) elsewhere."""
+    out = part(x)
+    if part.lm_head is not None:
+        targets = torch.randint(0, cfg.model.vocab_size,
+                                (layout.micro_batch_size, cfg.model.seq_len))
+        return cross_entropy(out, targets)
+    local = out.to_local() if isinstance(out, DTensor) else out
+    return local.float().sum()
+
+
 def _forward_backward(part: GPT, x: torch.Tensor, cfg: Config, layout: Layout,
                       policy: Policy) -> None:
-    """One micro batch through one stage and back: the real loss on the last stage, a sum
-    of the output (standing in for the next stage's gradient) elsewhere."""
+    """One micro batch through one stage and back."""
     with loss_context(layout.tp):
-        out = part(x)
-        if part.lm_head is not None:
-            targets = torch.randint(0, cfg.model.vocab_size,
-                                    (layout.micro_batch_size, cfg.model.seq_len))
-            loss = cross_entropy(out, targets)
-        else:
-            local = out.to_local() if isinstance(out, DTensor) else out
-            loss = local.float().sum()
-        loss.backward()
+        _forward(part, x, cfg, layout).backward()
+
+
+def _forget(tracker, part: torch.nn.Module) -> None:
+    """MemTracker refuses a module's second forward ("multiple iterative calls"): its
+    per-module statistics (not the device totals measured here) are dropped first."""
+    for module in part.modules():
+        tracker.memory_tracking.pop(module, None)
+
+
+def _measured_micro_batches(pm: ParallelModel, inputs: list[list[torch.Tensor]], cfg: Config,
+                            layout: Layout, policy: Policy, tracker, unreduced: bool) -> None:
+    """Under the tracker: the accumulators' micro batch first when ``unreduced``, then the
+    rank's micro batches in flight (a pipeline) or one through each stage."""
+    for part in pm.parts if unreduced else ():
+        _forget(tracker, part)
+        _forward_backward(part, _stage_input(part, cfg, layout, policy), cfg, layout, policy)
+    if layout.pp > 1:
+        _in_flight(pm, inputs, cfg, layout, tracker)
+        return
+    for part, x in zip(pm.parts, inputs[0], strict=True):
+        _forget(tracker, part)
+        _forward_backward(part, x, cfg, layout, policy)
+
+
+def _in_flight(pm: ParallelModel, inputs: list[list[torch.Tensor]], cfg: Config,
+               layout: Layout, tracker) -> None:
+    """The rank's micro batches in flight at its peak (``inputs[i]``: the i-th one's input
+    to each of the rank's stages): every forward first, spread over the stages as the
+    schedule's steady state holds them, then their backwards."""
+    losses = []
+    with loss_context(layout.tp):
+        for i, xs in enumerate(inputs):
+            _forget(tracker, pm.parts[i % len(pm.parts)])
+            losses.append(_forward(pm.parts[i % len(pm.parts)], xs[i % len(pm.parts)], cfg,
+                                   layout))
+        for loss in losses:
+            loss.backward()
+
+
+def _earlier_gradients(pm: ParallelModel, cfg: Config, layout: Layout,
+                       params: list[torch.nn.Parameter]) -> bool:
+    """Gradients an earlier micro batch (or step) left, before the measured one: the
+    sharded gradients accumulated into (accumulation, a pipeline without a DP wrapper, CUDA
+    graphs: made here, untracked), or, where they accumulate unreduced in FSDP2's
+    unsharded accumulators (DDP/ZeRO-2 no-sync, a pipeline, which also keeps the weights
+    gathered until the last micro batch), True: the caller runs that micro batch, tracked
+    (its accumulators are tensors only a backward makes)."""
+    wrapped = [p for p in pm.parts if hasattr(p, "set_requires_gradient_sync")]
+    if wrapped and defers_reduction(layout):
+        for part in wrapped:
+            part.set_requires_gradient_sync(False)
+            if layout.pp > 1:
+                part.set_reshard_after_backward(False)
+        return True
+    if layout.microbatches > 1 or layout.pp > 1 or str(cfg.train.cuda_graphs).lower() == "true":
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    return False
 
 
 def _bytes(snapshot: dict) -> int:
@@ -212,7 +277,8 @@ def _warm_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter
     optimizer.zero_grad(set_to_none=True)
 
 
-def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str) -> dict:
+def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str,
+              pp_rank: int = 0) -> dict:
     """One training step of this rank on a fake copy of its model (nothing allocated), as
     a step after the first holds it: the optimizer's state exists before the step begins.
     Measured apart, with torch's MemTracker: the peak of one micro batch's forward and
@@ -220,8 +286,8 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str)
     after the first: the gradients it accumulates into exist), and the peak of the
     optimizer step that follows (whose excess over what the step starts with is its
     transient: Muon's gathered matrices and Newton-Schulz's working set). A pipeline keeps
-    several micro batches in flight; this measures one (the planner's ``inflight_chunks``
-    multiplies by the schedule's count)."""
+    several micro batches in flight: this rank's count at its peak (``inflight_chunks``)
+    run forward, then backward (no p2p: each stage's input is made here)."""
     FakeTensorMode = torch_compat.private("FakeTensorMode")  # noqa: N806 (a class)
     MemTracker = torch_compat.private("MemTracker")  # noqa: N806
 
@@ -234,16 +300,15 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str)
         params = pm.parameters()
         init_optimizer_state(optimizer, params, measure=False)
         _warm_step(optimizer, params)
-        if layout.microbatches > 1:  # a later micro batch of the step: the earlier ones'
-            for p in params:  # gradients are held (accumulated into) through its backward
-                p.grad = torch.zeros_like(p)
-        inputs = [_stage_input(p, cfg, layout, policy) for p in pm.parts]
+        unreduced = _earlier_gradients(pm, cfg, layout, params)
+        k = inflight_chunks(layout.pp_schedule, layout.pp, layout.virtual_stages,
+                            layout.microbatches, pp_rank)
+        inputs = [[_stage_input(p, cfg, layout, policy) for p in pm.parts] for _ in range(k)]
         tracker = MemTracker()
-        tracker.track_external(*pm.parts, optimizer, *inputs)
+        tracker.track_external(*pm.parts, optimizer, *(x for xs in inputs for x in xs))
         # one process: autocast, as the trainer's step (a no-op otherwise)
         with untracked_sharding_propagation(), tracker, pm.autocast():
-            for part, x in zip(pm.parts, inputs, strict=True):
-                _forward_backward(part, x, cfg, layout, policy)
+            _measured_micro_batches(pm, inputs, cfg, layout, policy, tracker, unreduced)
         step_peak = tracker.get_tracker_snapshot("peak")
         before = _bytes(tracker.get_tracker_snapshot("current"))
         # entered again, its peak starts from what the step starts with
@@ -256,28 +321,31 @@ def fake_step(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str)
             "optimizer_step_transient_bytes": opt_peak - before}
 
 
-# What a step holds when its optimizer steps (activations and FSDP's unsharded copies gone)
-AT_OPTIMIZER_STEP = ("parameters", "gradients", "optimizer state", "optimizer step transient")
-
-
 def predicted(cfg: Config, layout: Layout, pp_rank: int, tp_rank: int) -> dict:
-    """The planner's numbers for this rank (CPU: no CUDA context, no fragmentation). Its
-    total adds the optimizer step's transient to the forward/backward peak, though the two
-    never coincide (the activations are freed when the optimizer steps): the forward and
-    backward peak is the total less that transient, the optimizer step's peak the parts
-    ``AT_OPTIMIZER_STEP``."""
+    """The planner's numbers for this rank (CPU: no CUDA context, no fragmentation): each
+    phase of the step (planning/phases.py); the forward/backward peak is the largest of
+    the backward's phases, the optimizer step's peak its own phase."""
     sp = rank_params(cfg.model, layout, pp_rank, tp_rank)
     pb = dtype_bytes(cfg.precision.param_dtype)
-    parts = rank_memory(cfg, layout, pp_rank, device="cpu").parts
-    transient = parts.get("optimizer step transient", 0)
+    rm = rank_memory(cfg, layout, pp_rank, device="cpu")
+    parts, phases = rm.parts, rm.phases
+    auto = autocasts(layout, cfg.precision.compute_dtype != cfg.precision.param_dtype)
+    step_phase = max((k for k in phases if k != "optimizer step"),
+                     key=lambda k: sum(phases[k].values()))
     return {
         "local_param_bytes": pb * sp.local,
         "local_grad_bytes": parts.get("gradients", 0),
         "local_optimizer_bytes": parts.get("optimizer state", 0),
         "memory_by_part": {k: int(v) for k, v in parts.items()},
-        "step_peak_bytes": int(sum(parts.values()) - transient),
-        "optimizer_step_peak_bytes": int(sum(parts.get(k, 0) for k in AT_OPTIMIZER_STEP)),
-        "optimizer_step_transient_bytes": int(transient),
+        "step_peak_phase": step_phase,
+        "step_peak_by_part": {k: int(v) for k, v in phases[step_phase].items()},
+        "step_peak_by_kind": {k: int(v) for k, v in by_kind(phases[step_phase], auto).items()},
+        # parallel.offload=params: on the host, where this CPU's simulation holds them too
+        "host_by_kind": {k: int(v) for k, v in by_kind(
+            {k: v for k, v in rm.host.items() if k != "gradients" or rm.grads_held}).items()},
+        "step_peak_bytes": int(sum(phases[step_phase].values())),
+        "optimizer_step_peak_bytes": int(sum(phases["optimizer step"].values())),
+        "optimizer_step_transient_bytes": int(parts.get("optimizer step transient", 0)),
     }
 
 
@@ -303,8 +371,27 @@ def cpu_stand_in(cfg: Config) -> Config:
                    parallel=replace(cfg.parallel, async_tp=False))
 
 
-def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict:
-    """Start rank ``rank`` of a ``world_size``-process run of ``cfg`` in this process."""
+def _initialise(cfg: Config, layout: Layout, mesh, policy: Policy, attention: str) -> dict:
+    """This rank's real shards and optimizer state, initialised and measured."""
+    pm = _build(cfg, layout, mesh, policy, attention)
+    t0 = time.perf_counter()
+    materialize(pm, torch.device("cpu"), cfg.train.seed)
+    init_seconds = time.perf_counter() - t0
+    params = pm.parameters()
+    optimizer = _build_optimizer(pm, cfg, cfg.optim.lr)
+    t0 = time.perf_counter()
+    grad_bytes = init_optimizer_state(optimizer, params)
+    return {"stages": pm.stage_ids, "local_param_bytes": _storage_bytes(params),
+            "local_grad_bytes": grad_bytes,
+            "local_optimizer_bytes": optimizer_bytes(optimizer),
+            "init_seconds": round(init_seconds, 3),
+            "optimizer_init_seconds": round(time.perf_counter() - t0, 3)}
+
+
+def simulate(cfg: Config, world_size: int, rank: int, step: bool = True,
+             initialise: bool = True) -> dict:
+    """Start rank ``rank`` of a ``world_size``-process run of ``cfg`` in this process
+    (``initialise=False``: the fake step alone, no real shards or optimizer state)."""
     from pretrain.model.attention import resolve_backend
 
     if not 0 <= rank < world_size:
@@ -326,32 +413,20 @@ def simulate(cfg: Config, world_size: int, rank: int, step: bool = True) -> dict
     try:
         mesh = build_mesh(layout, device)
         coord = dict(zip(mesh.root.mesh_dim_names, mesh.root.get_coordinate(), strict=True))
-        pm = _build(cfg, layout, mesh, policy, attention)
-        t0 = time.perf_counter()
-        materialize(pm, device, cfg.train.seed)
-        init_seconds = time.perf_counter() - t0
-        params = pm.parameters()
-        optimizer = _build_optimizer(pm, cfg, cfg.optim.lr)
-        t0 = time.perf_counter()
-        grad_bytes = init_optimizer_state(optimizer, params)
         result = {
             "world_size": world_size, "rank": rank, "coordinate": coord,
-            "layout": layout.describe(), "stages": pm.stage_ids,
-            "precision": cfg.precision.name, "attention": attention,
-            "local_param_bytes": _storage_bytes(params),
-            "local_grad_bytes": grad_bytes,
-            "local_optimizer_bytes": optimizer_bytes(optimizer),
-            "init_seconds": round(init_seconds, 3),
-            "optimizer_init_seconds": round(time.perf_counter() - t0, 3),
+            "layout": layout.describe(), "precision": cfg.precision.name,
+            "attention": attention,
             "predicted": predicted(cfg, layout, coord["pp"], coord["tp"]),
         }
+        if initialise:
+            result.update(_initialise(cfg, layout, mesh, policy, attention))
         if attention_asked == "flash":
             result["attention_note"] = "flash is a GPU kernel: simulated with sdpa"
         if compiled:
             result["compile_note"] = "blocks run eager here (train.compile=true on the GPU)"
-        del optimizer, params, pm
         if step:
-            result.update(fake_step(cfg, layout, mesh, policy, attention))
+            result.update(fake_step(cfg, layout, mesh, policy, attention, coord["pp"]))
             result["measured_over_planner"] = compare(result)
     finally:
         dist.destroy_process_group()

@@ -5,6 +5,7 @@
     python tools/plan.py +recipe=gpt3-6.7b parallel=auto --gpus 256 --gpu a100-80gb --json
     python tools/plan.py +recipe=tiny --gpu-file my_gpus/        # extra GPU types (YAML)
     python tools/plan.py +recipe=gpt3-175b --simulate --rank 1023  # start one rank for real
+    python tools/plan.py --check-matrix        # planned vs simulated peak on 19 layouts
 
 ``--simulate`` starts rank R of the run on this CPU, on a fake process group of the run's
 world size: the real mesh, parallelisation, initial weights of that rank's shards and
@@ -55,6 +56,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--published", action="store_true",
                     help="the planner against published runs (torchtitan, Megatron-LM): a "
                          "markdown table of tokens/s and memory, published and predicted")
+    ap.add_argument("--check-matrix", nargs="?", const="all", choices=("all", "fast"),
+                    help="the planner's peak memory against --simulate on a matrix of "
+                         "layouts (planning/matrix.py): a markdown table; 'fast': a few rows")
     ap.add_argument("--no-step", dest="step", action="store_false",
                     help="--simulate without the fake-tensor forward/backward")
     return ap.parse_known_args(argv)
@@ -75,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(markdown([compare(run) for run in RUNS]))
         return FITS
+    if args.check_matrix:
+        return run_matrix(args.check_matrix == "fast")
     if args.mfu is not None and not 0 < args.mfu <= 1:
         return fail(f"--mfu={args.mfu} must be in (0, 1], e.g. 0.4")
     try:
@@ -112,6 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     if "cuda_graphs" in plan and not args.json:
         print(plan["cuda_graphs"])
     return FITS if plan["fits"] else DOES_NOT_FIT
+
+
+def run_matrix(fast_only: bool) -> int:
+    """Every row of planning/matrix.py simulated and planned; exit 1 if one is off."""
+    from pretrain.planning.matrix import check_matrix
+
+    results, table = check_matrix(fast_only, progress=lambda r: print(json.dumps(r),
+                                                                      flush=True))
+    print(table)
+    return FITS if all(r["ok"] for r in results) else DOES_NOT_FIT
 
 
 def run_simulation(cfg, world_size: int, rank: int, step: bool, plan: dict) -> int:

@@ -1,0 +1,42 @@
+"""The host's work in a step outside the forward/backward region: what a CUDA graph of that
+region (``train.cuda_graphs``) cannot remove, and what an eager or compiled step dispatches
+besides its model and loss.
+
+Counted per step (a CPU profile of the trainer's step, ``torch.profiler`` over
+``Trainer.train_step_local``, ``+recipe=tiny train.compile=true optim.fused=true``: 182 aten
+ops outside the compiled region, docs/benchmarks.md):
+
+- ``AccumulateGrad``: autograd's node that puts each parameter's gradient into ``.grad``, one
+  per parameter tensor and micro batch (68 a micro batch for the 4-layer tiny model);
+- clipping's per-tensor ``.to``: ``clip_grad_norm_`` moves each gradient's norm to one device
+  (a no-op on one device, dispatched all the same);
+- clipping's and the optimizer's own ops (``dispatch.count_ops``' ``step``: the foreach norms,
+  fused AdamW);
+- the step's bookkeeping (``BOOKKEEPING_OPS``: the loss's sum, the non-finite check, the
+  schedule's update);
+
+each at the host's cost of a dispatched op (``calibration.HOST_S_PER_OP``), and then the
+loop's own Python around them (``calibration.HOST_S_LOOP``), which no op count sees.
+"""
+
+from __future__ import annotations
+
+from pretrain.config.schema import Config
+from pretrain.parallel.layout import Layout
+from pretrain.planning.calibration import BOOKKEEPING_OPS, HOST_S_LOOP, HOST_S_PER_OP
+from pretrain.planning.dispatch import count_ops
+from pretrain.planning.params import rank_params
+
+
+def outside_ops(cfg: Config, layout: Layout) -> dict[str, int]:
+    """aten ops (and autograd nodes) a step dispatches outside the forward/backward region
+    of this rank, by kind."""
+    tensors = len(rank_params(cfg.model, layout).held)
+    return {"AccumulateGrad": layout.microbatches * tensors, "clipping's .to": tensors,
+            "clipping and the optimizer": count_ops(cfg.model).step,
+            "bookkeeping": BOOKKEEPING_OPS}
+
+
+def outside_seconds(cfg: Config, layout: Layout) -> float:
+    """The host's time for ``outside_ops`` and the loop's Python, per step."""
+    return sum(outside_ops(cfg, layout).values()) * HOST_S_PER_OP + HOST_S_LOOP

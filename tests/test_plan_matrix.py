@@ -1,0 +1,52 @@
+"""The planner's memory at the step's peak, by phase (planning/phases.py), against the
+simulation (``tools/plan.py --check-matrix``; the whole matrix is documented in
+docs/planning.md): a few fast rows here, and the phase rules the planner's users share."""
+
+from __future__ import annotations
+
+import pytest
+
+from pretrain.config.compose import compose_config
+from pretrain.parallel.layout import resolve_layout
+from pretrain.planning import matrix
+from pretrain.planning.memory import rank_memory
+from pretrain.planning.phases import KINDS, by_kind
+from pretrain.planning.simulate import predicted
+
+
+@pytest.mark.parametrize("row", [r for r in matrix.ROWS if r.fast], ids=lambda r: r.name)
+def test_a_fast_row_of_the_matrix_is_within_five_percent(row):
+    """Planned / simulated peak in [0.95, 1.05], the kinds side by side within 5% of it."""
+    result = matrix.run_row(row)
+    assert result["ok"], matrix.markdown([result])
+    assert set(result["measured_by_kind"]) == set(KINDS)
+
+
+def _zero3(gbs: int):
+    cfg = compose_config(["+recipe=gpt3-1.3b", "precision=bf16", "parallel=zero3",
+                          "parallel.dp=8", "parallel.micro_batch_size=2",
+                          f"train.global_batch_size={gbs}", "train.compile=false"])
+    return cfg, resolve_layout(cfg, 8)
+
+
+def test_one_micro_batch_peaks_before_any_gradient_exists_accumulation_after():
+    """The issue's 1.3B zero3 rank: with one micro batch (set_to_none) no gradient and no
+    gradient buffer is at the peak; with two, the first's sharded gradients are."""
+    one = rank_memory(*_zero3(16), 0, device="cpu")
+    assert one.at_peak["gradients"] == 0 and one.at_peak["gradient buffers"] == 0
+    assert one.total < sum(one.parts.values())  # not every part's own peak added
+    two = rank_memory(*_zero3(32), 0, device="cpu")
+    assert two.at_peak["gradients"] == two.parts["gradients"] > 0
+
+
+def test_the_plan_the_simulation_and_the_kinds_read_the_same_phases():
+    """One rule, three users: the plan's total is the largest phase, the simulation's
+    prediction is the largest backward phase, its kinds sum to it."""
+    cfg, layout = _zero3(16)
+    rm = rank_memory(cfg, layout, 0, device="cpu")
+    pred = predicted(cfg, layout, 0, 0)
+    assert pred["step_peak_bytes"] == int(sum(rm.phases[pred["step_peak_phase"]].values()))
+    assert rm.peak_phase == pred["step_peak_phase"]
+    assert sum(pred["step_peak_by_kind"].values()) == pytest.approx(
+        pred["step_peak_bytes"], abs=8)
+    assert by_kind(rm.at_peak) == pytest.approx(pred["step_peak_by_kind"], abs=8)
