@@ -316,9 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the top rungs' mean |error| a supported backtest allows "
                          f"({TOLERANCE:g})")
     add_bounds(ap)
+    from pretrain.tools.fit_optimal import add_arguments as add_optimal
     from pretrain.tools.fit_policy import add_arguments
 
     add_arguments(ap)
+    add_optimal(ap)
     return ap
 
 
@@ -374,6 +376,10 @@ def fit_and_report(points: list[RunPoint], heldout: list[RunPoint], target: floa
     report_target_data(points, target, chinchilla, fit)
     report_extrapolation(points, target, {"L(C)": compute, "L(N, D)": chinchilla}, fit, args)
     report_isoflop(points, fit)
+    if args.predict_optimal:
+        from pretrain.tools.fit_optimal import report_optimal
+
+        report_optimal(points, heldout, args.predict_optimal, fit, resamples, spread)
     if args.diagnose:
         report_diagnosis(points, chinchilla, args.count, fit,
                          lambda count: collect_points(args, count, quiet=True))
