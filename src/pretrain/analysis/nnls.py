@@ -18,6 +18,16 @@ import itertools
 import numpy as np
 
 
+def _eliminate(m: list, v: list, p: int) -> None:
+    """Zero column ``p`` below the diagonal (rows of G systems at once), in place."""
+    k = len(v)
+    for r in range(p + 1, k):
+        f = m[r][p] / m[p][p]
+        for j in range(p, k):
+            m[r][j] = m[r][j] - f * m[p][j]
+        v[r] = v[r] - f * v[p]
+
+
 def solve_small(m: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Solve m x = v for G systems of k <= 3 unknowns (m: k x k x G, v: k x G) by Gaussian
     elimination without pivoting (m is a Gram matrix: symmetric, positive where the columns
@@ -25,14 +35,10 @@ def solve_small(m: np.ndarray, v: np.ndarray) -> np.ndarray:
     k = len(v)
     m = [[m[i][j].copy() for j in range(k)] for i in range(k)]
     v = [v[i].copy() for i in range(k)]
+    x = [np.zeros_like(v[0]) for _ in range(k)]
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         for p in range(k):
-            for r in range(p + 1, k):
-                f = m[r][p] / m[p][p]
-                for j in range(p, k):
-                    m[r][j] = m[r][j] - f * m[p][j]
-                v[r] = v[r] - f * v[p]
-        x = [np.zeros_like(v[0]) for _ in range(k)]
+            _eliminate(m, v, p)
         for p in reversed(range(k)):
             acc = v[p]
             for j in range(p + 1, k):
