@@ -63,8 +63,8 @@ def best_subset_fit(cols: list[np.ndarray], y: np.ndarray) -> tuple[np.ndarray, 
             gram = [[np.sum(scaled[i] * scaled[j], axis=-1) for j in active] for i in active]
             rhs = np.array([np.sum(scaled[i] * ones, axis=-1) for i in active])
             x = solve_small(np.array(gram), rhs)
-            resid = sum(x[a][:, None] * scaled[i] for a, i in enumerate(active)) - 1.0
-            with np.errstate(invalid="ignore"):
+            with np.errstate(invalid="ignore", over="ignore"):
+                resid = sum(x[a][:, None] * scaled[i] for a, i in enumerate(active)) - 1.0
                 f = np.sum(resid * resid, axis=-1)
                 ok = np.all(np.isfinite(x), axis=0) & np.all(x >= 0, axis=0) & np.isfinite(f)
             better = ok & (f < best_f)
