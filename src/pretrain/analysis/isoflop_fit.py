@@ -21,15 +21,18 @@ from pretrain.analysis.runs import RunPoint
 from pretrain.analysis.scaling import isoflop_groups
 
 MIN_SIZES = 3
+BASIN = 2    # sizes each side of a budget's best run that its parabola goes through
 
 
 @dataclass(frozen=True)
 class Budget:
-    """One budget of a sweep: its FLOPs, its runs (by size), the best of them, and the
-    parabola's vertex (N*, L*), or why there is none."""
+    """One budget of a sweep: its FLOPs, its runs (by size), the best of them, its basin (the
+    best and up to ``BASIN`` sizes each side), and the parabola's vertex (N*, L*) through
+    the basin, or why there is none."""
 
     flops: float
     runs: tuple[RunPoint, ...]
+    basin: tuple[RunPoint, ...] = ()
     n_opt: float = math.nan
     loss: float = math.nan
     problem: str | None = None
@@ -81,17 +84,33 @@ def parabola_minimum(group: Sequence[RunPoint]) -> tuple[float, float] | str:
     return math.exp(xm + xv), k0 - k1 * k1 / (4 * k2)
 
 
+def basin(group: Sequence[RunPoint], width: int = BASIN) -> list[RunPoint]:
+    """The best run of a budget (at each size, its lowest loss) and up to ``width`` sizes on
+    each side: the valley a parabola describes. The far wings (a tenth of a token per
+    parameter, a thousand) rise steeply and would pull a parabola through every run off the
+    valley: on Porian et al.'s tuned grid its vertex lands 3.6% below every run."""
+    by_size: dict[float, RunPoint] = {}
+    for p in group:
+        if p.n_params not in by_size or p.loss < by_size[p.n_params].loss:
+            by_size[p.n_params] = p
+    sizes = sorted(by_size)
+    i = min(range(len(sizes)), key=lambda k: by_size[sizes[k]].loss)
+    return [by_size[n] for n in sizes[max(i - width, 0):i + width + 1]]
+
+
 def budgets(points: Sequence[RunPoint]) -> list[Budget]:
-    """Every budget of at least 3 runs, with its vertex or the reason it has none."""
+    """Every budget of at least 3 runs, with its basin and vertex or the reason it has
+    none."""
     out = []
     for g in groups(points):
         if len(g) < MIN_SIZES:
             continue
-        found = parabola_minimum(g)
+        valley = tuple(basin(g))
+        found = parabola_minimum(valley)
         if isinstance(found, str):
-            out.append(Budget(nominal(g), tuple(g), problem=found))
+            out.append(Budget(nominal(g), tuple(g), valley, problem=found))
         else:
-            out.append(Budget(nominal(g), tuple(g), found[0], found[1]))
+            out.append(Budget(nominal(g), tuple(g), valley, found[0], found[1]))
     return out
 
 

@@ -44,7 +44,7 @@ from pretrain.analysis.policy import (
 from pretrain.analysis.runs import RunPoint
 
 APPROACHES = ("2", "3")
-MIN_BUDGETS = 3
+MIN_BUDGETS = 4    # the frontier's 3 constants and one budget to spare
 MAX_CUT_STEPS = 12   # 2^(12/2) = 64, as the fit policy's
 
 
