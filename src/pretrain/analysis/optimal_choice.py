@@ -111,12 +111,16 @@ def _iso_cuts(points: Sequence[RunPoint], approaches: Sequence[str]) -> list[Cut
     found = budgets(points)
     top = max(b.flops for b in found)
     targets = [b for b in usable(found) if b.flops >= top / TOP_SPAN]
-    cuts = []
+    cuts, seen = [], set()
     for j in range(1, len(gs)):
         below = [p for g in gs[:j] for p in g]
-        if len(usable(budgets(below))) < MIN_BUDGETS:
+        ok = usable(budgets(below))
+        # one cut per distinct set of vertices, none more than 64x below the top
+        if len(ok) < MIN_BUDGETS or len(ok) in seen or top / ok[-1].flops > 2 ** (
+                MAX_CUT_STEPS / 2):
             continue
-        cut = Cut(max(b.flops for b in budgets(below)))
+        seen.add(len(ok))
+        cut = Cut(ok[-1].flops)
         above = [b for b in targets if b.flops > cut.flops * (1 + 1e-9)]
         if not above:
             continue
