@@ -231,6 +231,8 @@ class Optimum:
     approach: str
     score: float
     measured: RunPoint | None = None
+    # every approach's (loss, N, D) here, the one not chosen included: how far they differ
+    by_approach: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
     @property
     def error(self) -> float | None:
@@ -255,7 +257,9 @@ class Optimum:
                 "measured": None if m is None else {"name": m.name, "loss": m.loss,
                                                     "n_params": m.n_params,
                                                     "tokens": m.tokens},
-                "error": self.error, "covered": self.covered}
+                "error": self.error, "covered": self.covered,
+                "by_approach": {k: dict(zip(("loss", "n_params", "tokens"), v, strict=True))
+                                for k, v in self.by_approach.items()}}
 
 
 def resample(points: Sequence[RunPoint], rng: np.random.Generator) -> list[RunPoint]:
@@ -317,5 +321,7 @@ def predict_optimal(points: Sequence[RunPoint], at: Sequence[float],
                          noise if math.isfinite(noise) else 0.0)
         out.append(Optimum(c, loss, n, d, (loss * (1 - rel), loss * (1 + rel)),
                            (float(lo), float(hi)), choice.chosen, s,
-                           held_out_best(heldout, c)))
+                           held_out_best(heldout, c),
+                           {k: m.at(c) for k, m in choice.models.items()
+                            if k not in choice.refused}))
     return choice, out
