@@ -3,15 +3,16 @@ backtest, and the answer at each asked budget with its interval (analysis/optima
 two fits; tools/fit_optimal.py prints this).
 
 The backtest, the same kind the fit policy runs (analysis/prediction.py): on an iso-FLOP
-sweep, for each cut that leaves at least 3 budgets with a vertex below it, both approaches
+sweep, for each cut that leaves at least 4 budgets with a vertex below it (one cut per
+distinct set of them, none more than 64x below the top), both approaches
 are fitted to the runs of the budgets at or under the cut and predict the optimum of each
 budget above it within 2x of the largest (the top budgets); the error is the prediction over
-that budget's best run, less one. A ladder that is not an iso-FLOP sweep (no 3 budgets with a
+that budget's best run, less one. A ladder that is not an iso-FLOP sweep (no 4 budgets with a
 vertex) has no approach 2; approach 3 is cut at 2^(k/2) of its largest compute and scored on
 its top rungs (the L(N, D) it fitted at those runs' N and D). The score is the mean over cuts
 of the top's mean |error|; the lower wins.
 
-Refused, never printed as a number: approach 2 with fewer than 3 budgets with a vertex, a
+Refused, never printed as a number: approach 2 with fewer than 4 budgets with a vertex, a
 frontier exponent b outside the measured range of language models, or its floor E at the
 lowest optimum loss; approach 3 on runs that cannot separate N from D (all at one tokens per
 parameter) or whose fit the fit policy calls degenerate (analysis/policy.degenerate).
