@@ -32,7 +32,8 @@ from elsewhere (columns n_params, tokens, loss; name, a group, non-embedding cou
 optional), such as Chinchilla's own, as Besiroglu et al. 2024 extracted them, or the
 published ladders of docs/ladder/published.md; ``--select``, ``--max-flops``, ``--ladder``
 and ``--heldout`` say which rows are the ladder and which are predicted, ``--policy`` chooses
-the law by the ladder's own backtest (tools/fit_policy.py). Warns when the target's tokens
+the law by the ladder's own backtest (tools/fit_policy.py), ``--predict-optimal C`` the loss, N
+and D at budget C's compute optimum (tools/fit_optimal.py). Warns when the target's tokens
 (L(C)'s at the ladder's tokens per parameter, L(N, D)'s D_opt) exceed the corpus the runs
 read (their plans' ``data_tokens``): more than one epoch, which the fit of fresh-data runs
 cannot predict. Writes ``fit.json``, ``loss_vs_compute.png`` and
@@ -316,9 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the top rungs' mean |error| a supported backtest allows "
                          f"({TOLERANCE:g})")
     add_bounds(ap)
+    from pretrain.tools.fit_optimal import add_arguments as add_optimal
     from pretrain.tools.fit_policy import add_arguments
 
     add_arguments(ap)
+    add_optimal(ap)
     return ap
 
 
@@ -351,7 +354,7 @@ def fit_and_report(points: list[RunPoint], heldout: list[RunPoint], target: floa
                    fit: dict, args: argparse.Namespace) -> tuple:
     """Every fit and report of the runs into ``fit``, in the order printed: the seed
     spread, --backtest, the fit policy (--policy, held-out runs, or L(N, D) degenerate),
-    L(C) and L(N, D), the target, the iso-FLOP minima, --diagnose."""
+    L(C) and L(N, D), the target, the iso-FLOP minima, --predict-optimal, --diagnose."""
     from pretrain.tools.fit_policy import refusals, report_policy
     from pretrain.tools.fit_reports import report_isoflop
 
@@ -374,6 +377,10 @@ def fit_and_report(points: list[RunPoint], heldout: list[RunPoint], target: floa
     report_target_data(points, target, chinchilla, fit)
     report_extrapolation(points, target, {"L(C)": compute, "L(N, D)": chinchilla}, fit, args)
     report_isoflop(points, fit)
+    if args.predict_optimal:
+        from pretrain.tools.fit_optimal import report_optimal
+
+        report_optimal(points, heldout, args.predict_optimal, fit, resamples, spread)
     if args.diagnose:
         report_diagnosis(points, chinchilla, args.count, fit,
                          lambda count: collect_points(args, count, quiet=True))
