@@ -99,7 +99,9 @@ def fit(form: str, n: Sequence[float], d: Sequence[float], loss: Sequence[float]
             total = float(value.sum())
         if not math.isfinite(total):
             return math.inf, np.zeros(int(free.sum()))
-        return total, (dh @ jac)[free]
+        # an elementwise product and numpy's own sum, not a BLAS matrix product: the
+        # gradient is then the same under every OPENBLAS_CORETYPE (tests/test_fit_stability.py)
+        return total, np.sum(dh[:, None] * jac, axis=0)[free]
 
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         grid, _ = spec.log_model(starts.T[..., None], ln_n, ln_d, jac=False)
