@@ -45,7 +45,8 @@ def test_jitter_and_twice_the_starts_change_no_decision(name, base):
 def test_other_blas_kernels_change_no_decision(coretype, base):
     env = {**os.environ, "OPENBLAS_CORETYPE": coretype,
            "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "pretrain.analysis.stability", "rw_original"],
+    out = subprocess.run([sys.executable, "-m", "pretrain.analysis.stability", "rw_original",
+                          "--json"],
                          env=env, capture_output=True, text=True, check=True, timeout=300)
     other = json.loads(out.stdout)["rw_original"]
     assert differences(base["rw_original"], other) == []

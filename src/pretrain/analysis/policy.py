@@ -94,12 +94,13 @@ class Candidate:
         return float(law.predict(p.count(self.count), p.tokens))
 
 
-def candidates(points: Sequence[RunPoint]) -> list[Candidate]:
+def candidates(points: Sequence[RunPoint], forms: Sequence[str] = FORMS) -> list[Candidate]:
     """Every candidate the runs allow: the counts every run records, the filter where it
-    leaves a fittable ladder and removes at least one run."""
+    leaves a fittable ladder and removes at least one run (of ``forms``: FORMS, or more for
+    tools/leave_one_out.py's variants)."""
     counts = [c for c in COUNT_ORDER if all(p.count(c) is not None for p in points)]
     out = []
-    for form in FORMS:
+    for form in forms:
         for count in counts:
             out.append(Candidate(form, count))
             kept = Candidate(form, count, MIN_TPP).runs(points)

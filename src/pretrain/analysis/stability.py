@@ -64,10 +64,19 @@ def differences(a: dict, b: dict, tolerance: float = FIGURE_TOLERANCE) -> list[s
     return out
 
 
+def summary(name: str, d: dict) -> str:
+    """One line of ``decisions``: the choice, its score, the refusals and the errors."""
+    scores = d["scores"]
+    chosen = d["chosen"]
+    head = (f"{chosen} (score {100 * scores[chosen]:.4f}%)" if chosen else "nothing")
+    errors = " ".join(f"{100 * e:+.4f}%" for e in d["predictions"].values())
+    return f"{name}: chose {head}; {len(d['refused'])} refused; held-out errors {errors}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print ``decisions`` of the published ladders (docs/ladder/published.md) as JSON, to
-    compare across OPENBLAS_CORETYPE settings: ``OPENBLAS_CORETYPE=Haswell python -m
-    pretrain.analysis.stability rw_original``."""
+    """Print ``decisions`` of the published ladders (docs/ladder/published.md), one line each
+    (or JSON), to compare across OPENBLAS_CORETYPE settings: ``OPENBLAS_CORETYPE=Haswell
+    python -m pretrain.analysis.stability rw_original``."""
     import argparse
     import json
 
@@ -75,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("ladders", nargs="*", default=list(read_manifest())[:4])
+    ap.add_argument("--json", action="store_true", help="the decisions as JSON")
     args = ap.parse_args(argv)
-    print(json.dumps({name: decisions(*ladder_and_targets(name)) for name in args.ladders}))
+    out = {name: decisions(*ladder_and_targets(name)) for name in args.ladders}
+    print(json.dumps(out) if args.json else "\n".join(summary(k, v) for k, v in out.items()))
     return 0
 
 

@@ -39,6 +39,8 @@ class Variant:
     counts: tuple[str, ...] = ("total", "non_embedding", "flops")
     data_filter: bool = True          # offer the tokens-per-parameter filter
     max_ratio: float = math.inf       # the farthest backtest cut scored (and refused at)
+    corrected: bool = False           # divide by 1 + the backtest's signed error at the
+                                      # target's distance, where the backtest reached it
 
     def admits(self, s: Scored) -> bool:
         c = s.candidate
@@ -48,6 +50,7 @@ class Variant:
 
 VARIANTS = (
     Variant("every candidate, cuts to 64x"),
+    Variant("every candidate, cuts to 64x, bias-corrected", corrected=True),
     Variant("every candidate, cuts to 8x", max_ratio=8.0),
     Variant("shared exponent only", forms=("shared",)),
     Variant("Chinchilla's form only", forms=("chinchilla",)),
@@ -92,8 +95,25 @@ class Outcome:
         return [abs(p.error) for p in self.predictions]
 
 
+def bias(signed: dict[float, float], distance: float) -> float:
+    """The backtest's signed top-rung error at an extrapolation of ``distance`` (a target at
+    R x the ladder's top is the top rungs' distance of the cut at r = R sqrt(2): they span
+    r/2..r), interpolated in log r; 0 beyond the cuts backtested (no evidence there)."""
+    rs = sorted(signed)
+    r = distance * math.sqrt(2)
+    if not rs or not rs[0] / 1.01 <= r <= rs[-1] * 1.01:
+        return 0.0
+    return float(np.interp(math.log(r), [math.log(x) for x in rs], [signed[x] for x in rs]))
+
+
+def corrected(p: Prediction, factor: float) -> Prediction:
+    return replace(p, loss=p.loss * factor, bootstrap=(p.bootstrap[0] * factor,
+                                                       p.bootstrap[1] * factor),
+                   interval=(p.interval[0] * factor, p.interval[1] * factor))
+
+
 def outcome(choice: Choice, ladder: Sequence[RunPoint], targets: Sequence[RunPoint],
-            resamples: int = 0) -> Outcome:
+            resamples: int = 0, correct: bool = False) -> Outcome:
     s = choice.chosen
     if s is None:
         return Outcome(choice, [], "every candidate was refused")
@@ -101,7 +121,12 @@ def outcome(choice: Choice, ladder: Sequence[RunPoint], targets: Sequence[RunPoi
         return Outcome(choice, [], (f"{s.candidate.name} misses the ladder's own top rungs by "
                                     f"{100 * s.score:.1f}% from below (over "
                                     f"{100 * REFUSE_SCORE:g}%)"))
-    return Outcome(choice, predict(choice, ladder, targets, resamples), None)
+    preds = predict(choice, ladder, targets, resamples)
+    if correct:
+        top = max(p.flops for p in ladder)
+        preds = [corrected(p, 1 / (1 + bias(s.signed, t.flops / top)))
+                 for p, t in zip(preds, targets, strict=True)]
+    return Outcome(choice, preds, None)
 
 
 def select_variant(outcomes: dict[str, list[Outcome]], n_targets: dict[str, int],
@@ -123,14 +148,15 @@ def leave_one_out(ladders: dict[str, tuple[list[RunPoint], list[RunPoint]]],
     for name, (ladder, _) in ladders.items():
         log(f"  backtesting {name} ({len(ladder)} runs)", flush=True)
         fulls[name] = choose(ladder)
-    outcomes = {name: [outcome(restrict(fulls[name], v), *ladders[name]) for v in VARIANTS]
-                for name in ladders}
+    outcomes = {name: [outcome(restrict(fulls[name], v), *ladders[name], correct=v.corrected)
+                       for v in VARIANTS] for name in ladders}
     n_targets = {name: len(t) for name, (_, t) in ladders.items()}
     out = []
     for name, (ladder, targets) in ladders.items():
         v = select_variant(outcomes, n_targets, name)
         out.append((name, VARIANTS[v].name,
-                    outcome(restrict(fulls[name], VARIANTS[v]), ladder, targets, resamples)))
+                    outcome(restrict(fulls[name], VARIANTS[v]), ladder, targets, resamples,
+                            VARIANTS[v].corrected)))
     return out
 
 
