@@ -134,7 +134,7 @@ def select_variant(outcomes: dict[str, list[Outcome]], n_targets: dict[str, int]
     """The variant with the lowest mean |error| over every held-out run of the ladders
     other than ``left_out`` (refused runs at REFUSED_AS); ties go to the earlier variant."""
     means = []
-    for v in range(len(VARIANTS)):
+    for v in range(len(next(iter(outcomes.values())))):
         errs = [e for name, outs in outcomes.items() if name != left_out
                 for e in outs[v].errors(n_targets[name])]
         means.append(float(np.mean(errs)) if errs else math.inf)
@@ -169,11 +169,11 @@ def print_table(rows: list[tuple[str, str, Outcome]],
     errs, covered, widths, refused = [], 0, [], 0
     for name, vname, o in rows:
         ladder, targets = ladders[name]
-        top = max(p.flops for p in ladder)
         if o.refused:
             refused += len(targets)
             print(f"| {name} | {vname} | REFUSED: {o.refused} | {len(targets)} runs | | | | | |")
             continue
+        top = max(p.flops for p in ladder)
         cand = o.choice.chosen.candidate.name
         for p, t in zip(o.predictions, targets, strict=True):
             errs.append(p.error)
