@@ -41,6 +41,7 @@ class Variant:
     max_ratio: float = math.inf       # the farthest backtest cut scored (and refused at)
     corrected: bool = False           # divide by 1 + the backtest's signed error at the
                                       # target's distance, where the backtest reached it
+    refuse_score: float = REFUSE_SCORE  # refuse the ladder above this backtest score
 
     def admits(self, s: Scored) -> bool:
         c = s.candidate
@@ -55,6 +56,10 @@ VARIANTS = (
     Variant("shared exponent only", forms=("shared",)),
     Variant("Chinchilla's form only", forms=("chinchilla",)),
     Variant("N total, every run (no filter)", counts=("total",), data_filter=False),
+    Variant("every candidate, cuts to 64x, refused over 10%", refuse_score=0.10),
+    Variant("every candidate, cuts to 64x, bias-corrected, refused over 10%", corrected=True,
+            refuse_score=0.10),
+    Variant("every candidate, cuts to 8x, refused over 10%", max_ratio=8.0, refuse_score=0.10),
 )
 
 
@@ -113,16 +118,16 @@ def corrected(p: Prediction, factor: float) -> Prediction:
 
 
 def outcome(choice: Choice, ladder: Sequence[RunPoint], targets: Sequence[RunPoint],
-            resamples: int = 0, correct: bool = False) -> Outcome:
+            resamples: int = 0, variant: Variant = Variant("")) -> Outcome:
     s = choice.chosen
     if s is None:
         return Outcome(choice, [], "every candidate was refused")
-    if s.score > REFUSE_SCORE:
+    if s.score > variant.refuse_score:
         return Outcome(choice, [], (f"{s.candidate.name} misses the ladder's own top rungs by "
                                     f"{100 * s.score:.1f}% from below (over "
-                                    f"{100 * REFUSE_SCORE:g}%)"))
+                                    f"{100 * variant.refuse_score:g}%)"))
     preds = predict(choice, ladder, targets, resamples)
-    if correct:
+    if variant.corrected:
         top = max(p.flops for p in ladder)
         preds = [corrected(p, 1 / (1 + bias(s.signed, t.flops / top)))
                  for p, t in zip(preds, targets, strict=True)]
@@ -148,7 +153,7 @@ def leave_one_out(ladders: dict[str, tuple[list[RunPoint], list[RunPoint]]],
     for name, (ladder, _) in ladders.items():
         log(f"  backtesting {name} ({len(ladder)} runs)", flush=True)
         fulls[name] = choose(ladder)
-    outcomes = {name: [outcome(restrict(fulls[name], v), *ladders[name], correct=v.corrected)
+    outcomes = {name: [outcome(restrict(fulls[name], v), *ladders[name], variant=v)
                        for v in VARIANTS] for name in ladders}
     n_targets = {name: len(t) for name, (_, t) in ladders.items()}
     out = []
@@ -156,7 +161,7 @@ def leave_one_out(ladders: dict[str, tuple[list[RunPoint], list[RunPoint]]],
         v = select_variant(outcomes, n_targets, name)
         out.append((name, VARIANTS[v].name,
                     outcome(restrict(fulls[name], VARIANTS[v]), ladder, targets, resamples,
-                            VARIANTS[v].corrected)))
+                            VARIANTS[v])))
     return out
 
 
