@@ -126,7 +126,7 @@ def degenerate(law: Law, runs: Sequence[RunPoint], count: str = "total",
     if len(runs) < constants + MIN_DOF:
         return (f"{len(runs)} runs for its {constants} constants: fewer than {MIN_DOF} to "
                 "spare, so the runs do not determine the fit")
-    sizes = len({round(math.log(p.count(count)), 6) for p in runs})
+    sizes = len({round(math.log(p.count(count)), 3) for p in runs})
     if sizes < SIZES_NEEDED.get(law.form, 0):
         return (f"its runs have {sizes} sizes for a form that needs "
                 f"{SIZES_NEEDED[law.form]}: the runs do not determine the fit")

@@ -85,8 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("ladders", nargs="*", default=list(read_manifest())[:4])
     ap.add_argument("--json", action="store_true", help="the decisions as JSON")
+    ap.add_argument("--jitter", type=float, default=0.0, metavar="REL",
+                    help="scale N, D and the loss by 1 + REL x a normal draw (seed 0)")
+    ap.add_argument("--keep", type=int, metavar="K", help="descents per fit (policy.KEEP)")
     args = ap.parse_args(argv)
-    out = {name: decisions(*ladder_and_targets(name)) for name in args.ladders}
+    out = {}
+    for name in args.ladders:
+        ladder, targets = ladder_and_targets(name)
+        out[name] = decisions(jittered(ladder, args.jitter) if args.jitter else ladder,
+                              targets, args.keep)
     print(json.dumps(out) if args.json else "\n".join(summary(k, v) for k, v in out.items()))
     return 0
 
