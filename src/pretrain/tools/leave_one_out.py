@@ -6,13 +6,16 @@ other ladders' held-out runs, and then predict the one left out.
 
 The free choices are a few discrete variants (``VARIANTS``): which forms and counts of N the
 candidates may use, whether the tokens-per-parameter filter is offered, and how far the
-backtest cuts that score them reach. Each variant is evaluated on each ladder once (its
-choice depends on that ladder's runs alone); for the ladder left out, the variant with the
-lowest mean |error| over the other ladders' held-out runs is used, a run it refuses counting
-as a miss of ``REFUSED_AS`` there. A ladder is refused, in one line and not as a prediction,
-when no candidate survives or the chosen one's own backtest score is above
-``REFUSE_SCORE``: a ladder that misses its own top rungs by that much from below has shown it
-cannot carry its law further.
+backtest cuts that score them reach, whether the prediction is divided by the backtest's
+signed error at the target's distance, and the backtest score above which a ladder is
+refused (5% or 10%). Each variant is evaluated on each ladder once (its choice depends on that
+ladder's runs alone); for the ladder left out, the variant with the lowest mean |error| over
+the other ladders' held-out runs is used, a run it refuses counting as a miss of
+``REFUSED_AS`` there, and the interval's backtest term is scaled so that it would have covered
+``COVERAGE`` of the other ladders' runs. A ladder is refused, in one line and not as a
+prediction, when no candidate survives or the chosen one's own backtest score is above the
+variant's threshold: a ladder that misses its own top rungs by that much from below has shown
+it cannot carry its law further.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pretrain.analysis.runs import RunPoint
 
 REFUSE_SCORE = 0.05   # the chosen candidate's backtest score above which a ladder is refused
 REFUSED_AS = 0.05     # a refused run counts as a miss this large when variants are compared
+COVERAGE = 0.9        # the share of held-out runs an interval is sized to cover
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class Outcome:
     choice: Choice
     predictions: list[Prediction]
     refused: str | None
+    scale: float = 1.0    # the backtest score's factor in the interval (interval_scale)
 
     def errors(self, n_targets: int) -> list[float]:
         if self.refused:
@@ -159,10 +164,33 @@ def leave_one_out(ladders: dict[str, tuple[list[RunPoint], list[RunPoint]]],
     out = []
     for name, (ladder, targets) in ladders.items():
         v = select_variant(outcomes, n_targets, name)
-        out.append((name, VARIANTS[v].name,
-                    outcome(restrict(fulls[name], VARIANTS[v]), ladder, targets, resamples,
-                            VARIANTS[v])))
+        o = outcome(restrict(fulls[name], VARIANTS[v]), ladder, targets, resamples,
+                    VARIANTS[v])
+        out.append((name, VARIANTS[v].name, widened(o, interval_scale(outcomes, v, name))))
     return out
+
+
+def interval_scale(outcomes: dict[str, list[Outcome]], v: int, left_out: str) -> float:
+    """How far the backtest score must be scaled for the interval to cover COVERAGE of the
+    other ladders' held-out runs (variant ``v``, no bootstrap: the score alone), at least 1:
+    the interval's width is chosen leave-one-out too."""
+    ratios = [abs(p.error) / o.choice.chosen.score for name, outs in outcomes.items()
+              if name != left_out and not (o := outs[v]).refused for p in o.predictions]
+    return max(1.0, float(np.quantile(ratios, COVERAGE))) if ratios else 1.0
+
+
+def widened(o: Outcome, k: float) -> Outcome:
+    """``o`` with the backtest score's part of each interval scaled by ``k`` (the bootstrap's
+    part, the rest of the width, kept)."""
+    if o.refused or k == 1.0:
+        return o
+    score = o.choice.chosen.score
+    preds = []
+    for p in o.predictions:
+        rel = (p.interval[1] - p.loss) / p.loss
+        rel = math.sqrt(max(rel * rel - score * score, 0.0) + (k * score) ** 2)
+        preds.append(replace(p, interval=(p.loss * (1 - rel), p.loss * (1 + rel))))
+    return replace(o, predictions=preds, scale=k)
 
 
 def print_table(rows: list[tuple[str, str, Outcome]],
@@ -179,7 +207,7 @@ def print_table(rows: list[tuple[str, str, Outcome]],
             print(f"| {name} | {vname} | REFUSED: {o.refused} | {len(targets)} runs | | | | | |")
             continue
         top = max(p.flops for p in ladder)
-        cand = o.choice.chosen.candidate.name
+        cand = f"{o.choice.chosen.candidate.name} (interval x{o.scale:.2g})"
         for p, t in zip(o.predictions, targets, strict=True):
             errs.append(p.error)
             covered += bool(p.covered)
