@@ -52,3 +52,21 @@ def test_a_refused_ladder_is_one_line_and_counted(capsys):
     head = loo.print_table([("x", "v", refused("its own backtest misses by 7%"))], ladders)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "REFUSED" in ln]
     assert len(lines) == 1 and head["refused"] == 2 and head["runs"] == 0
+
+
+def test_the_interval_is_scaled_to_cover_the_other_ladders():
+    from pretrain.analysis.policy import Candidate
+    from pretrain.analysis.prediction import Prediction, Scored
+
+    def predicted(errors, score=0.02):
+        s = Scored(Candidate("shared"), {2.0: score}, {2.0: score})
+        preds = [Prediction("t", 1.0, 1.0, 1.0 + e, (1.0, 1.0), (1 + e - score, 1 + e + score),
+                            1.0) for e in errors]
+        return loo.Outcome(Choice([2.0], [s], s), preds, None)
+
+    outcomes = {"a": [predicted([0.01] * 5 + [0.06] * 5)], "b": [predicted([0.01])]}
+    k = loo.interval_scale(outcomes, 0, "b")          # a's 90% quantile of |error| / score
+    assert k == pytest.approx(0.06 / 0.02)
+    assert loo.interval_scale(outcomes, 0, "a") == 1.0  # b's lone 1% is inside 1x already
+    wide = loo.widened(outcomes["b"][0], 2.0).predictions[0]
+    assert wide.interval[1] - wide.loss == pytest.approx(2 * 0.02 * wide.loss, rel=1e-9)
