@@ -53,7 +53,8 @@ TOLERANCE = 0.02         # the backtest's "supported": top rungs within 2% (issu
 # of each size fix B, beta and that size's E + A/N^alpha; with two sizes, E, A and alpha are
 # two equations for three unknowns (a valley of exact fits: rw_original's Chinchilla fit at
 # 32x reaches alpha 0.30 or 0.98 with the same objective, by the BLAS kernels alone); the
-# shared exponent's alpha is fixed by D, leaving E and A to two sizes
+# shared exponent's alpha is fixed by D, leaving E and A to two sizes. The same holds for the
+# token counts, the two roles swapped (Gemstones' 22.6x cut: two token counts, beta 0.4 or 1.2)
 SIZES_NEEDED = {"chinchilla": 3, "shared": 2}
 KEEP = 4                 # descents from the grid's best starts (analysis/stability.py checks
                          # that twice as many change no decision)
@@ -119,17 +120,20 @@ def fittable(points: Sequence[RunPoint]) -> bool:
 def degenerate(law: Law, runs: Sequence[RunPoint], count: str = "total",
                noise: float = math.nan) -> str | None:
     """Why a fit is not to be believed beyond its runs, or None: fewer than MIN_DOF runs
-    beyond its constants or fewer sizes than SIZES_NEEDED, its floor at (or within
+    beyond its constants or fewer sizes (or token counts) than SIZES_NEEDED, its floor at (or within
     FLOOR_MARGIN of) the lowest loss of its runs, an exponent outside EXPONENT_RANGE, or an
     rms residual above MAX_RMS (or 3x the seed spread ``noise`` where it is measured)."""
     constants = len(LAW_FORMS[law.form].params)
     if len(runs) < constants + MIN_DOF:
         return (f"{len(runs)} runs for its {constants} constants: fewer than {MIN_DOF} to "
                 "spare, so the runs do not determine the fit")
-    sizes = len({round(math.log(p.count(count)), 3) for p in runs})
-    if sizes < SIZES_NEEDED.get(law.form, 0):
-        return (f"its runs have {sizes} sizes for a form that needs "
-                f"{SIZES_NEEDED[law.form]}: the runs do not determine the fit")
+    need = SIZES_NEEDED.get(law.form, 0)
+    for what, values in (("sizes", [p.count(count) for p in runs]),
+                         ("token counts", [p.tokens for p in runs])):
+        distinct = len({round(math.log(v), 3) for v in values})
+        if distinct < need:
+            return (f"its runs have {distinct} {what} for a form that needs {need}: the runs "
+                    "do not determine the fit")
     low = min(p.loss for p in runs)
     if law.floor is not None and law.floor >= low * (1 - FLOOR_MARGIN):
         return (f"its irreducible loss {law.floor:.4g} is at the lowest loss of its own runs "
