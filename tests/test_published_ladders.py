@@ -2,7 +2,12 @@
 (docs/ladder/published.md): the fit policy predicts all eight held-out runs within the
 issue's bar (mean |error| <= 1.5%, none over 3%) from the ladder alone, each figure the one
 documented; the plain Chinchilla fit reproduces the OLMo paper's own (-1.98%, -3.83%); a
-degenerate fit is refused in one line."""
+degenerate fit is refused in one line.
+
+Every figure is checked to SPREAD, the 0.05 percentage points issue 68 allows between BLAS
+kernels (measured: the figures agree to 1e-6 under OPENBLAS_CORETYPE Haswell, Zen, SkylakeX
+and Sandybridge, docs/ladder/published.md; tests/test_fit_stability.py checks the decisions
+under other kernels, jitter and twice the starts)."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from pretrain.tools import scaling_law  # noqa: E402
 PUBLISHED = Path(__file__).resolve().parents[1] / "docs" / "ladder" / "published"
 DOC = PUBLISHED.parent / "published.md"
 OLMO_LADDER = "(190M|370M|760M|1B)-(1|2|5|10)xC"
+SPREAD = 0.05  # percentage points: what a figure may move by between machines (issue 68)
 
 # table -> (selection flags, {held-out run: (policy's error %, plain Chinchilla's error %)})
 TABLES = {
@@ -58,7 +64,7 @@ def test_the_policy_predicts_the_held_out_runs_as_documented(table, tmp_path):
     doc = DOC.read_text()
     for name, (expected, _) in targets.items():
         h = held[name]
-        assert 100 * h["error"] == pytest.approx(expected, abs=0.01), name
+        assert 100 * h["error"] == pytest.approx(expected, abs=SPREAD), name
         assert f"{expected:+.2f}%" in doc, f"{name}: published.md lacks {expected:+.2f}%"
         assert h["covered"] and h["interval"][0] < h["loss"] < h["interval"][1]
     # chosen by the ladder's backtest alone: the held-out runs are not in what it fitted
@@ -69,7 +75,7 @@ def test_the_eight_errors_meet_the_bar():
     errors = [abs(e) for _, t in TABLES.values() for e, _ in t.values()]
     assert len(errors) == 8 and np.mean(errors) <= 1.5 and max(errors) <= 3.0
     baseline = [abs(b) for _, t in TABLES.values() for _, b in t.values()]
-    assert np.mean(baseline) == pytest.approx(2.50, abs=0.01)
+    assert np.mean(baseline) == pytest.approx(2.50, abs=SPREAD)
 
 
 @pytest.mark.parametrize("table", list(TABLES))
@@ -89,7 +95,7 @@ def test_the_plain_chinchilla_fit_gives_the_documented_baseline(table):
     for p in points:
         if p.name in targets:
             error = 100 * (float(law.predict(p.n_params, p.tokens)) / p.loss - 1)
-            assert error == pytest.approx(targets[p.name][1], abs=0.01), p.name
+            assert error == pytest.approx(targets[p.name][1], abs=SPREAD), p.name
 
 
 def off_optimum_isoflop(seed: int = 0) -> list[RunPoint]:

@@ -35,6 +35,10 @@ from pretrain.analysis.runs import RunPoint
 
 __all__ = ["Backtest", "FormResult", "backtest", "max_ratio", "fittable", "TOLERANCE"]
 
+# a run within 0.1% of a cut is at it: grids put runs at exact factors of 2 of the top, and a
+# cut that splits them by the last bits of 6ND moves a run across it (issue 68's jitter did)
+CUT_TOLERANCE = 1e-3
+
 
 def max_ratio(flops: Sequence[float], sizes: Sequence[float] | None = None,
               tokens: Sequence[float] | None = None) -> float:
@@ -48,8 +52,8 @@ def max_ratio(flops: Sequence[float], sizes: Sequence[float] | None = None,
     top = float(c.max())
     best = 1.0
     for x in sorted(set(c.tolist())):
-        fit = [p for p in pts if p.flops <= x * (1 + 1e-9)]
-        rest = [p for p in pts if p.flops > x * (1 + 1e-9)]
+        fit = [p for p in pts if p.flops <= x * (1 + CUT_TOLERANCE)]
+        rest = [p for p in pts if p.flops > x * (1 + CUT_TOLERANCE)]
         if rest and fittable(fit):
             best = max(best, top / x)
     return best
@@ -116,7 +120,7 @@ class Backtest:
 
 def split(points: Sequence[RunPoint], ratio: float) -> tuple[list[RunPoint], list[RunPoint]]:
     """(fitted, predicted): the runs at or under 1/ratio of the largest compute, the rest."""
-    cut = max(p.flops for p in points) / ratio * (1 + 1e-9)
+    cut = max(p.flops for p in points) / ratio * (1 + CUT_TOLERANCE)
     return ([p for p in points if p.flops <= cut],
             sorted((p for p in points if p.flops > cut), key=lambda p: p.flops))
 
@@ -150,7 +154,7 @@ def backtest(points: Sequence[RunPoint], ratio: float,
             results.append(FormResult(cand, len(kept), [], [], problem=str(e)))
             continue
         errs = [(p, cand.predict(law, p) / p.loss - 1.0) for p in rest]
-        top = [(p, e) for p, e in errs if p.flops >= top_c / TOP_SPAN]
+        top = [(p, e) for p, e in errs if p.flops >= top_c / TOP_SPAN * (1 - CUT_TOLERANCE)]
         results.append(FormResult(cand, len(kept), errs, top,
                                   degenerate=degenerate(law, kept, cand.count, noise)))
     return Backtest(ratio, top_c / ratio, results, tolerance)

@@ -11,7 +11,9 @@ An exact gradient matters: the OLMo ladder's published fit (Bhagia et al. 2024) 
 and -3.83% on its 7B and 13B with an analytic Jacobian, -0.27% and +1.20% when the optimizer
 differences numerically, because the objective is flat along E and the run stops early. Here
 the tolerances are tight and the gradient exact, so the answer is the objective's, not the
-optimizer's (tests/test_published_ladders.py checks both published figures).
+optimizer's (tests/test_published_ladders.py checks both published figures). The gradient is
+summed by numpy, not a BLAS matrix product, so it is the same under every OPENBLAS_CORETYPE
+(tests/test_fit_stability.py).
 
 Needs scipy (the ``analysis`` extra): ``pip install -e '.[analysis]'``.
 """
@@ -99,7 +101,7 @@ def fit(form: str, n: Sequence[float], d: Sequence[float], loss: Sequence[float]
             total = float(value.sum())
         if not math.isfinite(total):
             return math.inf, np.zeros(int(free.sum()))
-        return total, (dh @ jac)[free]
+        return total, np.sum(dh[:, None] * jac, axis=0)[free]  # numpy's sum, not BLAS
 
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         grid, _ = spec.log_model(starts.T[..., None], ln_n, ln_d, jac=False)

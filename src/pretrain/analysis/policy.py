@@ -49,6 +49,15 @@ FLOOR_MARGIN = 0.005     # E within 0.5% of the lowest loss is at the data's flo
 EXPONENT_RANGE = (0.02, 1.0)  # measured LM exponents: 0.05-0.5 (Hoffmann, Kaplan, Gadre...)
 MAX_RMS = 0.03           # rms residual above 3% (or 3x the seed spread): not the runs' law
 TOLERANCE = 0.02         # the backtest's "supported": top rungs within 2% (issue 55)
+# the sizes a form needs to determine its constants: in E + A/N^alpha + B/D^beta, the runs
+# of each size fix B, beta and that size's E + A/N^alpha; with two sizes, E, A and alpha are
+# two equations for three unknowns (a valley of exact fits: rw_original's Chinchilla fit at
+# 32x reaches alpha 0.30 or 0.98 with the same objective, by the BLAS kernels alone); the
+# shared exponent's alpha is fixed by D, leaving E and A to two sizes. The same holds for the
+# token counts, the two roles swapped (Gemstones' 22.6x cut: two token counts, beta 0.4 or 1.2)
+SIZES_NEEDED = {"chinchilla": 3, "shared": 2}
+KEEP = 4                 # descents from the grid's best starts (analysis/stability.py checks
+                         # that twice as many change no decision)
 
 
 @dataclass(frozen=True)
@@ -77,21 +86,22 @@ class Candidate:
     def constants(self) -> int:
         return len(LAW_FORMS[self.form].params)
 
-    def fit(self, points: Sequence[RunPoint], keep: int = 4):
+    def fit(self, points: Sequence[RunPoint], keep: int | None = None):
         """The form fitted to this candidate's runs among ``points`` (``keep`` descents
-        from the best starts of the grid)."""
-        return fit(self.form, *self.arrays(self.runs(points)), keep=keep)
+        from the best starts of the grid, KEEP unless given)."""
+        return fit(self.form, *self.arrays(self.runs(points)), keep=keep or KEEP)
 
     def predict(self, law: Law, p: RunPoint) -> float:
         return float(law.predict(p.count(self.count), p.tokens))
 
 
-def candidates(points: Sequence[RunPoint]) -> list[Candidate]:
+def candidates(points: Sequence[RunPoint], forms: Sequence[str] = FORMS) -> list[Candidate]:
     """Every candidate the runs allow: the counts every run records, the filter where it
-    leaves a fittable ladder and removes at least one run."""
+    leaves a fittable ladder and removes at least one run (of ``forms``: FORMS, or more for
+    tools/leave_one_out.py's variants)."""
     counts = [c for c in COUNT_ORDER if all(p.count(c) is not None for p in points)]
     out = []
-    for form in FORMS:
+    for form in forms:
         for count in counts:
             out.append(Candidate(form, count))
             kept = Candidate(form, count, MIN_TPP).runs(points)
@@ -110,13 +120,20 @@ def fittable(points: Sequence[RunPoint]) -> bool:
 def degenerate(law: Law, runs: Sequence[RunPoint], count: str = "total",
                noise: float = math.nan) -> str | None:
     """Why a fit is not to be believed beyond its runs, or None: fewer than MIN_DOF runs
-    beyond its constants, its floor at (or within FLOOR_MARGIN of) the lowest loss of its
-    runs, an exponent outside EXPONENT_RANGE, or an rms residual above MAX_RMS (or 3x the
-    seed spread ``noise`` where it is measured)."""
+    beyond its constants or fewer sizes (or token counts) than SIZES_NEEDED, its floor at (or within
+    FLOOR_MARGIN of) the lowest loss of its runs, an exponent outside EXPONENT_RANGE, or an
+    rms residual above MAX_RMS (or 3x the seed spread ``noise`` where it is measured)."""
     constants = len(LAW_FORMS[law.form].params)
     if len(runs) < constants + MIN_DOF:
         return (f"{len(runs)} runs for its {constants} constants: fewer than {MIN_DOF} to "
                 "spare, so the runs do not determine the fit")
+    need = SIZES_NEEDED.get(law.form, 0)
+    for what, values in (("sizes", [p.count(count) for p in runs]),
+                         ("token counts", [p.tokens for p in runs])):
+        distinct = len({round(math.log(v), 3) for v in values})
+        if distinct < need:
+            return (f"its runs have {distinct} {what} for a form that needs {need}: the runs "
+                    "do not determine the fit")
     low = min(p.loss for p in runs)
     if law.floor is not None and law.floor >= low * (1 - FLOOR_MARGIN):
         return (f"its irreducible loss {law.floor:.4g} is at the lowest loss of its own runs "

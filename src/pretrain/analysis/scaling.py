@@ -199,8 +199,9 @@ def bound_warnings(law: ComputeLaw | ChinchillaLaw) -> list[str]:
     predictions that lean on them are extrapolations of the bounds, not of the data."""
     out = []
     if isinstance(law, ComputeLaw):
-        if law.b <= -0.999 or law.b >= -1e-6:
-            out.append(f"b = {law.b:.3g} is on a bound of [-1, 0]: the runs do not fix it")
+        if law.b <= -0.999 or law.b >= -1e-6:  # the bound it is on, not its last bits
+            out.append(f"b = {-1 if law.b <= -0.999 else 0} is on a bound of [-1, 0]: the runs "
+                       "do not fix it")
         if law.c <= 1e-9:
             out.append("c = 0: no irreducible loss is visible in these runs (a pure power law)")
         return out

@@ -35,6 +35,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", action="store_true",
                    help="choose the law, the count of N and the runs by the ladder's own "
                         "backtest (docs/ladder/published.md) and predict with it")
+    g.add_argument("--loo", nargs="*", metavar="LADDER",
+                   help="the policy chosen leave-one-ladder-out over the ladders of "
+                        "docs/ladder/published/ladders.toml (or those named): each ladder "
+                        "predicted by the variant the others choose (tools/leave_one_out.py)")
 
 
 def _match(pattern: str, name: str) -> bool:

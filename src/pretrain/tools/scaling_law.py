@@ -404,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
         print_chinchilla(args.chinchilla)
         if not args.dirs:
             return 0
+    if args.loo is not None:
+        from pretrain.tools.leave_one_out import main_loo
+
+        return main_loo(args.loo, max(args.bootstrap // 2, 0))
     if not args.dirs and not args.points:
         ap.error("give one or more folders of runs, --points CSV, or --chinchilla C")
 
