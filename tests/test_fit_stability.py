@@ -21,7 +21,7 @@ pytest.importorskip("scipy", reason="the analysis extra: pip install -e '.[analy
 from pretrain.analysis.laws import Law  # noqa: E402
 from pretrain.analysis.policy import degenerate  # noqa: E402
 from pretrain.analysis.runs import RunPoint  # noqa: E402
-from pretrain.analysis.stability import decisions, differences, jittered  # noqa: E402
+from pretrain.tools.fit_stability import decisions, differences, jittered  # noqa: E402
 from pretrain.tools.ladders_manifest import ladder_and_targets  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -45,7 +45,7 @@ def test_jitter_and_twice_the_starts_change_no_decision(name, base):
 def test_other_blas_kernels_change_no_decision(coretype, base):
     env = {**os.environ, "OPENBLAS_CORETYPE": coretype,
            "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "pretrain.analysis.stability", "rw_original",
+    out = subprocess.run([sys.executable, "-m", "pretrain.tools.fit_stability", "rw_original",
                           "--json"],
                          env=env, capture_output=True, text=True, check=True, timeout=300)
     other = json.loads(out.stdout)["rw_original"]

@@ -15,6 +15,10 @@ optimizer's (tests/test_published_ladders.py checks both published figures). The
 summed by numpy, not a BLAS matrix product, so it is the same under every OPENBLAS_CORETYPE
 (tests/test_fit_stability.py).
 
+The compute-optimal fits (analysis/optimal.py) project their scale constants out and search
+their exponents alone; their searches are here too (``refine_exponent``,
+``refine_exponents``), so this file holds every optimizer call.
+
 Needs scipy (the ``analysis`` extra): ``pip install -e '.[analysis]'``.
 """
 
@@ -146,3 +150,25 @@ def bootstrap(form: str, n, d, loss, start: np.ndarray, resamples: int, seed: in
         except (ValueError, FloatingPointError):
             continue
     return laws
+
+
+def refine_exponent(objective, lo: float, hi: float) -> tuple[float, float]:
+    """(x, objective(x)) at the minimum of a one-exponent objective in [lo, hi]: bounded
+    Brent, started nowhere random (analysis/optimal.py's frontier)."""
+    from scipy.optimize import minimize_scalar
+
+    res = minimize_scalar(objective, bounds=(lo, hi), method="bounded",
+                          options={"xatol": 1e-10})
+    return float(res.x), float(res.fun)
+
+
+def refine_exponents(objective, start: np.ndarray, simplex: np.ndarray
+                     ) -> tuple[np.ndarray, float]:
+    """(x, objective(x)) at a minimum of a two-exponent objective: Nelder-Mead from a given
+    simplex (analysis/optimal.py's L(N, D) by variable projection)."""
+    from scipy.optimize import minimize
+
+    res = minimize(objective, start, method="Nelder-Mead",
+                   options={"initial_simplex": simplex, "xatol": 1e-9, "fatol": 1e-16,
+                            "maxiter": 4000, "maxfev": 8000})
+    return np.asarray(res.x, float), float(res.fun)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pretrain.analysis.fitting import refine_exponent, refine_exponents
 from pretrain.analysis.isoflop_fit import Budget, budgets, parabola_minimum
 from pretrain.analysis.nnls import best_subset_fit
 from pretrain.analysis.runs import RunPoint
@@ -90,8 +91,6 @@ def _frontier_sse(b: np.ndarray, x: np.ndarray, loss: np.ndarray):
 
 def fit_frontier(found: Sequence[Budget]) -> Frontier:
     """Approach 2's frontier through the budgets' parabola minima."""
-    from scipy.optimize import minimize_scalar
-
     if len(found) < 3:
         raise ValueError(f"the frontier has 3 constants: need 3 budgets with a minimum, got "
                          f"{len(found)}")
@@ -102,9 +101,9 @@ def fit_frontier(found: Sequence[Budget]) -> Frontier:
     coef, sse = _frontier_sse(FRONTIER_B, x, loss)
     i = int(np.argmin(sse))
     lo, hi = FRONTIER_B[max(i - 1, 0)], FRONTIER_B[min(i + 1, len(FRONTIER_B) - 1)]
-    res = minimize_scalar(lambda b: float(_frontier_sse(np.array([b]), x, loss)[1][0]),
-                          bounds=(lo, hi), method="bounded", options={"xatol": 1e-10})
-    b = float(res.x) if res.fun <= sse[i] else float(FRONTIER_B[i])
+    best, value = refine_exponent(
+        lambda b: float(_frontier_sse(np.array([b]), x, loss)[1][0]), lo, hi)
+    b = best if value <= sse[i] else float(FRONTIER_B[i])
     coef, _ = _frontier_sse(np.array([b]), x, loss)
     e, a = float(coef[0, 0]), float(coef[1, 0])
     n0, n1 = _log_line(np.log(c), np.log([f.n_opt for f in found]))
@@ -138,8 +137,6 @@ def fit_surface(n: Sequence[float], d: Sequence[float], loss: Sequence[float],
     from its best point (or from ``start``, the full data's exponents: the bootstrap);
     N and D scaled by their geometric means (the fit's conditioning does not depend on
     units)."""
-    from scipy.optimize import minimize
-
     n, d, loss = (np.asarray(v, float) for v in (n, d, loss))
     if len(loss) < 6:
         raise ValueError(f"L(N, D) has 5 constants: need at least 6 runs, got {len(loss)}")
@@ -158,10 +155,8 @@ def fit_surface(n: Sequence[float], d: Sequence[float], loss: Sequence[float],
 
     step = SURFACE_GRID[1] - SURFACE_GRID[0]
     simplex = grid[i] + np.array([[0.0, 0.0], [step / 2, 0.0], [0.0, step / 2]])
-    res = minimize(objective, grid[i], method="Nelder-Mead",
-                   options={"initial_simplex": simplex, "xatol": 1e-9, "fatol": 1e-16,
-                            "maxiter": 4000, "maxfev": 8000})
-    ab = res.x if res.fun <= sse[i] else grid[i]
+    best, value = refine_exponents(objective, grid[i], simplex)
+    ab = best if value <= sse[i] else grid[i]
     coef, _ = _surface_sse(np.asarray(ab, float)[None, :], x, y, loss)
     e, a, b = (float(v) for v in coef[:, 0])
     alpha, beta = float(ab[0]), float(ab[1])

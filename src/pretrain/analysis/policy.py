@@ -56,7 +56,7 @@ TOLERANCE = 0.02         # the backtest's "supported": top rungs within 2% (issu
 # shared exponent's alpha is fixed by D, leaving E and A to two sizes. The same holds for the
 # token counts, the two roles swapped (Gemstones' 22.6x cut: two token counts, beta 0.4 or 1.2)
 SIZES_NEEDED = {"chinchilla": 3, "shared": 2}
-KEEP = 4                 # descents from the grid's best starts (analysis/stability.py checks
+KEEP = 4                 # descents from the grid's best starts (tools/fit_stability.py checks
                          # that twice as many change no decision)
 
 

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrain.analysis.runs import RunPoint, read_points
+from pretrain.config.paths import REPO
 
-PUBLISHED = Path(__file__).resolve().parents[3] / "docs" / "ladder" / "published"
+PUBLISHED = REPO / "docs" / "ladder" / "published"
 MANIFEST = PUBLISHED / "ladders.toml"
 
 

@@ -3,7 +3,7 @@ policy (analysis/prediction.py) run again with the inputs jittered by a relative
 with twice the optimizer's starts, must choose the same candidate, refuse the same ones and
 predict the same figures (issue 68). The BLAS kernels are the third perturbation: OpenBLAS
 reads OPENBLAS_CORETYPE when it loads, so each setting is its own process
-(``python -m pretrain.analysis.stability``; tests/test_fit_stability.py)."""
+(``python -m pretrain.tools.fit_stability``; tests/test_fit_stability.py)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def summary(name: str, d: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Print ``decisions`` of the published ladders (docs/ladder/published.md), one line each
     (or JSON), to compare across OPENBLAS_CORETYPE settings: ``OPENBLAS_CORETYPE=Haswell
-    python -m pretrain.analysis.stability rw_original``."""
+    python -m pretrain.tools.fit_stability rw_original``."""
     import argparse
     import json
 
