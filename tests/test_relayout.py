@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from built_once import built_once
 from helpers import (
     CORPUS_FILES,
     REPO,
@@ -81,8 +82,12 @@ def resume_here(work: Path, name: str, *args: str) -> dict:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
     """dp=2 zero3: K steps, stop (exit 75) with a checkpoint; then the same command resumes
-    and finishes (steps K+1, K+2), as the reference for every other layout."""
-    work = tmp_path_factory.mktemp("relayout")
+    and finishes (steps K+1, K+2), as the reference for every other layout. Built once per
+    pytest run (tests/built_once.py); each test writes runs of its own names beside it."""
+    return built_once(tmp_path_factory, "relayout", save_and_finish)
+
+
+def save_and_finish(work: Path) -> dict:
     write_corpus(work)
     args = ["parallel=zero3", "parallel.dp=2", "run_name=dp2"]
     first = launch(work, *args, f"train.exit_interval={K}")
@@ -125,10 +130,13 @@ MOE = ["model.mlp=swiglu", "model.bias=false", "model.moe_experts=4", "model.moe
 
 
 @pytest.fixture(scope="module")
-def saved_moe(saved) -> dict:
+def saved_moe(saved, tmp_path_factory) -> dict:
     """The same with a mixture of experts whose aux_free biases (model state, not
     parameters) have moved: saved by two zero3 ranks at step K, then finished there."""
-    work = saved["work"]
+    return built_once(tmp_path_factory, "relayout-moe", lambda _: save_moe(saved["work"]))
+
+
+def save_moe(work: Path) -> dict:
     args = [*MOE, "parallel=zero3", "parallel.dp=2", "run_name=moe-dp2"]
     first = launch(work, *args, f"train.exit_interval={K}")
     assert first.returncode == 75, first.stderr[-4000:]

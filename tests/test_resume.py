@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from built_once import built_once
 from helpers import (
     CORPUS_FILES,
     REPO,
@@ -34,9 +35,9 @@ EXIT_REQUEUE = 75
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("resume")
-    write_corpus(work)
-    return work
+    """The corpus and the runs' folder, one per pytest run (tests/built_once.py): the tests
+    write runs of their own names in it, and the uninterrupted run is built once."""
+    return built_once(tmp_path_factory, "resume", lambda work: (write_corpus(work), work)[1])
 
 
 def command(work: Path, run: str, *extra: str) -> list[str]:
@@ -59,7 +60,11 @@ def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def straight(work) -> dict[int, float]:
+def straight(work, tmp_path_factory) -> dict[int, float]:
+    return built_once(tmp_path_factory, "resume-straight", lambda _: run_straight(work))
+
+
+def run_straight(work: Path) -> dict[int, float]:
     proc = run(command(work, "straight"), work)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = losses(work / "runs" / "straight")
