@@ -53,6 +53,7 @@ def test_checkpointing_gives_the_gradients_of_none(cfg, mode, every_n):
         torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_each_block_compiles_fullgraph_under_every_mode():
     """CPU inductor; ``fullgraph=True`` makes any graph break an error. One test compiles
     the two checkpointing modes (the same block code, so inductor's caches are shared
@@ -110,6 +111,7 @@ def test_policy_recomputes_the_linears_the_planner_names(cfg):
     assert f"saved matmul outputs ({kept})" in op_selective_terms(cfg, a)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_none_keeps_shards_the_planner_counts():
     """Under TP 2 with SP, ``none`` keeps the gathered Linear inputs as shards: what the
     blocks of a rank hold after forward equals the planner's ``layer_bytes`` (the

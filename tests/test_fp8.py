@@ -129,6 +129,7 @@ def test_auto_filter_uses_torchaos_size_thresholds():
     assert "lm_head" in skipped and "layers.0.attn.wq" in skipped
 
 
+@pytest.mark.slow
 def test_fp8_trains_close_to_bf16(runs):
     fp8, bf16 = runs["fp8"]["losses"], runs["bf16"]["losses"]
     diff = max(abs(a - b) for a, b in zip(fp8, bf16, strict=True))

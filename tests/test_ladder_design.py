@@ -98,6 +98,7 @@ def test_unidentifiable_or_unaffordable_designs_are_refused_with_the_knob(kw, ne
     assert all(any(k in p for k in knobs) for p in found), found
 
 
+@pytest.mark.slow
 def test_the_plan_tool_on_the_byte_ladder_recipe(capsys):
     """``tools/ladder.py --plan`` composes the real recipe (counts, LR, branch points) and
     prints the design; it refuses a data-limited one with exit code 2."""

@@ -151,6 +151,7 @@ def two_rank_run(markov_root: Path, tmp_path: Path, *overrides: str, fault: str,
     return proc, time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_a_slowed_rank_is_named_and_the_traces_show_whom_the_others_waited_for(
         markov_root, tmp_path, capsys):
     proc, _ = two_rank_run(markov_root, tmp_path, *PROFILE, "profile.ranks=[]",
@@ -183,6 +184,7 @@ def test_a_slowed_rank_is_named_and_the_traces_show_whom_the_others_waited_for(
     assert first.strip().startswith("gloo:all_reduce") and "slowest rank 1" in first
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_ends_the_run_within_the_timeout_with_one_line(markov_root, tmp_path):
     timeout = 4
     proc, _ = two_rank_run(markov_root, tmp_path, f"comm.train_timeout_s={timeout}",

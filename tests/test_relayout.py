@@ -99,6 +99,7 @@ def save_and_finish(work: Path) -> dict:
     return {"work": work, "ckpt": ckpt, "losses": by_step(work / "runs" / "dp2")}
 
 
+@pytest.mark.slow
 def test_dp2_resume_matches_uninterrupted(saved, tmp_path):
     work = saved["work"]
     proc = launch(work, "parallel=zero3", "parallel.dp=2", "run_name=dp2-straight",
@@ -110,6 +111,7 @@ def test_dp2_resume_matches_uninterrupted(saved, tmp_path):
         assert abs(saved["losses"][step] - loss) <= 1e-5, step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_resume_on_another_layout(saved, name):
     work = saved["work"]
@@ -149,6 +151,7 @@ def save_moe(work: Path) -> dict:
 EP2 = ["parallel=zero3", "parallel.dp=2", "parallel.ep=2"]  # 2 experts on each rank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["one", "pp2", "ep2"])
 def test_a_mixture_of_experts_resumes_on_another_layout(saved, saved_moe, name):
     """Saved without expert parallelism (EP=1), resumed on one process, on a pipeline,
@@ -169,6 +172,7 @@ def test_a_mixture_of_experts_resumes_on_another_layout(saved, saved_moe, name):
         assert abs(got[step] - saved_moe["losses"][step]) <= 1e-4, (step, got, saved_moe)
 
 
+@pytest.mark.slow
 def test_an_expert_parallel_checkpoint_resumes_on_one_process(saved, saved_moe):
     """EP=2 -> EP=1: saved by two ranks holding two experts each (DCP keeps whole expert
     tensors), resumed by one process holding all four; the continuation is the EP=1 run's."""

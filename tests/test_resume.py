@@ -72,6 +72,7 @@ def run_straight(work: Path) -> dict[int, float]:
     return got
 
 
+@pytest.mark.slow
 def test_exit_interval_requeues_until_done(work, straight):
     cmd = command(work, "chunks", "checkpoint.enabled=true", "train.exit_interval=10")
     codes = [run(cmd, work).returncode for _ in range(3)]
@@ -83,6 +84,7 @@ def test_exit_interval_requeues_until_done(work, straight):
     assert read_result(run_dir)["steps"] == STEPS
 
 
+@pytest.mark.slow
 def test_signal_saves_and_resume_is_exact(work, straight):
     cmd = command(work, "signal", "checkpoint.enabled=true", "checkpoint.interval_steps=3")
     run_dir = work / "runs" / "signal"
@@ -103,6 +105,7 @@ def test_signal_saves_and_resume_is_exact(work, straight):
     assert losses(run_dir) == straight
 
 
+@pytest.mark.slow
 def test_kill_after_completed_save_then_resume_is_exact(work, straight):
     cmd = command(work, "killed", "checkpoint.enabled=true", "checkpoint.interval_steps=5",
                   "checkpoint.async_save=false")
@@ -189,6 +192,7 @@ def test_resume_from_an_incomplete_checkpoint_fails_on_every_rank(two_rank_resum
     assert ".distcp is missing" in message  # what rank 0 saw (rank 1 sees no directory)
 
 
+@pytest.mark.slow
 def test_completep_checkpoint_resumes_exactly(work):
     """CompleteP (muP's per-group LRs, epsilons and decay, output and attention scales, plus
     the 1/L residual branches) away from its base shape: a run stopped and resumed at step
