@@ -100,10 +100,15 @@ def markov_root(tmp_path_factory) -> Path:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """The gpu tier (tests marked ``gpu``: ``pytest -m gpu`` on a GPU box) is skipped,
-    saying why, where torch sees no CUDA device."""
+    """Whole modules in the order ``module_rank`` gives them; the gpu tier (tests marked
+    ``gpu``: ``pytest -m gpu`` on a GPU box) is skipped, saying why, where torch sees no
+    CUDA device."""
     import torch
 
+    rank = {}
+    for item in items:
+        rank[item.module] = min(rank.get(item.module, 2), module_rank(item))
+    items.sort(key=lambda item: rank[item.module])  # stable: each module's own order kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: the gpu tier runs with pytest -m gpu "
@@ -111,6 +116,18 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def module_rank(item) -> int:
+    """0 for the modules of Slurm jobs, 1 for the other slow ones (multi-process runs), 2 for
+    the rest: under ``-n auto`` the longest first (worksteal hands out the collection in
+    contiguous halves, then idle workers take the tail), and the Slurm tests, which mostly
+    wait for clusters and jobs, beside the other worker's training rather than alone at the
+    end (issue 69: the multi-node module was the last 7 minutes of a 39-minute run, one
+    worker idle). A module stays whole: its module fixtures are built once."""
+    if item.get_closest_marker("slurm") is not None:
+        return 0
+    return 1 if item.get_closest_marker("slow") is not None else 2
 
 
 # README's test command runs the suite in parallel (``-n auto``, pytest-xdist). Almost every

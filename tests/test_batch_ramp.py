@@ -236,6 +236,7 @@ def test_a_ramp_that_cannot_work_is_refused_before_any_work(compose, overrides, 
         dry_run(compose([*overrides, "dry_run=true"]))
 
 
+@pytest.mark.slow
 def test_every_layout_takes_the_ramp_like_one_process(tmp_path, markov_root):
     """A pipeline (more pipeline micro batches a step) and ZeRO-2 over two ranks (more
     accumulation) take the same ramp as one process, with its losses (fp32, 1e-4)."""

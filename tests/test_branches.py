@@ -80,6 +80,7 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
             for p in sorted(folder.rglob("*"))}
 
 
+@pytest.mark.slow
 def test_branch_points_survive_keep_last(runs):
     steps = sorted(int(p.name.split("_")[1])
                    for p in (runs["source"] / "checkpoints").iterdir())
@@ -144,6 +145,7 @@ def branch_error(compose, runs, extra: list[str], name: str = "refused") -> str:
     return str(e.value)
 
 
+@pytest.mark.slow
 def test_refused_sources(compose, runs):
     src = runs["source"]
     ck = src / "checkpoints"

@@ -294,6 +294,7 @@ def _save_and_find_with_a_blind_rank_1(rank: int, folder: Path) -> dict[str, str
     return {"found": str(found), "after": str(mgr.latest())}
 
 
+@pytest.mark.slow
 def test_two_ranks_act_on_what_rank_0_sees(tmp_path):
     model, opt = trained_pair(0)
     folder = tmp_path / "checkpoints"

@@ -15,11 +15,13 @@ forward + loss is one graph.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from built_once import built_once
 from helpers import CONF_DIR, failed, run_script, write_spec
 from torch._dynamo.utils import counters
 
@@ -253,8 +255,12 @@ def layout_case(name: str, layout: str) -> Config:
 
 @pytest.fixture(scope="module")
 def layout_losses(tmp_path_factory) -> dict:
-    """Every (model, layout) case in one pair of processes (one start-up for all six)."""
-    out = tmp_path_factory.mktemp("doc_layouts")
+    """Every (model, layout) case in one pair of processes (one start-up for all six), once
+    per pytest run (tests/built_once.py)."""
+    return built_once(tmp_path_factory, "doc-layouts", run_cases)
+
+
+def run_cases(out: Path) -> dict:
     x, y, spans = packed_windows()
     cases = {f"{name}-{layout}": layout_case(name, layout)
              for name in MODELS for layout in LAYOUTS}

@@ -73,6 +73,7 @@ def in_process(capsys, *args: str | Path) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
+@pytest.mark.slow
 def test_bad_inputs_get_one_line_and_exit_2(prepared, tmp_path, capsys):
     """The real command for one case of each kind; main() in-process for the others."""
     run = save_run(tmp_path / "run", prepared / "tokenizer.json")

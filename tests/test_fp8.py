@@ -22,8 +22,11 @@ Tolerances, measured on a 2-layer nano GPT over 30 steps (numbers in the tests):
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from built_once import built_once
 from helpers import MARKOV_DATA, VOCAB, compose_config, run_group
 
 from pretrain.model.gpt import GPT
@@ -48,7 +51,11 @@ COMMON = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, markov_root) -> dict[str, dict]:
-    root = tmp_path_factory.mktemp("fp8")
+    """Once per pytest run (tests/built_once.py)."""
+    return built_once(tmp_path_factory, "fp8", lambda root: train_all(root, markov_root))
+
+
+def train_all(root: Path, markov_root: Path) -> dict[str, dict]:
     common = [*COMMON, f"data.root={markov_root}", f"runs_dir={root / 'runs'}"]
     one = run_group(root, common, 1, {"fp8": ["parallel.dp=1"],
                                       "bf16": ["parallel.dp=1", "precision=bf16"]})
@@ -122,6 +129,7 @@ def test_auto_filter_uses_torchaos_size_thresholds():
     assert "lm_head" in skipped and "layers.0.attn.wq" in skipped
 
 
+@pytest.mark.slow
 def test_fp8_trains_close_to_bf16(runs):
     fp8, bf16 = runs["fp8"]["losses"], runs["bf16"]["losses"]
     diff = max(abs(a - b) for a, b in zip(fp8, bf16, strict=True))

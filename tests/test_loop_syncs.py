@@ -17,8 +17,10 @@ made two more all-reduces (loss, stop) and two more host syncs.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from built_once import built_once
 from helpers import HERE, MARKOV_DATA, VOCAB, by_step, compose_all, failed, run_script, write_spec
 
 STEPS, LOG_EVERY, CHECK_EVERY = 12, 6, 4
@@ -48,8 +50,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, markov_root) -> dict[str, list[dict]]:
-    """Every run's per-rank records, from one torchrun of tests/loop_worker.py."""
-    root = tmp_path_factory.mktemp("loop")
+    """Every run's per-rank records, from one torchrun of tests/loop_worker.py; once per
+    pytest run (tests/built_once.py)."""
+    return built_once(tmp_path_factory, "loop-syncs", lambda root: train_all(root, markov_root))
+
+
+def train_all(root: Path, markov_root: Path) -> dict[str, list[dict]]:
     common = [*COMMON, f"data.root={markov_root}", f"runs_dir={root / 'runs'}"]
     configs = compose_all({name: [*common, *run["overrides"], f"run_name={name}"]
                            for name, run in RUNS.items()})

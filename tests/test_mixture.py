@@ -273,6 +273,7 @@ def command(work: Path, run: str, *extra: str) -> list[str]:
             f"run_name={run}", *extra]
 
 
+@pytest.mark.slow
 def test_the_recipe_trains_and_a_killed_run_resumes_exactly(prepared3):
     work = prepared3
     straight = subprocess.run(command(work, "straight"), cwd=work, capture_output=True,

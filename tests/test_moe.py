@@ -197,6 +197,7 @@ def test_fsdp_shards_experts_along_their_rows_when_the_ranks_outnumber_them():
     assert fsdp_numel((8, 14336, 4096), 64) == 8 * 224 * 4096  # not one padded expert each
 
 
+@pytest.mark.slow
 def test_an_moe_block_compiles_whole_in_bf16():
     """fullgraph=True, as every GPU recipe compiles a block: no graph break in routing,
     counting or the grouped GEMMs, and the numbers of eager mode."""

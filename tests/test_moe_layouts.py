@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from built_once import built_once
 from helpers import run_group
 from test_parallel_layouts import COMMON, FEWER_EVAL_BATCHES, assert_same_training
 
@@ -57,15 +58,14 @@ def moe_env(tmp_path_factory, markov_root):
 
 
 @pytest.fixture(scope="module")
-def runs(moe_env):
+def runs(moe_env, tmp_path_factory):
+    """runs(n): the n-process group's records, run once per pytest run (tests/built_once.py)."""
     @functools.cache
     def get(nproc: int) -> dict[str, dict]:
-        if nproc == 1:
-            return run_group(*moe_env, 1, {"single": ["parallel.dp=1"],
-                                           "single_aux_free": ["parallel.dp=1", *AUX_FREE]},
-                             [FEWER_EVAL_BATCHES])
-        return run_group(*moe_env, nproc, LAYOUTS if nproc == 2 else LAYOUTS_4,
-                         [FEWER_EVAL_BATCHES])
+        layouts = ({"single": ["parallel.dp=1"], "single_aux_free": ["parallel.dp=1", *AUX_FREE]}
+                   if nproc == 1 else LAYOUTS if nproc == 2 else LAYOUTS_4)
+        return built_once(tmp_path_factory, f"moe-layouts-{nproc}", lambda root: run_group(
+            root, moe_env[1], nproc, layouts, [FEWER_EVAL_BATCHES]))
 
     return get
 

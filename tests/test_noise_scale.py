@@ -112,6 +112,7 @@ def _dp_mode(rank: int, mode: str) -> dict:
     return {"value": value, "grad_error": float((g - ref.w.grad).abs().max())}
 
 
+@pytest.mark.slow
 def test_two_data_parallel_ranks(tmp_path):
     """2 ranks x 4 micro batches of 2 samples, FSDP2 (ZeRO-3) and DDP: B_small = the first
     micro batch over both ranks = 4, B_big = 16."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -48,10 +49,16 @@ def test_a_profiled_run_writes_a_trace_of_its_matmuls_and_logs_the_summary(
     (s,) = summarize_folder(tmp_path / "profile")
     assert s.rank == 0 and s.steps == [3, 4]
     assert {"aten::mm", "aten::addmm"} & s.ops  # the model's matmuls
-    assert abs(s.compute + s.comm + s.idle - 1) < 1e-6 and s.compute > 0.2
+    # The shares and the order of the top ops are this CPU's: which op leads (an aten matmul
+    # on one kind, ``autograd::engine::evaluate_function: NativeLayerNormBackward0`` on an
+    # AVX512 Xeon) and how much of the window is compute are not asserted, only that they add up.
+    assert abs(s.compute + s.comm + s.idle - 1) < 1e-6 and s.compute > 0
+    assert s.top and all(name in s.ops and 0 < share <= 1 for name, share in s.top)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile ")]
-    assert len(lines) == 1 and "rank 0 steps 3-4" in lines[0] and "top self time: aten::" in \
-        lines[0] and "rank0_step4.json" in lines[0]
+    assert len(lines) == 1 and "rank 0 steps 3-4" in lines[0] and "rank0_step4.json" in lines[0]
+    listed = lines[0].split("top self time: ", 1)[1].split(" (trace: ")[0]  # "op 20%, ..."
+    assert re.fullmatch(r".+ \d+%(, .+ \d+%){4}", listed), listed
+    assert listed.startswith(f"{s.top[0][0]} ")  # the summary's own largest entry leads
     rows = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 3, 6]
     assert all(0 <= r["data_wait_share"] < 1 and r["step_time_s"] > 0
@@ -144,6 +151,7 @@ def two_rank_run(markov_root: Path, tmp_path: Path, *overrides: str, fault: str,
     return proc, time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_a_slowed_rank_is_named_and_the_traces_show_whom_the_others_waited_for(
         markov_root, tmp_path, capsys):
     proc, _ = two_rank_run(markov_root, tmp_path, *PROFILE, "profile.ranks=[]",
@@ -158,8 +166,13 @@ def test_a_slowed_rank_is_named_and_the_traces_show_whom_the_others_waited_for(
     assert "slowest rank 1" in proc.stderr  # in the log line too
     summaries = summarize_folder(tmp_path / "run" / "profile")
     assert [(s.rank, s.steps) for s in summaries] == [(0, [3, 4]), (1, [3, 4])]
-    # rank 0 waits in the all-reduce, rank 1 sleeps outside any op
-    assert summaries[0].comm > 0.5 > summaries[1].comm and summaries[1].idle > 0.5
+    # rank 0 waits in the all-reduce, rank 1 sleeps outside any op: each for about the 0.3 s
+    # a step injected, whatever the step's compute takes on this CPU (as shares of the step,
+    # above one half, they held only where a step computed in under 0.3 s)
+    waited, slept = (summaries[0].comm * summaries[0].step_ms,
+                     summaries[1].idle * summaries[1].step_ms)
+    assert waited > 200 and slept > 250, (waited, slept)
+    assert summaries[0].comm > summaries[1].comm and summaries[1].idle > summaries[0].idle
 
     from pretrain.tools.trace_summary import main
 
@@ -171,6 +184,7 @@ def test_a_slowed_rank_is_named_and_the_traces_show_whom_the_others_waited_for(
     assert first.strip().startswith("gloo:all_reduce") and "slowest rank 1" in first
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_ends_the_run_within_the_timeout_with_one_line(markov_root, tmp_path):
     timeout = 4
     proc, _ = two_rank_run(markov_root, tmp_path, f"comm.train_timeout_s={timeout}",

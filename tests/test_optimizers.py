@@ -20,8 +20,11 @@ update (tests/optim_shard_worker.py, 2 processes)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from built_once import built_once
 from helpers import HERE, compose_all, failed, one_thread, problems, run_script, write_spec
 from test_parallel_layouts import (
     COMMON,
@@ -82,7 +85,11 @@ def _run(root, common: list[str], nproc: int, layouts: dict, resumes: dict) -> d
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, markov_root) -> dict[int, dict]:
-    root = tmp_path_factory.mktemp("optimizers")
+    """Once per pytest run (tests/built_once.py)."""
+    return built_once(tmp_path_factory, "optimizers", lambda root: train_all(root, markov_root))
+
+
+def train_all(root: Path, markov_root: Path) -> dict[int, dict]:
     common = [*COMMON, f"data.root={markov_root}", f"runs_dir={root / 'runs'}"]
     one = _run(root, common, 1, {opt: o for opt, o in OPTIMS.items()}, {})
     two = _run(root, common, 2, {f"{opt}_{lay}": [*o, *LAYOUTS[lay]]

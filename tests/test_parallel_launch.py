@@ -34,6 +34,7 @@ def run_local(*args: str, cwd=REPO, check: bool = True) -> subprocess.CompletedP
                           text=True, check=check, env=launch_env(), timeout=600)
 
 
+@pytest.mark.slow
 def test_run_local_counts_the_processes_a_layout_needs():
     out = run_local("--print", "+recipe=nano-3d").stdout
     assert "pretrain.launch.torchrun --standalone --nproc_per_node=8" in out  # torchrun
@@ -43,6 +44,7 @@ def test_run_local_counts_the_processes_a_layout_needs():
     assert "--nproc_per_node=4" in out
 
 
+@pytest.mark.slow
 def test_run_local_needs_nproc_when_dp_is_left_to_the_world():
     proc = run_local("--print", "+recipe=tiny", "parallel=zero3", "parallel.dp=null",
                      check=False)

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from built_once import built_once
 from helpers import MARKOV_DATA, VOCAB, run_group
 
 from pretrain import torch_compat
@@ -128,24 +129,27 @@ def layout_env(tmp_path_factory, markov_root) -> tuple[Path, list[str]]:
 
 
 @pytest.fixture(scope="session")
-def reference(layout_env) -> dict[str, dict]:
+def reference(layout_env, tmp_path_factory) -> dict[str, dict]:
     """One process: the plain run and its activation-checkpointing variants."""
     single = {"single": ["parallel.dp=1"]}
     single.update({name: ["parallel.dp=1", *extra] for name, extra in AC_VARIANTS.items()})
     single["offload_params"] = ["parallel.dp=1", "parallel.offload=params"]
     single["single_completep"] = ["parallel.dp=1", *COMPLETEP]
-    return run_group(*layout_env, 1, single, [FEWER_EVAL_BATCHES])
+    return built_once(tmp_path_factory, "layouts-reference", lambda root: run_group(
+        root, layout_env[1], 1, single, [FEWER_EVAL_BATCHES]))
 
 
 @pytest.fixture(scope="session")
-def groups(layout_env) -> Callable[[int], dict[str, dict]]:
-    """groups(n): the results of every n-process layout, run once per session on demand."""
+def groups(layout_env, tmp_path_factory) -> Callable[[int], dict[str, dict]]:
+    """groups(n): the results of every n-process layout, run once per pytest run (whichever
+    worker asks first: tests/built_once.py) on demand."""
 
     @functools.cache
     def group(nproc: int) -> dict[str, dict]:
         layouts = {n: overrides for n, (procs, overrides) in {**LAYOUTS, **MUP_LAYOUTS}.items()
                    if procs == nproc and (n in RUNS_HERE or n in MUP_LAYOUTS)}
-        return run_group(*layout_env, nproc, layouts, [FEWER_EVAL_BATCHES])
+        return built_once(tmp_path_factory, f"layouts-{nproc}", lambda root: run_group(
+            root, layout_env[1], nproc, layouts, [FEWER_EVAL_BATCHES]))
 
     return group
 

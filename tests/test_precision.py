@@ -64,6 +64,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from built_once import built_once
 from helpers import (
     HERE,
     MARKOV_DATA,
@@ -138,17 +139,24 @@ def train(env, name: str, extra: list[str], steps: int = STEPS, **kwargs) -> dic
 
 
 @pytest.fixture(scope="module")
-def fp32(env) -> dict:
-    return train(env, "fp32", ["precision=fp32"], snapshot_at=DP2_STEPS)
+def fp32(env, tmp_path_factory) -> dict:
+    """This and the module's other runs: once per pytest run (tests/built_once.py)."""
+    return built_once(tmp_path_factory, "precision-fp32", lambda _: train(
+        env, "fp32", ["precision=fp32"], snapshot_at=DP2_STEPS))
 
 
 @pytest.fixture(scope="module")
-def bf16(env) -> dict:
-    return train(env, "bf16", ["precision=bf16"])
+def bf16(env, tmp_path_factory) -> dict:
+    return built_once(tmp_path_factory, "precision-bf16",
+                      lambda _: train(env, "bf16", ["precision=bf16"]))
 
 
 @pytest.fixture(scope="module")
-def compiled(env) -> dict:
+def compiled(env, tmp_path_factory) -> dict:
+    return built_once(tmp_path_factory, "precision-compiled", lambda _: train_compiled(env))
+
+
+def train_compiled(env) -> dict:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # no cache entry from another test: this run compiles the block
@@ -160,9 +168,13 @@ def compiled(env) -> dict:
 
 
 @pytest.fixture(scope="module")
-def dp2(env) -> dict[str, list[dict] | str]:
+def dp2(env, tmp_path_factory) -> dict[str, list[dict] | str]:
     """Every DP2_JOBS job in one 2-process torchrun: per job, the two ranks' records, or
     (for a job that did not finish) the run's output."""
+    return built_once(tmp_path_factory, "precision-dp2", lambda _: run_dp2(env))
+
+
+def run_dp2(env) -> dict[str, list[dict] | str]:
     root, common = env
     out = root / "dp2"
     out.mkdir()
@@ -216,6 +228,7 @@ def test_bf16_tracks_fp32_within_half_a_bf16_roundoff(fp32, bf16):
 # -- compile -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_one_process_compiles_model_and_loss_as_one_graph(compiled):
     """One process: the whole model and its loss in one graph (nanoGPT's way), no block
     compiled on its own, no graph break (fullgraph would have raised)."""

@@ -24,6 +24,7 @@ def compared() -> dict[str, dict]:
     return {r.name: compare(r) for r in RUNS}
 
 
+@pytest.mark.slow
 def test_every_published_layout_fits_in_the_memory_it_ran_in(compared):
     for name, row in compared.items():
         assert row["fits"], (name, row["predicted_gib"], row["capacity_gib"])

@@ -101,6 +101,7 @@ def test_default_config_is_the_tiny_recipe(compose):
     assert resolve_plan(default).plan == resolve_plan(tiny).plan
 
 
+@pytest.mark.slow
 def test_train_py_dry_run_prints_one_json_line(tmp_path):
     data_root, runs = tmp_path / "data", tmp_path / "runs"
     proc = subprocess.run(

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from built_once import built_once
 from helpers import (
     CORPUS_FILES,
     REPO,
@@ -81,8 +82,12 @@ def resume_here(work: Path, name: str, *args: str) -> dict:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
     """dp=2 zero3: K steps, stop (exit 75) with a checkpoint; then the same command resumes
-    and finishes (steps K+1, K+2), as the reference for every other layout."""
-    work = tmp_path_factory.mktemp("relayout")
+    and finishes (steps K+1, K+2), as the reference for every other layout. Built once per
+    pytest run (tests/built_once.py); each test writes runs of its own names beside it."""
+    return built_once(tmp_path_factory, "relayout", save_and_finish)
+
+
+def save_and_finish(work: Path) -> dict:
     write_corpus(work)
     args = ["parallel=zero3", "parallel.dp=2", "run_name=dp2"]
     first = launch(work, *args, f"train.exit_interval={K}")
@@ -94,6 +99,7 @@ def saved(tmp_path_factory) -> dict:
     return {"work": work, "ckpt": ckpt, "losses": by_step(work / "runs" / "dp2")}
 
 
+@pytest.mark.slow
 def test_dp2_resume_matches_uninterrupted(saved, tmp_path):
     work = saved["work"]
     proc = launch(work, "parallel=zero3", "parallel.dp=2", "run_name=dp2-straight",
@@ -105,6 +111,7 @@ def test_dp2_resume_matches_uninterrupted(saved, tmp_path):
         assert abs(saved["losses"][step] - loss) <= 1e-5, step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_resume_on_another_layout(saved, name):
     work = saved["work"]
@@ -125,10 +132,13 @@ MOE = ["model.mlp=swiglu", "model.bias=false", "model.moe_experts=4", "model.moe
 
 
 @pytest.fixture(scope="module")
-def saved_moe(saved) -> dict:
+def saved_moe(saved, tmp_path_factory) -> dict:
     """The same with a mixture of experts whose aux_free biases (model state, not
     parameters) have moved: saved by two zero3 ranks at step K, then finished there."""
-    work = saved["work"]
+    return built_once(tmp_path_factory, "relayout-moe", lambda _: save_moe(saved["work"]))
+
+
+def save_moe(work: Path) -> dict:
     args = [*MOE, "parallel=zero3", "parallel.dp=2", "run_name=moe-dp2"]
     first = launch(work, *args, f"train.exit_interval={K}")
     assert first.returncode == 75, first.stderr[-4000:]
@@ -141,6 +151,7 @@ def saved_moe(saved) -> dict:
 EP2 = ["parallel=zero3", "parallel.dp=2", "parallel.ep=2"]  # 2 experts on each rank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["one", "pp2", "ep2"])
 def test_a_mixture_of_experts_resumes_on_another_layout(saved, saved_moe, name):
     """Saved without expert parallelism (EP=1), resumed on one process, on a pipeline,
@@ -161,6 +172,7 @@ def test_a_mixture_of_experts_resumes_on_another_layout(saved, saved_moe, name):
         assert abs(got[step] - saved_moe["losses"][step]) <= 1e-4, (step, got, saved_moe)
 
 
+@pytest.mark.slow
 def test_an_expert_parallel_checkpoint_resumes_on_one_process(saved, saved_moe):
     """EP=2 -> EP=1: saved by two ranks holding two experts each (DCP keeps whole expert
     tensors), resumed by one process holding all four; the continuation is the EP=1 run's."""

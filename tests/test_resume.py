@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from built_once import built_once
 from helpers import (
     CORPUS_FILES,
     REPO,
@@ -34,9 +35,9 @@ EXIT_REQUEUE = 75
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("resume")
-    write_corpus(work)
-    return work
+    """The corpus and the runs' folder, one per pytest run (tests/built_once.py): the tests
+    write runs of their own names in it, and the uninterrupted run is built once."""
+    return built_once(tmp_path_factory, "resume", lambda work: (write_corpus(work), work)[1])
 
 
 def command(work: Path, run: str, *extra: str) -> list[str]:
@@ -59,7 +60,11 @@ def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def straight(work) -> dict[int, float]:
+def straight(work, tmp_path_factory) -> dict[int, float]:
+    return built_once(tmp_path_factory, "resume-straight", lambda _: run_straight(work))
+
+
+def run_straight(work: Path) -> dict[int, float]:
     proc = run(command(work, "straight"), work)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = losses(work / "runs" / "straight")
@@ -67,6 +72,7 @@ def straight(work) -> dict[int, float]:
     return got
 
 
+@pytest.mark.slow
 def test_exit_interval_requeues_until_done(work, straight):
     cmd = command(work, "chunks", "checkpoint.enabled=true", "train.exit_interval=10")
     codes = [run(cmd, work).returncode for _ in range(3)]
@@ -78,6 +84,7 @@ def test_exit_interval_requeues_until_done(work, straight):
     assert read_result(run_dir)["steps"] == STEPS
 
 
+@pytest.mark.slow
 def test_signal_saves_and_resume_is_exact(work, straight):
     cmd = command(work, "signal", "checkpoint.enabled=true", "checkpoint.interval_steps=3")
     run_dir = work / "runs" / "signal"
@@ -98,6 +105,7 @@ def test_signal_saves_and_resume_is_exact(work, straight):
     assert losses(run_dir) == straight
 
 
+@pytest.mark.slow
 def test_kill_after_completed_save_then_resume_is_exact(work, straight):
     cmd = command(work, "killed", "checkpoint.enabled=true", "checkpoint.interval_steps=5",
                   "checkpoint.async_save=false")
@@ -184,6 +192,7 @@ def test_resume_from_an_incomplete_checkpoint_fails_on_every_rank(two_rank_resum
     assert ".distcp is missing" in message  # what rank 0 saw (rank 1 sees no directory)
 
 
+@pytest.mark.slow
 def test_completep_checkpoint_resumes_exactly(work):
     """CompleteP (muP's per-group LRs, epsilons and decay, output and attention scales, plus
     the 1/L residual branches) away from its base shape: a run stopped and resumed at step

@@ -117,7 +117,7 @@ def sacct_states(jobs: list[str], env: dict[str, str], timeout: float = 30) -> d
         time.sleep(0.5)
 
 
-SUBMIT_STEPS = 6
+SUBMIT_STEPS = 8  # also the preemption test's reference: time to signal it mid-way
 
 
 @pytest.fixture(scope="module")
@@ -206,20 +206,22 @@ def test_usr1_reaches_the_workers_and_the_job_requeues(slurm, tmp_path):
     assert read_result(run) == {"resumed_from": "step_0000003"}
 
 
-def test_preemption_saves_requeues_and_resumes_to_the_same_loss(slurm, work_dir, prepared,
-                                                               tmp_path):
-    steps, runs = 40, tmp_path / "runs"
-    reference = submit(gloo_run(work_dir, runs, "reference", steps), work_dir, slurm)
-    assert wait_job(reference, slurm)["JobState"] == "COMPLETED"
-    expected = read_result(runs / "reference")["final_val_loss"]
+def test_preemption_saves_requeues_and_resumes_to_the_same_loss(slurm, submitted, work_dir,
+                                                               prepared, tmp_path):
+    """The reference is ``submitted``, the same run uninterrupted (it was a 40-step job of
+    its own); rank 0 slowed to 0.6 s a step leaves time to signal a short run mid-way, and a
+    stop is seen the step after it arrives (train.stop_check_interval=1)."""
+    steps, runs = SUBMIT_STEPS, tmp_path / "runs"
+    expected = read_result(submitted[1])["final_val_loss"]
 
     # wandb offline in this run: the requeued attempt must continue the first one's run
-    job = submit([*gloo_run(work_dir, runs, "preempted", steps), "logging.wandb=offline"],
-                 work_dir, slurm)
+    env = {**slurm, "PRETRAIN_FAULT": "slow:rank=0:seconds=0.6"}
+    job = submit([*gloo_run(work_dir, runs, "preempted", steps), "logging.wandb=offline",
+                  "train.stop_check_interval=1"], work_dir, env)
     run = runs / "preempted"
     deadline = time.monotonic() + 180
-    while not any(m.get("step", 0) >= 3 for m in read_metrics(run)):
-        assert time.monotonic() < deadline, "the run never reached step 3"
+    while not any(m.get("step", 0) >= 2 for m in read_metrics(run)):
+        assert time.monotonic() < deadline, "the run never reached step 2"
         assert job_info(job, slurm).get("JobState") not in TERMINAL, "finished too early"
         time.sleep(0.1)
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=slurm, check=True)

@@ -151,6 +151,7 @@ def test_bad_stability_keys_are_refused_naming_the_fix(compose, overrides, says)
         check(compose(overrides))
 
 
+@pytest.mark.slow
 def test_z_loss_under_a_pipeline_is_the_one_process_z_loss(prepared, tmp_path):
     """pp=2 (two processes, the loss on the last stage, the schedule's first step calling the
     loss to infer shapes too): the same reported losses and z-loss terms as one process."""

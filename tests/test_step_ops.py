@@ -97,6 +97,7 @@ def report(mine: Counter, plain: Counter) -> str:
             f"({sum(mine.values()) / sum(plain.values()):.3f}x); most added: {top}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision,narrow", [("fp32", False), ("bf16", True)])
 def test_a_step_dispatches_what_the_plain_loop_does(markov_root, tmp_path, precision, narrow):
     with one_thread():

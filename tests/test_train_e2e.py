@@ -6,8 +6,10 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from built_once import built_once
 from helpers import CORPUS_FILES, REPO, read_result, write_corpus
 
 from pretrain.config.naming import run_name
@@ -18,8 +20,12 @@ TRAIN_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "memory_
 
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory) -> dict:
-    """Run the same command twice; return what each run left behind."""
-    work = tmp_path_factory.mktemp("e2e")
+    """Run the same command twice; return what each run left behind. Once per pytest run
+    (tests/built_once.py)."""
+    return built_once(tmp_path_factory, "e2e", run_twice)
+
+
+def run_twice(work: Path) -> dict:
     write_corpus(work)
     runs = work / "runs"
     overrides = [
@@ -50,6 +56,7 @@ def e2e(tmp_path_factory) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_run_directory_is_deterministic(e2e):
     expected = run_name(None, e2e["overrides"])
     assert expected.startswith("default__") and "runs_dir" not in expected
