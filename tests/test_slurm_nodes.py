@@ -342,3 +342,55 @@ def test_a_job_that_loses_node_after_node_gives_up_in_one_line(nodes, tmp_path):
         "lost node(s) n2; giving up: 2 nodes lost in this job (n3 n2), more than "
         "MAX_NODE_LOSSES=1; not requeued"), log[-3000:]
     assert "requeueing" not in log
+
+
+def test_a_node_lost_under_torchft_costs_no_restart_and_heals(nodes, work_dir, prepared,
+                                                             tmp_path):
+    """cluster.fault_tolerance=torchft: two replica groups, a job and a node each
+    (slurm/ft_group.sbatch), the Lighthouse in this process (the login node's place). n2 is
+    killed mid-run: group 0 trains on without a restart (its job never requeued, at most the
+    one step the failure spoiled taken again); n2 revived, group 1's job is requeued by Slurm,
+    heals from group 0 at its first step, and both end with bit-identical parameters and
+    optimizer state."""
+    pytest.importorskip("torchft")
+    from test_fault_tolerance import assert_identical, ft_args, lighthouse, saved_state
+
+    steps, runs = 100, tmp_path / "runs"
+    env = {**nodes, "PRETRAIN_FAULT": "slow:rank=0:seconds=0.25", "PYTHON": sys.executable,
+           "TRAIN_PY": str(REPO / "train.py"), "GLOO_SOCKET_IFNAME": nodes[GLOO_IF]}
+    run = runs / "ft"
+    run.mkdir(parents=True)
+    with lighthouse(min_replicas=1) as address:
+        jobs = []
+        for g, node in enumerate(("n1", "n2")):
+            out = subprocess.run(
+                ["sbatch", "--parsable", f"--nodelist={node}", f"--output={run}/slurm-%j.out",
+                 str(REPO / "slurm" / "ft_group.sbatch"),
+                 *ft_args(work_dir, runs, steps, address, interval=20)],
+                env={**env, "PRETRAIN_FT_GROUP": str(g), "TORCHFT_LIGHTHOUSE": address},
+                cwd=work_dir, capture_output=True, text=True, check=True).stdout
+            jobs.append(int(out.strip().split(";")[0]))
+        deadline = time.monotonic() + 180
+        while not any(m.get("step", 0) >= 10 for m in read_metrics(run / "group1")):
+            assert time.monotonic() < deadline, f"no step 10: {job_info(jobs[1], nodes)}"
+            time.sleep(0.2)
+        try:
+            killed = cluster(nodes, "kill-node", "n2")
+            assert killed.returncode == 0, killed.stderr
+        finally:
+            cluster(nodes, "revive-node", "n2", timeout=120)
+        infos = [wait_job(job, nodes, timeout=240) for job in jobs]
+    logs = [(run / f"slurm-{job}.out").read_text() for job in jobs]
+    assert infos[0]["JobState"] == "COMPLETED" and infos[0]["Restarts"] == "0", logs[0][-4000:]
+    assert infos[1]["JobState"] == "COMPLETED" and infos[1]["Restarts"] == "1", logs[1][-4000:]
+    assert "torchft: 1 replica group(s) in this step's quorum (was 2)" in logs[0], logs[0][-4000:]
+    assert logs[0].count("not committed") <= 1
+    healed = re.search(r"torchft: healed from a live peer at step (\d+)", logs[1].split(
+        "(restart 1)", 1)[-1])
+    assert healed and int(healed.group(1)) > 10, logs[1][-4000:]
+    # group 0 never restarted: each of its steps logged once
+    assert [m["step"] for m in read_metrics(run / "group0") if "loss" in m] == list(
+        range(1, steps + 1))
+    final = f"checkpoints/step_{steps:07d}"
+    assert_identical(saved_state(run / "group1" / final, tmp_path),
+                     saved_state(run / "group0" / final, tmp_path))
