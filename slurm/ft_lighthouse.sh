@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The torchft Lighthouse of a cluster.fault_tolerance=torchft run, kept alive: run it on a
+# The torchft Lighthouse of a ft.mode=torchft run, kept alive: run it on a
 # host outside the compute nodes (the login or service node, beside slurmctld), where no
 # node failure reaches it; if it exits it is started again at the same address (it holds
 # no state the groups need: they re-form the quorum from their own steps).

@@ -1,4 +1,4 @@
-"""cluster.fault_tolerance=torchft on this machine (two replica groups as two train.py
+"""ft.mode=torchft on this machine (two replica groups as two train.py
 processes and a Lighthouse in this one, no Slurm): a full restart resumes every group from
 its checkpoint, a group with nothing heals from a live peer, and both give the state of the
 uninterrupted run bit for bit (model and optimizer). The multi-node version, a node killed
@@ -47,8 +47,8 @@ def ft_args(work_dir: Path, runs: Path, steps: int, address: str, interval: int)
             "schedule.warmup_steps=2", "train.eval_batches=2", f"train.eval_interval={steps}",
             "train.sample_tokens=0", "logging=quiet", "logging.log_interval=1",
             "checkpoint.enabled=true", f"checkpoint.interval_steps={interval}",
-            "checkpoint.async_save=false", "cluster.fault_tolerance=torchft",
-            "cluster.ft_groups=2", f"cluster.ft_lighthouse={address}"]
+            "checkpoint.async_save=false", "ft.mode=torchft",
+            "ft.groups=2", f"ft.lighthouse={address}"]
 
 
 def run_groups(args: list[str], cwd: Path, timeout: float = 240) -> list[str]:

@@ -346,7 +346,7 @@ def test_a_job_that_loses_node_after_node_gives_up_in_one_line(nodes, tmp_path):
 
 def test_a_node_lost_under_torchft_costs_no_restart_and_heals(nodes, work_dir, prepared,
                                                              tmp_path):
-    """cluster.fault_tolerance=torchft: two replica groups, a job and a node each
+    """ft.mode=torchft: two replica groups, a job and a node each
     (slurm/ft_group.sbatch), the Lighthouse in this process (the login node's place). n2 is
     killed mid-run: group 0 trains on without a restart (its job never requeued, at most the
     one step the failure spoiled taken again); n2 revived, group 1's job is requeued by Slurm,

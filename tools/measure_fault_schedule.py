@@ -123,8 +123,8 @@ def main() -> int:
         per_group = args.batch // args.nodes
         for g, node in enumerate(nodes):
             ft = [f"train.global_batch_size={per_group}", "parallel=single",
-                  "cluster.fault_tolerance=torchft", f"cluster.ft_groups={args.nodes}",
-                  f"cluster.ft_lighthouse={address}"]
+                  "ft.mode=torchft", f"ft.groups={args.nodes}",
+                  f"ft.lighthouse={address}"]
             out = sh("sbatch", "--parsable", f"--nodelist={node}",
                      f"--output={runs / name}/slurm-%j.out",
                      str(REPO / "slurm" / "ft_group.sbatch"),

@@ -39,7 +39,7 @@ from pretrain.config.choices import (  # re-exported: schema is where users impo
 )
 from pretrain.config.choices import Choice as Choice  # noqa: I001 re-exported
 from pretrain.config.data_schema import DataConfig, MixtureSource, MixtureStage  # noqa: F401 re-exported
-from pretrain.config.observe_schema import CommConfig, ProfileConfig
+from pretrain.config.observe_schema import CommConfig, FaultToleranceConfig, ProfileConfig
 from pretrain.config.ramp_schema import BatchRampConfig
 from pretrain.errors import UserError
 
@@ -352,8 +352,7 @@ class TrainConfig:
 class ClusterConfig:
     """Where and how ``tools/launch.py`` submits a run to SLURM (``conf/cluster/``).
 
-    Training never reads it (but ``fault_tolerance`` and its ``ft_*`` keys, which pick the
-    replica-group runner), and ``cluster.*`` overrides do not change the run directory:
+    Training never reads it, and ``cluster.*`` overrides do not change the run directory:
     the same run can move between clusters and resume from its checkpoints."""
 
     name: str = "default"
@@ -395,15 +394,6 @@ class ClusterConfig:
     prepare_cpus_per_task: int = 4  # each task's CPUs (the tokenizer uses several threads)
     prepare_time: str | None = None  # each job's time limit; None: cluster.time
     prepare_mem: str | None = None  # each job's sbatch --mem; None: the site's default
-    # Per-step fault tolerance (docs/reliability.md#torchft): "torchft" makes each node a
-    # replica group of its own (shard inside it, replicate across), coordinated by a torchft
-    # Lighthouse; a lost group drops out at the next step, a returning one heals from a
-    # peer. The one cluster key training reads (train/fault_tolerant.py). "none": off.
-    fault_tolerance: str = "none"
-    ft_groups: int = 2  # replica groups; train.global_batch_size is each group's batch
-    ft_lighthouse: str | None = None  # http://HOST:PORT; None: $TORCHFT_LIGHTHOUSE
-    ft_min_replicas: int = 1  # groups a step needs (1: any one survivor trains on)
-    ft_timeout_s: float = 30.0  # a collective, the commit vote, a heal's transfer
 
 
 @dataclass
@@ -441,10 +431,10 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     run_name: str = "default"
     runs_dir: str = "runs"
-    # Print the resolved plan as one JSON line and exit without training.
-    dry_run: bool = False
+    dry_run: bool = False  # print the resolved plan as one JSON line and exit without training
 
 
 class ConfigError(UserError, ValueError):

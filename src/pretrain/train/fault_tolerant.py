@@ -1,4 +1,4 @@
-"""The run as one torchft replica group of several (``cluster.fault_tolerance=torchft``).
+"""The run as one torchft replica group of several (``ft.mode=torchft``).
 
 The loop is trainer.py's, unchanged; this subclass wraps it from outside, as the parallel
 layer wraps the model: before each step the group's quorum (parallel/replica_groups.py; a
@@ -10,7 +10,7 @@ restart needs.
 
 The batch while a group is away (docs/reliability.md#torchft): each group trains
 ``train.global_batch_size`` sequences a step, the ``group``-th slice of step ``s``'s
-``ft_groups`` slices (a fixed place in the data, whoever is present), so the global batch
+``ft.groups`` slices (a fixed place in the data, whoever is present), so the global batch
 is that times the groups present, and the LR (its schedule runs in steps) is unchanged:
 the update is the mean gradient of a smaller batch, as torchft's averaging over the quorum
 makes it. A missing group's slices are skipped, never trained later.
@@ -31,7 +31,7 @@ from pretrain.train import trainer as loop
 
 log = logging.getLogger("pretrain")
 
-GROUP_ENV = "PRETRAIN_FT_GROUP"  # this process's replica group, 0..ft_groups-1
+GROUP_ENV = "PRETRAIN_FT_GROUP"  # this process's replica group, 0..ft.groups-1
 
 
 class NotCommitted(RuntimeError):
@@ -59,19 +59,19 @@ class AveragedStep:
 
 
 def ft_problems(cfg: Config, group: int | None) -> list[str]:
-    cl = cfg.cluster
+    ft = cfg.ft
     out = []
-    if cl.fault_tolerance not in ("none", "torchft"):
-        out.append(f"cluster.fault_tolerance={cl.fault_tolerance}: 'none' or 'torchft'")
-    if cl.fault_tolerance == "torchft":
-        if group is None or not 0 <= group < cl.ft_groups:
-            out.append(f"{GROUP_ENV} must name this replica group, 0..{cl.ft_groups - 1} "
-                       f"(cluster.ft_groups={cl.ft_groups}); slurm/ft_group.sbatch sets it")
-        if not (cl.ft_lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
-            out.append("cluster.ft_lighthouse=http://HOST:PORT (or $TORCHFT_LIGHTHOUSE): "
+    if ft.mode not in ("none", "torchft"):
+        out.append(f"ft.mode={ft.mode}: 'none' or 'torchft'")
+    if ft.mode == "torchft":
+        if group is None or not 0 <= group < ft.groups:
+            out.append(f"{GROUP_ENV} must name this replica group, 0..{ft.groups - 1} "
+                       f"(ft.groups={ft.groups}); slurm/ft_group.sbatch sets it")
+        if not (ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
+            out.append("ft.lighthouse=http://HOST:PORT (or $TORCHFT_LIGHTHOUSE): "
                        "the Lighthouse's address (slurm/ft_lighthouse.sh starts one)")
         if getattr(cfg.batch_ramp.name, "value", cfg.batch_ramp.name) != "none":
-            out.append("cluster.fault_tolerance=torchft with a batch ramp: use batch_ramp=none")
+            out.append("ft.mode=torchft with a batch ramp: use batch_ramp=none")
     return out
 
 
@@ -83,9 +83,9 @@ class ReplicaGroupTrainer(loop.Trainer):
         self.group = int(group) if group is not None and group.isdigit() else None
         problems = ft_problems(cfg, self.group)
         if problems:
-            raise ConfigError("; ".join(problems))
+            raise ConfigError(problems)
         super().__init__(cfg, Path(run_dir) / f"group{self.group}")
-        self.groups_n = cfg.cluster.ft_groups
+        self.groups_n = cfg.ft.groups
         self.replicas: ReplicaGroups | None = None
         self.redone = 0  # steps taken again after a peer failed during them
 
@@ -99,10 +99,10 @@ class ReplicaGroupTrainer(loop.Trainer):
 
     def _build_training(self) -> None:
         super()._build_training()
-        cl = self.cfg.cluster
+        ft = self.cfg.ft
         self.replicas = ReplicaGroups(
-            self.group, cl.ft_lighthouse or os.environ["TORCHFT_LIGHTHOUSE"],
-            cl.ft_min_replicas, cl.ft_timeout_s, self.heal_state, self.load_heal_state)
+            self.group, ft.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"],
+            ft.min_replicas, ft.timeout_s, self.heal_state, self.load_heal_state)
         params = lambda: [p for part in self.module.parts for p in part.parameters()]  # noqa
         self.module.strategy = AveragedStep(self.module.strategy, self.replicas, params)
 
@@ -150,8 +150,8 @@ class ReplicaGroupTrainer(loop.Trainer):
 
 
 def run(cfg: Config, run_dir: Path) -> dict | None:
-    """train.py's entry: the replica group's trainer under cluster.fault_tolerance=torchft,
+    """train.py's entry: the replica group's trainer under ft.mode=torchft,
     the plain one otherwise."""
-    if cfg.cluster.fault_tolerance == "torchft" and not cfg.dry_run:
+    if cfg.ft.mode == "torchft" and not cfg.dry_run:
         return loop.run(cfg, run_dir, trainer_class=ReplicaGroupTrainer)
     return loop.run(cfg, run_dir)
