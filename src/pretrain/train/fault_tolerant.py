@@ -72,6 +72,9 @@ def ft_problems(cfg: Config, group: int | None) -> list[str]:
                        "the Lighthouse's address (slurm/ft_lighthouse.sh starts one)")
         if getattr(cfg.batch_ramp.name, "value", cfg.batch_ramp.name) != "none":
             out.append("ft.mode=torchft with a batch ramp: use batch_ramp=none")
+        if cfg.optim.spike_guard:  # judged on each group's own loss: groups would diverge
+            out.append("ft.mode=torchft with optim.spike_guard=true: use optim.spike_guard="
+                       "false (each group would judge its own loss and skip other steps)")
     return out
 
 
