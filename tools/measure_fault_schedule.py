@@ -69,9 +69,9 @@ def common(work: Path, runs: Path, name: str, model: list[str], batch: int) -> l
             "data.data_files=[" + ",".join(f"corpus/doc{i:02d}.txt" for i in range(10)) + "]",
             "data.tokenizer_vocab_size=300", "data.validation_fraction=0.1",
             "data.num_proc=1", f"data.root={work / 'data'}", f"runs_dir={runs}",
-            f"run_name={name}", "budget=steps", "budget.steps=100000",
+            f"run_name={name}", "budget=steps", "budget.steps=5000", "data.max_epochs=1000",
             f"train.global_batch_size={batch}", "parallel.micro_batch_size=2",
-            "train.eval_batches=2", "train.eval_interval=100000", "train.sample_tokens=0",
+            "train.eval_batches=2", "train.eval_interval=5000", "train.sample_tokens=0",
             "logging=quiet", "logging.log_interval=1", "checkpoint.enabled=true",
             "checkpoint.interval_steps=20", "checkpoint.async_save=false", *model]
 
@@ -105,11 +105,13 @@ def main() -> int:
     shutil.rmtree(runs / name, ignore_errors=True)
     (runs / name).mkdir(parents=True)
     nodes = [f"n{i + 1}" for i in range(args.nodes)]
+    netns = Path(os.environ.get("SLURM_LOCAL_DIR", "/tmp/pretrain-slurm"), "netns")
     lighthouse, jobs = None, []
     if args.path == "restart":
         out = sh(sys.executable, str(REPO / "tools" / "launch.py"),
                  *common(args.work, runs, name, args.model, args.batch), "cluster=local",
-                 "cluster.procs_per_node=1", f"parallel.dp={args.nodes}",
+                 "cluster.procs_per_node=1", f"parallel.dp={args.nodes}", f"cluster.env."
+                 f"GLOO_SOCKET_IFNAME={'eth0' if netns.read_text().strip() == '1' else 'lo'}",
                  f"--nodes={args.nodes}", env=env, cwd=args.work, check=True).stdout
         jobs.append(out.split("submitted job ")[1].split()[0])
         metrics = [runs / name / "metrics.jsonl"]
