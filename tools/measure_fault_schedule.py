@@ -106,12 +106,13 @@ def main() -> int:
     (runs / name).mkdir(parents=True)
     nodes = [f"n{i + 1}" for i in range(args.nodes)]
     netns = Path(os.environ.get("SLURM_LOCAL_DIR", "/tmp/pretrain-slurm"), "netns")
+    iface = "eth0" if netns.exists() and netns.read_text().strip() == "1" else "lo"
     lighthouse, jobs = None, []
     if args.path == "restart":
         out = sh(sys.executable, str(REPO / "tools" / "launch.py"),
                  *common(args.work, runs, name, args.model, args.batch), "cluster=local",
-                 "cluster.procs_per_node=1", f"parallel.dp={args.nodes}", f"cluster.env."
-                 f"GLOO_SOCKET_IFNAME={'eth0' if netns.read_text().strip() == '1' else 'lo'}",
+                 "cluster.procs_per_node=1", f"parallel.dp={args.nodes}",
+                 f"cluster.env.GLOO_SOCKET_IFNAME={iface}",
                  f"--nodes={args.nodes}", env=env, cwd=args.work, check=True).stdout
         jobs.append(out.split("submitted job ")[1].split()[0])
         metrics = [runs / name / "metrics.jsonl"]
