@@ -112,3 +112,22 @@ def test_a_restart_from_a_checkpoint_and_a_heal_from_a_peer_give_the_same_state(
     assert_identical(saved_state(x / "ft" / "group1" / final, tmp_path), want)
     for g in (0, 1):
         assert_identical(saved_state(y / "ft" / f"group{g}" / final, tmp_path), want)
+
+
+def test_what_torchft_needs_and_refuses_is_named(monkeypatch):
+    """No group number, no Lighthouse, a batch ramp, the spike guard: each named with its
+    key (the check runs before anything is built)."""
+    from helpers import compose_config
+
+    from pretrain.train.fault_tolerant import ft_problems
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    cfg = compose_config(["ft.mode=torchft", "ft.groups=2", "optim.spike_guard=true",
+                          "batch_ramp=tokens"])
+    found = " | ".join(ft_problems(cfg, None))
+    for part in ("PRETRAIN_FT_GROUP must name this replica group, 0..1", "ft.lighthouse=",
+                 "batch_ramp=none", "optim.spike_guard=false"):
+        assert part in found, found
+    ok = compose_config(["ft.mode=torchft", "ft.lighthouse=http://host:29510"])
+    assert ft_problems(ok, 1) == [] and ft_problems(ok, 2) != []
+    assert ft_problems(compose_config([]), None) == []  # off: nothing asked
