@@ -388,9 +388,10 @@ def test_a_node_lost_under_torchft_costs_no_restart_and_heals(nodes, work_dir, p
     healed = re.search(r"torchft: healed from a live peer at step (\d+)", logs[1].split(
         "(restart 1)", 1)[-1])
     assert healed and int(healed.group(1)) > 10, logs[1][-4000:]
-    # group 0 never restarted: each of its steps logged once
-    assert [m["step"] for m in read_metrics(run / "group0") if "loss" in m] == list(
-        range(1, steps + 1))
+    # group 0 never restarted: each of its steps logged once, from its first (a group that
+    # starts after the other heals at the other's step, as a returning one does) to the end
+    taken = [m["step"] for m in read_metrics(run / "group0") if "loss" in m]
+    assert taken == list(range(taken[0], steps + 1)) and taken[0] <= 10, taken
     final = f"checkpoints/step_{steps:07d}"
     assert_identical(saved_state(run / "group1" / final, tmp_path),
                      saved_state(run / "group0" / final, tmp_path))
