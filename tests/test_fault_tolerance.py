@@ -28,7 +28,7 @@ def lighthouse(min_replicas: int):
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=2000,
-                              heartbeat_timeout_ms=1000)
+                              heartbeat_timeout_ms=2000)
     try:
         yield server.address()
     finally:
