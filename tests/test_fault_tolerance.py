@@ -6,6 +6,7 @@ and healed, is tests/test_slurm_nodes.py's ``test_a_node_lost_under_torchft...``
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.slow
 def lighthouse(min_replicas: int):
     """A torchft Lighthouse in this process (what slurm/ft_lighthouse.sh runs), on a free
     port; yields its address."""
+    os.environ.setdefault("RUST_LOG", "warn")  # not a line for every quorum
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=2000,
