@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -114,7 +115,7 @@ def main() -> int:
                  "cluster.procs_per_node=1", f"parallel.dp={args.nodes}",
                  f"cluster.env.GLOO_SOCKET_IFNAME={iface}",
                  f"--nodes={args.nodes}", env=env, cwd=args.work, check=True).stdout
-        jobs.append(out.split("submitted job ")[1].split()[0])
+        jobs.append(re.search(r"submitted job (\d+)", out).group(1))
         metrics = [runs / name / "metrics.jsonl"]
     else:
         port = free_port()
