@@ -380,10 +380,12 @@ def test_a_node_lost_under_torchft_costs_no_restart_and_heals(nodes, work_dir, p
         try:
             killed = cluster(nodes, "kill-node", "n2")
             assert killed.returncode == 0, killed.stderr
+            # its node died under it: cancelled first, or n2 stays allocated to it (and
+            # revive-node waits for idle) until slurmctld learns the job is gone
+            subprocess.run(["scancel", str(jobs[1])], env=nodes)
         finally:
             revived = cluster(nodes, "revive-node", "n2", timeout=120)
         assert revived.returncode == 0, revived.stderr
-        subprocess.run(["scancel", str(jobs[1])], env=nodes)  # its node died under it
         jobs.append(group(1, "n2", address))
         infos = [wait_job(job, nodes, timeout=240) for job in (jobs[0], jobs[2])]
     logs = [(run / f"slurm-{job}.out").read_text() for job in (jobs[0], jobs[2])]
