@@ -43,7 +43,7 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from pretrain.train.trainer import run
+    from pretrain.train.fault_tolerant import run
 
     # The project's own errors (ConfigError, DataError, ...): one line each, exit 2; the
     # traceback with HYDRA_FULL_ERROR=1 (pretrain/errors.py). A sweep (-m) leaves a failed

@@ -95,7 +95,12 @@ daemons() {
   echo "${SERVICES[@]}"
   if ((n == 1)); then echo slurmd; else for ((i = 1; i <= n; i++)); do echo "slurmd-n$i"; done; fi
 }
-alive() { local pid; pid=$(pid_of "$1"); [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; }
+# A zombie is not alive: a killed daemon (kill-node) stays one until something reaps it, and
+# this container's PID 1 may take minutes (revive-node right after kill-node saw "n2 is up").
+alive() {
+  local pid; pid=$(pid_of "$1")
+  [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null && [[ $(ps -o stat= -p "$pid" 2>/dev/null) != Z* ]]
+}
 
 # wait_for SECONDS WHAT CMD...: poll CMD every 0.2 s; fail with the daemon logs.
 wait_for() {

@@ -342,3 +342,63 @@ def test_a_job_that_loses_node_after_node_gives_up_in_one_line(nodes, tmp_path):
         "lost node(s) n2; giving up: 2 nodes lost in this job (n3 n2), more than "
         "MAX_NODE_LOSSES=1; not requeued"), log[-3000:]
     assert "requeueing" not in log
+
+
+def test_a_node_lost_under_torchft_costs_no_restart_and_heals(nodes, work_dir, prepared,
+                                                             tmp_path):
+    """ft.mode=torchft: two replica groups, a job and a node each (slurm/ft_group.sbatch),
+    the Lighthouse in this process (the login node's place). n2 is killed mid-run: group 0
+    trains on without a restart (its job never requeued, at most the one step the failure
+    spoiled taken again); n2 revived, group 1 comes back in a new job there (Slurm's own
+    requeue of the dead job takes about a minute here: slurmctld has to learn the job is
+    gone), heals from group 0 at its first step, and both end with bit-identical parameters
+    and optimizer state."""
+    pytest.importorskip("torchft")
+    from test_fault_tolerance import assert_identical, ft_args, lighthouse, saved_state
+
+    steps, runs = 160, tmp_path / "runs"
+    env = {**nodes, "PRETRAIN_FAULT": "slow:rank=0:seconds=0.25", "PYTHON": sys.executable,
+           "TRAIN_PY": str(REPO / "train.py")}
+    run = runs / "ft"
+    run.mkdir(parents=True)
+
+    def group(g: int, node: str, address: str) -> int:
+        out = subprocess.run(
+            ["sbatch", "--parsable", "--no-requeue", f"--nodelist={node}",
+             f"--output={run}/slurm-%j.out", str(REPO / "slurm" / "ft_group.sbatch"),
+             *ft_args(work_dir, runs, steps, address, interval=20)],
+            env={**env, "PRETRAIN_FT_GROUP": str(g), "TORCHFT_LIGHTHOUSE": address},
+            cwd=work_dir, capture_output=True, text=True, check=True).stdout
+        return int(out.strip().split(";")[0])
+
+    with lighthouse(min_replicas=1) as address:
+        jobs = [group(0, "n1", address), group(1, "n2", address)]
+        deadline = time.monotonic() + 180
+        while not any(m.get("step", 0) >= 10 for m in read_metrics(run / "group1")):
+            assert time.monotonic() < deadline, f"no step 10: {job_info(jobs[1], nodes)}"
+            time.sleep(0.2)
+        try:
+            killed = cluster(nodes, "kill-node", "n2")
+            assert killed.returncode == 0, killed.stderr
+            # its node died under it: cancelled first, or n2 stays allocated to it (and
+            # revive-node waits for idle) until slurmctld learns the job is gone
+            subprocess.run(["scancel", str(jobs[1])], env=nodes)
+        finally:
+            revived = cluster(nodes, "revive-node", "n2", timeout=120)
+        assert revived.returncode == 0, revived.stderr
+        jobs.append(group(1, "n2", address))
+        infos = [wait_job(job, nodes, timeout=240) for job in (jobs[0], jobs[2])]
+    logs = [(run / f"slurm-{job}.out").read_text() for job in (jobs[0], jobs[2])]
+    assert infos[0]["JobState"] == "COMPLETED" and infos[0]["Restarts"] == "0", logs[0][-4000:]
+    assert infos[1]["JobState"] == "COMPLETED", logs[1][-4000:]
+    assert "torchft: 1 replica group(s) in this step's quorum (was 2)" in logs[0], logs[0][-4000:]
+    assert logs[0].count("not committed") <= 1
+    healed = re.search(r"torchft: healed from a live peer at step (\d+)", logs[1])
+    assert healed and int(healed.group(1)) > 10, logs[1][-4000:]
+    # group 0 never restarted: each of its steps logged once, from its first (a group that
+    # starts after the other heals at the other's step, as a returning one does) to the end
+    taken = [m["step"] for m in read_metrics(run / "group0") if "loss" in m]
+    assert taken == list(range(taken[0], steps + 1)) and taken[0] <= 10, taken
+    final = f"checkpoints/step_{steps:07d}"
+    assert_identical(saved_state(run / "group1" / final, tmp_path),
+                     saved_state(run / "group0" / final, tmp_path))

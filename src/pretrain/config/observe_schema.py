@@ -1,5 +1,6 @@
 """The schema of seeing inside a run (docs/debugging.md): the profiler and memory snapshots
-(``profile.*``) and the collective timeouts (``comm.*``); part of ``schema.Config``, kept
+(``profile.*``), the collective timeouts (``comm.*``) and riding out a lost node without a
+restart (``ft.*``: torchft, docs/reliability.md#torchft); part of ``schema.Config``, kept
 apart so schema.py stays one screenful per section."""
 
 from __future__ import annotations
@@ -50,3 +51,17 @@ class CommConfig:
     # saves' own group keeps torch's default).
     train_timeout_s: float = 300.0
 
+
+@dataclass
+class FaultToleranceConfig:
+    """``mode=torchft`` makes this process one replica group of ``groups`` (a node each:
+    shard inside it, replicate across), coordinated by a torchft Lighthouse; a lost group
+    drops out at the next step while the others train on, and a returning one heals from a
+    live peer. ``train.global_batch_size`` is then each group's batch: the global batch is
+    that times the groups present in a step. ``none``: off."""
+
+    mode: str = "none"  # none | torchft
+    groups: int = 2  # replica groups the data of a step is split into
+    lighthouse: str | None = None  # http://HOST:PORT; None: $TORCHFT_LIGHTHOUSE
+    min_replicas: int = 1  # groups a step needs (1: any one survivor trains on)
+    timeout_s: float = 30.0  # a collective, the commit vote, a heal's transfer

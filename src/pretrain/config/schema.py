@@ -39,7 +39,7 @@ from pretrain.config.choices import (  # re-exported: schema is where users impo
 )
 from pretrain.config.choices import Choice as Choice  # noqa: I001 re-exported
 from pretrain.config.data_schema import DataConfig, MixtureSource, MixtureStage  # noqa: F401 re-exported
-from pretrain.config.observe_schema import CommConfig, ProfileConfig
+from pretrain.config.observe_schema import CommConfig, FaultToleranceConfig, ProfileConfig
 from pretrain.config.ramp_schema import BatchRampConfig
 from pretrain.errors import UserError
 
@@ -431,10 +431,10 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     run_name: str = "default"
     runs_dir: str = "runs"
-    # Print the resolved plan as one JSON line and exit without training.
-    dry_run: bool = False
+    dry_run: bool = False  # print the resolved plan as one JSON line and exit without training
 
 
 class ConfigError(UserError, ValueError):

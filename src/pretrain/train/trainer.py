@@ -279,12 +279,13 @@ class Trainer(Lifecycle):
         return result
 
 
-def run(cfg: Config, run_dir: Path) -> dict | None:
+def run(cfg: Config, run_dir: Path, trainer_class: type[Trainer] = Trainer) -> dict | None:
     """Entry point shared by train.py and the tools: dry run or train (one process, or one
-    of the processes torchrun started)."""
+    of the processes torchrun started). ``trainer_class``: a runner that wraps the loop
+    (fault_tolerant.ReplicaGroupTrainer)."""
     if cfg.dry_run:
         return dry_run(cfg)
-    trainer = Trainer(cfg, run_dir)
+    trainer = trainer_class(cfg, run_dir)
     try:
         trainer.setup()
         if trainer.rank0:
