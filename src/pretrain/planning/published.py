@@ -3,8 +3,8 @@
 Each row is one measured configuration, read from its source (the shapes, layout, batch and
 figures below are the source's):
 
-- torchtitan, ``benchmarks/llama3_h100_202412_torchtitan.md`` (end of 2024): Llama 3.1 8B,
-  70B and 405B on H100s with 96 GB at a 500 W limit (``h100-96gb``), sequence 8192, tokens/s
+- torchtitan's ``torchtitan/benchmarks/llama3_h100_202412_torchtitan.md`` (end of 2024): Llama 3.1
+  8B, 70B and 405B on H100s with 96 GB at a 500 W limit (``h100-96gb``), sequence 8192, tokens/s
   per GPU and peak reserved memory (GiB) per row. Tables 1, 3, 4 and 5 (not the context-
   parallel tables 2 and 6: no CP here); async TP as each table states it (table 4 has the
   70B with and without, table 5's 405B runs use it). A pipelined local batch is split into
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TORCHTITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+TORCHTITAN = "torchtitan/benchmarks/llama3_h100_202412_torchtitan.md"
 MEGATRON = "Megatron-LM README, model_table.png"
 
 

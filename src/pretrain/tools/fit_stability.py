@@ -16,6 +16,7 @@ import numpy as np
 from pretrain.analysis import policy
 from pretrain.analysis.prediction import choose
 from pretrain.analysis.runs import RunPoint
+from pretrain.errors import cli
 
 FIGURE_TOLERANCE = 5e-4  # a figure may move by 0.05 percentage points, no more (issue 68)
 
@@ -73,6 +74,7 @@ def summary(name: str, d: dict) -> str:
     return f"{name}: chose {head}; {len(d['refused'])} refused; held-out errors {errors}"
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     """Print ``decisions`` of the published ladders (docs/ladder/published.md), one line each
     (or JSON), to compare across OPENBLAS_CORETYPE settings: ``OPENBLAS_CORETYPE=Haswell
