@@ -42,6 +42,7 @@ from pretrain.analysis.policy import (
     degenerate,
     fittable,
 )
+from pretrain.analysis.prediction import interval
 from pretrain.analysis.runs import RunPoint
 
 APPROACHES = ("2", "3")
@@ -313,15 +314,8 @@ def predict_optimal(points: Sequence[RunPoint], at: Sequence[float],
     out = []
     for c in at:
         loss, n, d = model.at(c)
-        samples = np.array([m.at(c)[0] for m in laws])
-        samples = samples[np.isfinite(samples)]
-        enough = len(samples) >= 10
-        lo, hi = np.percentile(samples, [2.5, 97.5]) if enough else (loss, loss)
-        spread = float(np.std(samples)) / loss if enough else 0.0
-        rel = math.hypot(spread, s if math.isfinite(s) else 0.0,
-                         noise if math.isfinite(noise) else 0.0)
-        out.append(Optimum(c, loss, n, d, (loss * (1 - rel), loss * (1 + rel)),
-                           (float(lo), float(hi)), choice.chosen, s,
+        boot, wide = interval(loss, np.array([m.at(c)[0] for m in laws]), s, noise)
+        out.append(Optimum(c, loss, n, d, wide, boot, choice.chosen, s,
                            held_out_best(heldout, c),
                            {k: m.at(c) for k, m in choice.models.items()
                             if k not in choice.refused}))

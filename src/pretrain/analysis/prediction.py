@@ -155,6 +155,20 @@ class Prediction:
                 "covered": self.covered}
 
 
+def interval(value: float, samples: np.ndarray, score: float, noise: float
+             ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The one interval rule of every prediction (the fit policy's and --predict-optimal's):
+    (the bootstrap's 95% percentiles, value x (1 +- rel)) with rel = the bootstrap's relative
+    std, the backtest score and the seed spread in quadrature (a NaN term counts 0; under 10
+    finite resamples the bootstrap adds nothing)."""
+    samples = samples[np.isfinite(samples)]
+    enough = len(samples) >= 10
+    lo, hi = np.percentile(samples, [2.5, 97.5]) if enough else (value, value)
+    spread = float(np.std(samples)) / value if enough else 0.0
+    rel = math.hypot(spread, *(x if math.isfinite(x) else 0.0 for x in (score, noise)))
+    return (float(lo), float(hi)), (value * (1 - rel), value * (1 + rel))
+
+
 def predict(choice: Choice, points: Sequence[RunPoint], targets: Sequence[RunPoint],
             resamples: int = 100, seed: int = 0, noise: float = math.nan) -> list[Prediction]:
     """The chosen candidate at each target (a RunPoint: its loss is the measured one for a
@@ -173,14 +187,9 @@ def predict(choice: Choice, points: Sequence[RunPoint], targets: Sequence[RunPoi
     out = []
     for t in targets:
         value = cand.predict(s.law, t)
-        samples = np.array([cand.predict(x, t) for x in laws])
-        samples = samples[np.isfinite(samples)]
-        enough = len(samples) >= 10
-        lo, hi = np.percentile(samples, [2.5, 97.5]) if enough else (value, value)
-        spread = float(np.std(samples)) / value if enough else 0.0
-        rel = math.hypot(spread, s.score, noise if math.isfinite(noise) else 0.0)
+        boot, wide = interval(value, np.array([cand.predict(x, t) for x in laws]), s.score,
+                              noise)
         measured = t.loss if math.isfinite(t.loss) else None
         out.append(Prediction(t.name, t.count(cand.count) or t.n_params, t.tokens, value,
-                              (float(lo), float(hi)),
-                              (value * (1 - rel), value * (1 + rel)), measured))
+                              boot, wide, measured))
     return out
