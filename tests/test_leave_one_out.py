@@ -23,8 +23,8 @@ def test_bias_interpolates_in_log_ratio_and_is_zero_beyond_the_cuts():
 
 
 def test_the_first_variant_is_the_policy_itself():
-    ladder, _ = ladder_and_targets("olmo")
-    full = choose(ladder)
+    ladder, targets = ladder_and_targets("olmo")
+    full = choose(ladder, targets=targets)
     same = loo.restrict(full, loo.VARIANTS[0])
     assert same.chosen.candidate == full.chosen.candidate
     assert same.chosen.score == pytest.approx(full.chosen.score, rel=1e-12)

@@ -142,19 +142,40 @@ def backtest(points: Sequence[RunPoint], ratio: float,
                          "L(N, D) needs 6+ runs of 2+ sizes and 2+ tokens/param there. These "
                          f"runs allow a backtest up to {can:.3g}x")
     results = []
+    top_rungs = [p for p in rest if p.flops >= top_c / TOP_SPAN * (1 - CUT_TOLERANCE)]
     for cand in candidates_ if candidates_ is not None else candidates(points):
-        kept = cand.runs(fit)
+        results.append(_result(cand, fit, rest, top_rungs, noise))
+    return Backtest(ratio, top_c / ratio, results, tolerance)
+
+
+def _result(cand: Candidate, fit: list[RunPoint], rest: list[RunPoint],
+            top_rungs: list[RunPoint], noise: float) -> FormResult:
+    """One candidate fitted under the cut and scored on the runs above it. A data-regime
+    candidate (one fit per bound, policy.Candidate.groups) scores the top rungs whose regime
+    the cut leaves fittable and not degenerate, if any: the ratios are set by the other
+    candidates, and a regime too thin under a cut says nothing of the regime of the targets."""
+    groups, fitted, problem, why = [], 0, None, None
+    for kept, targets in cand.groups(fit, top_rungs if cand.regime else rest):
+        fitted = max(fitted, len(kept))
         if not fittable(kept):
-            results.append(FormResult(cand, len(kept), [], [], problem=(
-                f"{len(kept)} runs left under the cut: not fittable")))
+            problem = problem or f"{len(kept)} runs left under the cut: not fittable"
             continue
         try:
-            law = cand.fit(kept).law
+            law = cand.fit_runs(kept).law
         except ValueError as e:
-            results.append(FormResult(cand, len(kept), [], [], problem=str(e)))
+            problem = problem or str(e)
             continue
-        errs = [(p, cand.predict(law, p) / p.loss - 1.0) for p in rest]
-        top = [(p, e) for p, e in errs if p.flops >= top_c / TOP_SPAN * (1 - CUT_TOLERANCE)]
-        results.append(FormResult(cand, len(kept), errs, top,
-                                  degenerate=degenerate(law, kept, cand.count, noise)))
-    return Backtest(ratio, top_c / ratio, results, tolerance)
+        bad = degenerate(law, kept, cand.count, noise)
+        why = why or bad
+        groups.append((law, targets, bad))
+    if cand.regime:    # no degenerate fit of a thin regime refuses it: it has no score here
+        groups, why = [g for g in groups if g[2] is None], None
+        problem = None if groups else (problem or "every regime under the cut is degenerate")
+    elif problem:
+        groups = []
+    if not groups:
+        return FormResult(cand, fitted, [], [], problem=problem)
+    errs = sorted(((p, cand.predict(law, p) / p.loss - 1.0) for law, ts, _ in groups
+                   for p in ts), key=lambda pe: pe[0].flops)
+    top = [(p, e) for p, e in errs if any(p is q for q in top_rungs)]
+    return FormResult(cand, fitted, errs, top, degenerate=why)

@@ -15,7 +15,13 @@ The candidates (``candidates``):
   where the runs record them (Kaplan et al. 2020 count non-embedding parameters);
 - **data**: every run, or only runs of at least ``MIN_TPP`` tokens per parameter (at 5 tokens
   a parameter, a quarter of Chinchilla's, a run is still in its warm-up transient: the
-  shortest runs of Gadre et al.'s ladder sit off the law the longer ones follow).
+  shortest runs of Gadre et al.'s ladder sit off the law the longer ones follow), or, where
+  the targets are known, only the runs in a target's **data regime**: at most 2-4x its
+  tokens per parameter (``REGIME``; one fit per target, or per group of targets with the same
+  bound). One L(N, D) with a fixed beta does not describe a size trained from 5 to 2,000
+  tokens a parameter (Gemstones' ladder: its 50M models at 2,000 tokens a parameter pull the
+  fit 4-6% above its 1-2B models at 55-110); a target at 100 is predicted from the runs of
+  its own regime.
 
 A fit is refused as degenerate (``degenerate``) when its irreducible loss reaches the lowest
 loss of its own runs, an exponent leaves the range measured language models span, or its rms
@@ -56,6 +62,8 @@ TOLERANCE = 0.02         # the backtest's "supported": top rungs within 2% (issu
 # shared exponent's alpha is fixed by D, leaving E and A to two sizes. The same holds for the
 # token counts, the two roles swapped (Gemstones' 22.6x cut: two token counts, beta 0.4 or 1.2)
 SIZES_NEEDED = {"chinchilla": 3, "shared": 2}
+REGIME = 2.0             # the data-regime filter: a target is fitted from the runs of at most the
+                         # first power of 2 at or above twice its tokens per parameter
 KEEP = 4                 # descents from the grid's best starts (tools/fit_stability.py checks
                          # that twice as many change no decision)
 
@@ -67,15 +75,44 @@ class Candidate:
     form: str
     count: str = "total"
     min_tpp: float = 0.0
+    regime: bool = False      # only the runs of each target's data regime (``cap``)
 
     @property
     def name(self) -> str:
         data = f"tpp>={self.min_tpp:g}" if self.min_tpp else "all runs"
+        if self.regime:
+            data = f"tpp<={REGIME:g}-{2 * REGIME:g}x the target's"
         return f"{self.form}, N {self.count}, {data}"
 
-    def runs(self, points: Sequence[RunPoint]) -> list[RunPoint]:
+    @staticmethod
+    def cap(target: RunPoint) -> float:
+        """The most tokens per parameter a run fitted for ``target`` may have: the first
+        power of 2 at or above REGIME x the target's (a coarse grid, so that targets share
+        fits and no jitter of the inputs moves a run across it)."""
+        return 2.0 ** math.ceil(math.log2(REGIME * target.tokens_per_param) - 1e-6)
+
+    def runs(self, points: Sequence[RunPoint], target: RunPoint | None = None
+             ) -> list[RunPoint]:
+        """The runs among ``points`` this candidate fits (for ``target``, when it keeps
+        only a target's data regime)."""
+        cap = math.inf
+        if self.regime:
+            if target is None:
+                raise ValueError(f"{self.name}: the fit depends on the target; name one")
+            cap = self.cap(target) * (1 + 1e-6)
         return [p for p in points if p.count(self.count) is not None
-                and p.tokens_per_param >= self.min_tpp * (1 - 1e-6)]
+                and self.min_tpp * (1 - 1e-6) <= p.tokens_per_param <= cap]
+
+    def groups(self, points: Sequence[RunPoint], targets: Sequence[RunPoint]
+               ) -> list[tuple[list[RunPoint], list[RunPoint]]]:
+        """(the runs fitted, the targets that fit predicts): one group, or one per bound
+        of the data regime."""
+        if not self.regime:
+            return [(self.runs(points), list(targets))]
+        by: dict[float, list[RunPoint]] = {}
+        for t in targets:
+            by.setdefault(self.cap(t), []).append(t)
+        return [(self.runs(points, ts[0]), ts) for _, ts in sorted(by.items())]
 
     def arrays(self, points: Sequence[RunPoint]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return (np.array([p.count(self.count) for p in points], float),
@@ -86,19 +123,26 @@ class Candidate:
     def constants(self) -> int:
         return len(LAW_FORMS[self.form].params)
 
-    def fit(self, points: Sequence[RunPoint], keep: int | None = None):
-        """The form fitted to this candidate's runs among ``points`` (``keep`` descents
-        from the best starts of the grid, KEEP unless given)."""
-        return fit(self.form, *self.arrays(self.runs(points)), keep=keep or KEEP)
+    def fit(self, points: Sequence[RunPoint], keep: int | None = None,
+            target: RunPoint | None = None):
+        """The form fitted to this candidate's runs among ``points`` (for ``target``, when
+        the runs depend on it; ``keep`` descents from the best starts of the grid, KEEP
+        unless given)."""
+        return self.fit_runs(self.runs(points, target), keep)
+
+    def fit_runs(self, runs: Sequence[RunPoint], keep: int | None = None):
+        """The form fitted to exactly ``runs`` (one group of ``groups``)."""
+        return fit(self.form, *self.arrays(runs), keep=keep or KEEP)
 
     def predict(self, law: Law, p: RunPoint) -> float:
         return float(law.predict(p.count(self.count), p.tokens))
 
 
-def candidates(points: Sequence[RunPoint], forms: Sequence[str] = FORMS) -> list[Candidate]:
-    """Every candidate the runs allow: the counts every run records, the filter where it
-    leaves a fittable ladder and removes at least one run (of ``forms``: FORMS, or more for
-    tools/leave_one_out.py's variants)."""
+def candidates(points: Sequence[RunPoint], forms: Sequence[str] = FORMS,
+               targets: Sequence[RunPoint] = ()) -> list[Candidate]:
+    """Every candidate the runs allow: the counts every run records, each filter where it
+    leaves a fittable ladder and removes at least one run (the data regime only where the
+    ``targets`` are known; of ``forms``: FORMS, or more for tools/leave_one_out.py)."""
     counts = [c for c in COUNT_ORDER if all(p.count(c) is not None for p in points)]
     out = []
     for form in forms:
@@ -107,6 +151,11 @@ def candidates(points: Sequence[RunPoint], forms: Sequence[str] = FORMS) -> list
             kept = Candidate(form, count, MIN_TPP).runs(points)
             if len(kept) < len(points) and fittable(kept):
                 out.append(Candidate(form, count, MIN_TPP))
+            regime = Candidate(form, count, regime=True)
+            groups = regime.groups(points, targets)
+            if (targets and any(len(kept) < len(points) for kept, _ in groups)
+                    and all(fittable(kept) for kept, _ in groups)):
+                out.append(regime)
     return out
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -71,13 +71,13 @@ class Choice:
 
 def ratios(points: Sequence[RunPoint], cands: Sequence[Candidate]) -> list[float]:
     """2^(k/2), k = 2, 3, ...: each ratio at which every candidate can still be fitted
-    below the cut, one per distinct cut (two ratios that fit the same runs are one test,
-    not two)."""
+    below the cut (the data-regime candidates aside: they score the top rungs they can),
+    one per distinct cut (two ratios that fit the same runs are one test, not two)."""
     out, seen = [], set()
     for k in range(2, MAX_RATIO_STEPS + 1 if cands else 0):
         r = 2 ** (k / 2)
         fit, rest = split(points, r)
-        if not rest or not all(fittable(c.runs(fit)) for c in cands):
+        if not rest or not all(fittable(c.runs(fit)) for c in cands if not c.regime):
             break
         if len(fit) not in seen:
             seen.add(len(fit))
@@ -86,17 +86,20 @@ def ratios(points: Sequence[RunPoint], cands: Sequence[Candidate]) -> list[float
 
 
 def choose(points: Sequence[RunPoint], cands: Sequence[Candidate] | None = None,
-           noise: float = math.nan) -> Choice:
+           noise: float = math.nan, targets: Sequence[RunPoint] = ()) -> Choice:
     """Fit every candidate to ``points`` (the ladder) and refuse the degenerate ones;
     backtest the rest at every ratio all of them allow; refuse those whose fit turns
-    degenerate under a cut; choose the best score among the others."""
+    degenerate under a cut; choose the best score among the others. The ``targets``, where
+    known, offer the data-regime candidates (policy.Candidate.regime): each is fitted once
+    per bound, its law the one of the last bound (the most runs)."""
     scored = []
-    for cand in cands if cands is not None else candidates(points):
+    for cand in cands if cands is not None else candidates(points, targets=targets):
         s = Scored(cand, {}, {})
         try:
-            fitted = cand.fit(points)
-            s.law, s.theta = fitted.law, fitted.theta
-            s.refused = degenerate(s.law, cand.runs(points), cand.count, noise)
+            for kept, _ in cand.groups(points, targets):
+                fitted = cand.fit_runs(kept)
+                s.law, s.theta = fitted.law, fitted.theta
+                s.refused = s.refused or degenerate(s.law, kept, cand.count, noise)
         except ValueError as e:
             s.refused = f"not fitted: {e}"
         scored.append(s)
@@ -116,8 +119,27 @@ def choose(points: Sequence[RunPoint], cands: Sequence[Candidate] | None = None,
                          + res.degenerate)
         elif not rs:
             s.refused = "the ladder is too short to backtest (no ratio leaves a fittable part)"
-    ok = [s for s in live if s.refused is None and math.isfinite(s.score)]
-    return Choice(rs, scored, min(ok, key=lambda s: s.score) if ok else None, bts)
+        elif not s.by_ratio:
+            s.refused = ("no cut leaves a target's data regime fittable and not degenerate: "
+                         "the backtest cannot score it")
+    return Choice(rs, scored, pick(scored), bts)
+
+
+def pick(scored: Sequence[Scored]) -> Scored | None:
+    """The candidate with the lowest score among those not refused, each scored on the
+    ratios every one of them reached (a data-regime candidate may not reach the farthest:
+    the others are then compared with it nearer too); the chosen one comes back with its
+    score over those ratios. Ties go to the earlier candidate."""
+    ok = [s for s in scored if s.refused is None and s.by_ratio]
+    if not ok:
+        return None
+    common = set.intersection(*(set(s.by_ratio) for s in ok))
+    if not common:
+        return None
+    trimmed = [replace(s, by_ratio={r: v for r, v in s.by_ratio.items() if r in common},
+                       signed={r: v for r, v in s.signed.items() if r in common})
+               for s in ok]
+    return min(trimmed, key=lambda s: s.score)
 
 
 @dataclass
@@ -178,18 +200,22 @@ def predict(choice: Choice, points: Sequence[RunPoint], targets: Sequence[RunPoi
     if s is None or s.law is None:
         return []
     cand = s.candidate
-    runs = cand.runs(points)
-    n, d, loss = cand.arrays(runs)
-    laws = []
-    if resamples > 0:
-        laws = bootstrap(cand.form, n, d, loss, s.theta, resamples, seed,
-                         usable=lambda idx: fittable([runs[i] for i in idx]))
-    out = []
-    for t in targets:
-        value = cand.predict(s.law, t)
-        boot, wide = interval(value, np.array([cand.predict(x, t) for x in laws]), s.score,
-                              noise)
-        measured = t.loss if math.isfinite(t.loss) else None
-        out.append(Prediction(t.name, t.count(cand.count) or t.n_params, t.tokens, value,
-                              boot, wide, measured))
-    return out
+    out = {}
+    for runs, group in cand.groups(points, targets):
+        law, theta = s.law, s.theta
+        if cand.regime:    # this bound's own fit
+            fitted = cand.fit_runs(runs)
+            law, theta = fitted.law, fitted.theta
+        n, d, loss = cand.arrays(runs)
+        laws = []
+        if resamples > 0:
+            laws = bootstrap(cand.form, n, d, loss, theta, resamples, seed,
+                             usable=lambda idx, runs=runs: fittable([runs[i] for i in idx]))
+        for t in group:
+            value = cand.predict(law, t)
+            boot, wide = interval(value, np.array([cand.predict(x, t) for x in laws]),
+                                  s.score, noise)
+            measured = t.loss if math.isfinite(t.loss) else None
+            out[id(t)] = Prediction(t.name, t.count(cand.count) or t.n_params, t.tokens,
+                                    value, boot, wide, measured)
+    return [out[id(t)] for t in targets]

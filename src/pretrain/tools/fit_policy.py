@@ -125,9 +125,9 @@ def report_policy(ladder: list[RunPoint], heldout: list[RunPoint],
     # a count of N is a candidate only where every target has it (a --predict point gives N
     # in --count's units alone, a table's held-out row may give its non-embedding count too)
     targets = [*heldout, *points]
-    cands = [c for c in candidates(ladder)
+    cands = [c for c in candidates(ladder, targets=targets)
              if all(t.count(c.count) is not None for t in targets)]
-    choice = choose(ladder, cands, noise=noise)
+    choice = choose(ladder, cands, noise=noise, targets=targets)
     print_choice(choice)
     held = predict(choice, ladder, heldout, resamples, noise=noise)
     asked = predict(choice, ladder, points, resamples, noise=noise)
@@ -140,7 +140,9 @@ def report_policy(ladder: list[RunPoint], heldout: list[RunPoint],
         c = choice.chosen
         fit["chosen"] = {**c.law.as_dict(), "count": c.candidate.count,
                          "min_tokens_per_param": c.candidate.min_tpp,
-                         "runs": len(c.candidate.runs(ladder)), "score": c.score}
+                         "data_regime": c.candidate.regime,
+                         "runs": len(c.candidate.groups(ladder, targets)[-1][0]),
+                         "score": c.score}
     return choice
 
 

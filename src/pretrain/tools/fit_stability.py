@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pretrain.analysis import policy
-from pretrain.analysis.prediction import choose
+from pretrain.analysis.prediction import choose, predict
 from pretrain.analysis.runs import RunPoint
 from pretrain.errors import cli
 
@@ -42,15 +42,14 @@ def decisions(points: Sequence[RunPoint], targets: Sequence[RunPoint], keep: int
     saved = policy.KEEP
     policy.KEEP = keep or saved
     try:
-        choice = choose(points)
+        choice = choose(points, targets=targets)
     finally:
         policy.KEEP = saved
     s = choice.chosen
     return {"chosen": s.candidate.name if s else None,
             "refused": sorted(x.candidate.name for x in choice.scored if x.refused),
             "scores": {x.candidate.name: x.score for x in choice.scored if not x.refused},
-            "predictions": {t.name: s.candidate.predict(s.law, t) / t.loss - 1
-                            for t in targets} if s else {}}
+            "predictions": {p.name: p.error for p in predict(choice, points, targets, 0)}}
 
 
 def differences(a: dict, b: dict, tolerance: float = FIGURE_TOLERANCE) -> list[str]:

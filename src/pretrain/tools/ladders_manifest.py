@@ -27,6 +27,7 @@ class Entry:
     flags: tuple[str, ...]
     heldout: tuple[str, ...]
     paper_error: str = ""
+    optimal: tuple[tuple[float, str], ...] = ()   # (budget, the held-out best run there)
 
     def args(self) -> list[str]:
         """tools/scaling_law.py's arguments for this ladder (without --policy)."""
@@ -38,7 +39,9 @@ def read_manifest(path: Path = MANIFEST) -> dict[str, Entry]:
     """The manifest's ladders by name, in its order."""
     data = tomllib.loads(path.read_text())
     return {d["name"]: Entry(d["name"], d["table"], d.get("design", ""), tuple(d["flags"]),
-                             tuple(d["heldout"]), d.get("paper_error", ""))
+                             tuple(d["heldout"]), d.get("paper_error", ""),
+                             tuple((float(o["budget"]), o["run"])
+                                   for o in d.get("optimal", ())))
             for d in data["ladder"]}
 
 

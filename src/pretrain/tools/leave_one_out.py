@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from pretrain.analysis.prediction import Choice, Prediction, Scored, choose, predict
+from pretrain.analysis.optimal_choice import Optimum, predict_optimal
+from pretrain.analysis.prediction import Choice, Prediction, Scored, choose, pick, predict
 from pretrain.analysis.runs import RunPoint
 
 REFUSE_SCORE = 0.05   # the chosen candidate's backtest score above which a ladder is refused
@@ -46,14 +47,25 @@ class Variant:
     corrected: bool = False           # divide by 1 + the backtest's signed error at the
                                       # target's distance, where the backtest reached it
     refuse_score: float = REFUSE_SCORE  # refuse the ladder above this backtest score
+    regime: bool = False              # offer the data-regime candidates
+    optimal: bool = False             # a target that is the best run of its budget: the
+                                      # compute-optimal loss there (--predict-optimal)
 
     def admits(self, s: Scored) -> bool:
         c = s.candidate
         return (c.form in self.forms and c.count in self.counts
-                and (self.data_filter or not c.min_tpp))
+                and (self.data_filter or not c.min_tpp) and (self.regime or not c.regime))
 
 
-VARIANTS = (
+VARIANTS = (   # the broadest first: a tie on the other ladders keeps the ladder's own choice
+    Variant("with the data regime, cuts to 64x, refused over 10%, optimal targets by the "
+            "frontier", regime=True, refuse_score=0.10, optimal=True),
+    Variant("every candidate, cuts to 64x, refused over 10%, optimal targets by the frontier",
+            refuse_score=0.10, optimal=True),
+    Variant("with the data regime, cuts to 64x, refused over 10%", regime=True,
+            refuse_score=0.10),
+    Variant("with the data regime, cuts to 64x", regime=True),
+    Variant("with the data regime, cuts to 8x", regime=True, max_ratio=8.0),
     Variant("every candidate, cuts to 64x"),
     Variant("every candidate, cuts to 64x, bias-corrected", corrected=True),
     Variant("every candidate, cuts to 8x", max_ratio=8.0),
@@ -86,8 +98,7 @@ def restrict(full: Choice, variant: Variant) -> Choice:
                                     f"{failed[0][0]:.3g} of the top, {failed[0][1].degenerate}"
                                     if failed else None))
         scored.append(s)
-    ok = [s for s in scored if s.refused is None and s.by_ratio]
-    return Choice(rs, scored, min(ok, key=lambda s: s.score) if ok else None, full.backtests)
+    return Choice(rs, scored, pick(scored), full.backtests)
 
 
 @dataclass
@@ -98,6 +109,12 @@ class Outcome:
     predictions: list[Prediction]
     refused: str | None
     scale: float = 1.0    # the backtest score's factor in the interval (interval_scale)
+    how: list[str] = field(default_factory=list)   # each prediction's candidate or approach
+    scores: list[float] = field(default_factory=list)  # the backtest score in its interval
+
+    def score_of(self) -> list[float]:
+        """Each prediction's backtest score (the chosen candidate's, unless set)."""
+        return self.scores or [self.choice.chosen.score] * len(self.predictions)
 
     def errors(self, n_targets: int) -> list[float]:
         if self.refused:
@@ -123,26 +140,61 @@ def corrected(p: Prediction, factor: float) -> Prediction:
 
 
 def outcome(choice: Choice, ladder: Sequence[RunPoint], targets: Sequence[RunPoint],
-            resamples: int = 0, variant: Variant = Variant("")) -> Outcome:
+            resamples: int = 0, variant: Variant = Variant(""),
+            optimal: dict[str, Optimum] | None = None) -> Outcome:
+    """``variant``'s predictions of ``targets`` (``optimal``: the compute-optimal answer
+    at the budget of each target that is its budget's best run, used by a variant that
+    takes it), or why it refuses the ladder."""
     s = choice.chosen
+    opt = {name: o for name, o in (optimal or {}).items() if variant.optimal}
+    why = None
     if s is None:
-        return Outcome(choice, [], "every candidate was refused")
-    if s.score > variant.refuse_score:
-        return Outcome(choice, [], (f"{s.candidate.name} misses the ladder's own top rungs by "
-                                    f"{100 * s.score:.1f}% from below (over "
-                                    f"{100 * variant.refuse_score:g}%)"))
-    preds = predict(choice, ladder, targets, resamples)
-    if variant.corrected:
+        why = "every candidate was refused"
+    elif s.score > variant.refuse_score:
+        why = (f"{s.candidate.name} misses the ladder's own top rungs by {100 * s.score:.1f}% "
+               f"from below (over {100 * variant.refuse_score:g}%)")
+    if why and not all(t.name in opt for t in targets):
+        return Outcome(choice, [], why)
+    rest = [t for t in targets if t.name not in opt]
+    preds = predict(choice, ladder, rest, resamples) if rest else []
+    if variant.corrected and rest:
         top = max(p.flops for p in ladder)
         preds = [corrected(p, 1 / (1 + bias(s.signed, t.flops / top)))
-                 for p, t in zip(preds, targets, strict=True)]
-    return Outcome(choice, preds, None)
+                 for p, t in zip(preds, rest, strict=True)]
+    by = dict(zip((t.name for t in rest), preds, strict=True))
+    out = Outcome(choice, [], None)
+    for t in targets:
+        if t.name in opt:
+            o = opt[t.name]
+            out.predictions.append(Prediction(t.name, o.n_params, o.tokens, o.loss,
+                                              o.bootstrap, o.interval, t.loss))
+            out.how.append(f"approach {o.approach} at C = {o.flops:.3g}")
+            out.scores.append(o.score)
+        else:
+            out.predictions.append(by[t.name])
+            out.how.append(s.candidate.name)
+            out.scores.append(s.score)
+    return out
+
+
+def optimum_of(entry_optimal: Sequence[tuple[float, str]], ladder: Sequence[RunPoint],
+               targets: Sequence[RunPoint], resamples: int) -> dict[str, Optimum]:
+    """The compute-optimal answer (--predict-optimal) at the budget of each held-out run the
+    manifest names as its budget's best; none where both approaches are refused."""
+    names = {t.name for t in targets}
+    wanted = [(c, run) for c, run in entry_optimal if run in names]
+    if not wanted:
+        return {}
+    _, found = predict_optimal(ladder, [c for c, _ in wanted], resamples=resamples)
+    return {run: o for (_, run), o in zip(wanted, found, strict=False)}
 
 
 def select_variant(outcomes: dict[str, list[Outcome]], n_targets: dict[str, int],
                    left_out: str) -> int:
     """The variant with the lowest mean |error| over every held-out run of the ladders
-    other than ``left_out`` (refused runs at REFUSED_AS); ties go to the earlier variant."""
+    other than ``left_out`` (refused runs at REFUSED_AS); ties go to the earlier variant
+    (VARIANTS lists the broadest first: where the other ladders cannot tell two apart, the
+    left-out ladder's own backtest keeps the wider choice)."""
     means = []
     for v in range(len(next(iter(outcomes.values())))):
         errs = [e for name, outs in outcomes.items() if name != left_out
@@ -152,31 +204,42 @@ def select_variant(outcomes: dict[str, list[Outcome]], n_targets: dict[str, int]
 
 
 def leave_one_out(ladders: dict[str, tuple[list[RunPoint], list[RunPoint]]],
-                  resamples: int = 100, log=print) -> list[tuple[str, str, Outcome]]:
-    """(ladder, variant chosen on the others, its outcome there) for each ladder."""
-    fulls = {}
-    for name, (ladder, _) in ladders.items():
+                  resamples: int = 100, log=print,
+                  optimal: dict[str, Sequence[tuple[float, str]]] | None = None
+                  ) -> list[tuple[str, str, Outcome]]:
+    """(ladder, variant chosen on the others, its outcome there) for each ladder
+    (``optimal``: each ladder's (budget, best run) pairs of the manifest)."""
+    fulls, optima = {}, {}
+    for name, (ladder, targets) in ladders.items():
         log(f"  backtesting {name} ({len(ladder)} runs)", flush=True)
-        fulls[name] = choose(ladder)
-    outcomes = {name: [outcome(restrict(fulls[name], v), *ladders[name], variant=v)
-                       for v in VARIANTS] for name in ladders}
+        fulls[name] = choose(ladder, targets=targets)
+        optima[name] = optimum_of((optimal or {}).get(name, ()), ladder, targets, 0)
+    outcomes = {name: [outcome(restrict(fulls[name], v), *ladders[name], variant=v,
+                               optimal=optima[name]) for v in VARIANTS] for name in ladders}
     n_targets = {name: len(t) for name, (_, t) in ladders.items()}
     out = []
     for name, (ladder, targets) in ladders.items():
         v = select_variant(outcomes, n_targets, name)
+        opt = optimum_of((optimal or {}).get(name, ()), ladder, targets, resamples)
         o = outcome(restrict(fulls[name], VARIANTS[v]), ladder, targets, resamples,
-                    VARIANTS[v])
+                    VARIANTS[v], opt)
         out.append((name, VARIANTS[v].name, widened(o, interval_scale(outcomes, v, name))))
     return out
 
 
 def interval_scale(outcomes: dict[str, list[Outcome]], v: int, left_out: str) -> float:
     """How far the backtest score must be scaled for the interval to cover COVERAGE of the
-    other ladders' held-out runs (variant ``v``, no bootstrap: the score alone), at least 1:
-    the interval's width is chosen leave-one-out too."""
-    ratios = [abs(p.error) / o.choice.chosen.score for name, outs in outcomes.items()
-              if name != left_out and not (o := outs[v]).refused for p in o.predictions]
-    return max(1.0, float(np.quantile(ratios, COVERAGE))) if ratios else 1.0
+    other ladders' held-out runs (variant ``v``, no bootstrap: the score alone, at the
+    conformal quantile), at least 1: the interval's width is chosen leave-one-out too."""
+    ratios = [abs(p.error) / score for name, outs in outcomes.items()
+              if name != left_out and not (o := outs[v]).refused
+              for p, score in zip(o.predictions, o.score_of(), strict=True)]
+    if not ratios:
+        return 1.0
+    # split conformal prediction's quantile: the ceil((n + 1) q)-th smallest of n, so that
+    # a new run is covered with probability >= q, not q less the n runs' optimism
+    level = min(1.0, math.ceil((len(ratios) + 1) * COVERAGE) / len(ratios))
+    return max(1.0, float(np.quantile(ratios, level, method="higher")))
 
 
 def widened(o: Outcome, k: float) -> Outcome:
@@ -184,9 +247,8 @@ def widened(o: Outcome, k: float) -> Outcome:
     part, the rest of the width, kept)."""
     if o.refused or k == 1.0:
         return o
-    score = o.choice.chosen.score
     preds = []
-    for p in o.predictions:
+    for p, score in zip(o.predictions, o.score_of(), strict=True):
         rel = (p.interval[1] - p.loss) / p.loss
         rel = math.sqrt(max(rel * rel - score * score, 0.0) + (k * score) ** 2)
         preds.append(replace(p, interval=(p.loss * (1 - rel), p.loss * (1 + rel))))
@@ -207,8 +269,9 @@ def print_table(rows: list[tuple[str, str, Outcome]],
             print(f"| {name} | {vname} | REFUSED: {o.refused} | {len(targets)} runs | | | | | |")
             continue
         top = max(p.flops for p in ladder)
-        cand = f"{o.choice.chosen.candidate.name} (interval x{o.scale:.2g})"
-        for p, t in zip(o.predictions, targets, strict=True):
+        how_ = o.how or [o.choice.chosen.candidate.name] * len(o.predictions)
+        for p, t, how in zip(o.predictions, targets, how_, strict=True):
+            cand = f"{how} (interval x{o.scale:.2g})"
             errs.append(p.error)
             covered += bool(p.covered)
             widths.append(p.width)
@@ -246,5 +309,6 @@ def main_loo(names: Sequence[str] = (), resamples: int = 100) -> int:
     ladders = {n: ladder_and_targets(entries[n]) for n in (names or entries)}
     print(f"leave-one-ladder-out over {len(ladders)} ladders; the variants: "
           + "; ".join(v.name for v in VARIANTS))
-    print_table(leave_one_out(ladders, resamples), ladders)
+    optimal = {n: entries[n].optimal for n in ladders}
+    print_table(leave_one_out(ladders, resamples, optimal=optimal), ladders)
     return 0
