@@ -238,8 +238,8 @@ def interval_scale(outcomes: dict[str, list[Outcome]], v: int, left_out: str) ->
         return 1.0
     # split conformal prediction's quantile: the ceil((n + 1) q)-th smallest of n, so that
     # a new run is covered with probability >= q, not q less the n runs' optimism
-    level = min(1.0, math.ceil((len(ratios) + 1) * COVERAGE) / len(ratios))
-    return max(1.0, float(np.quantile(ratios, level, method="higher")))
+    k = min(len(ratios), math.ceil((len(ratios) + 1) * COVERAGE))
+    return max(1.0, float(sorted(ratios)[k - 1]))
 
 
 def widened(o: Outcome, k: float) -> Outcome:
