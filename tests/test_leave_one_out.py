@@ -70,3 +70,23 @@ def test_the_interval_is_scaled_to_cover_the_other_ladders():
     assert loo.interval_scale(outcomes, 0, "a") == 1.0  # b's lone 1% is inside 1x already
     wide = loo.widened(outcomes["b"][0], 2.0).predictions[0]
     assert wide.interval[1] - wide.loss == pytest.approx(2 * 0.02 * wide.loss, rel=1e-9)
+
+
+def test_the_tool_refuses_a_ladder_that_misses_its_own_top_rungs(tmp_path, capsys):
+    """Datablations' chosen candidate misses its own top rungs by 13.4%: one line, no
+    prediction printed or recorded, no law for tools/ladder_check.py (the threshold is the
+    leave-one-out's, prediction.REFUSE_SCORE)."""
+    import json
+
+    from pretrain.tools import scaling_law
+    from pretrain.tools.ladders_manifest import read_manifest
+
+    entry = read_manifest()["datablations"]
+    assert scaling_law.main([*entry.args(), "--policy", "--no-plots", "--bootstrap", "0",
+                             "--out", str(tmp_path)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "REFUSED, not a prediction"
+             in ln and "top rungs" in ln]
+    assert len(lines) == 1 and "over 10%" in lines[0]
+    fit = json.loads((tmp_path / "fit.json").read_text())
+    assert fit["policy"]["heldout"] == [] and "13.4%" in fit["policy"]["refused"]
+    assert "chosen" not in fit

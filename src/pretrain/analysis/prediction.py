@@ -29,6 +29,10 @@ from pretrain.analysis.policy import Candidate, candidates, degenerate, fittable
 from pretrain.analysis.runs import RunPoint
 
 MAX_RATIO_STEPS = 12     # 2^(12/2) = 64: beyond it the fitted part is a handful of runs
+# the chosen candidate's backtest score above which the ladder is refused, not predicted: a
+# ladder that misses its own top rungs by that much cannot carry its law further (chosen
+# leave-one-ladder-out between 5% and 10%: tools/leave_one_out.py)
+REFUSE_SCORE = 0.10
 
 
 @dataclass
@@ -123,6 +127,17 @@ def choose(points: Sequence[RunPoint], cands: Sequence[Candidate] | None = None,
             s.refused = ("no cut leaves a target's data regime fittable and not degenerate: "
                          "the backtest cannot score it")
     return Choice(rs, scored, pick(scored), bts)
+
+
+def refusal(choice: Choice, threshold: float = REFUSE_SCORE) -> str | None:
+    """Why the ladder is refused rather than predicted, in one line, or None."""
+    s = choice.chosen
+    if s is None:
+        return "every candidate was refused"
+    if s.score > threshold:
+        return (f"{s.candidate.name} misses the ladder's own top rungs by {100 * s.score:.1f}% "
+                f"from below (over {100 * threshold:g}%)")
+    return None
 
 
 def pick(scored: Sequence[Scored]) -> Scored | None:

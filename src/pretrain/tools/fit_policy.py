@@ -13,7 +13,7 @@ import math
 import re
 
 from pretrain.analysis.policy import candidates
-from pretrain.analysis.prediction import Choice, Prediction, choose, predict
+from pretrain.analysis.prediction import Choice, Prediction, choose, predict, refusal
 from pretrain.analysis.runs import RunPoint
 from pretrain.analysis.scaling import FitReport
 from pretrain.errors import UserError
@@ -82,7 +82,8 @@ def print_choice(choice: Choice) -> None:
           "1/r of the largest compute, scored on the top rungs within 2x of it); score = "
           "mean over r of the top rungs' mean |error|")
     for s in choice.scored:
-        mark = "  <- chosen" if s is choice.chosen else ""
+        chosen = choice.chosen is not None and s.candidate == choice.chosen.candidate
+        mark = "  <- chosen" if chosen else ""
         score = f"{100 * s.score:6.2f}%" if math.isfinite(s.score) else "     - "
         print(f"  {s.candidate.name:<38} {score}{mark}")
         if s.refused:
@@ -129,14 +130,19 @@ def report_policy(ladder: list[RunPoint], heldout: list[RunPoint],
              if all(t.count(c.count) is not None for t in targets)]
     choice = choose(ladder, cands, noise=noise, targets=targets)
     print_choice(choice)
-    held = predict(choice, ladder, heldout, resamples, noise=noise)
-    asked = predict(choice, ladder, points, resamples, noise=noise)
+    why = refusal(choice)
+    held, asked = [], []
+    if why and choice.chosen is not None:
+        print(f"  REFUSED, not a prediction: {why}")
+    elif not why:
+        held = predict(choice, ladder, heldout, resamples, noise=noise)
+        asked = predict(choice, ladder, points, resamples, noise=noise)
     print_predictions(held, "held-out runs, predicted by the chosen candidate")
     print_predictions(asked, "--predict points")
     fit["policy"] = {**choice.as_dict(), "ladder": [p.name for p in ladder],
                      "heldout": [p.as_dict() for p in held],
-                     "predict": [p.as_dict() for p in asked]}
-    if choice.chosen is not None:  # what tools/ladder_check.py predicts with
+                     "predict": [p.as_dict() for p in asked], "refused": why}
+    if choice.chosen is not None and not why:  # what tools/ladder_check.py predicts with
         c = choice.chosen
         fit["chosen"] = {**c.law.as_dict(), "count": c.candidate.count,
                          "min_tokens_per_param": c.candidate.min_tpp,

@@ -27,10 +27,19 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from pretrain.analysis.optimal_choice import Optimum, predict_optimal
-from pretrain.analysis.prediction import Choice, Prediction, Scored, choose, pick, predict
+from pretrain.analysis.prediction import (
+    REFUSE_SCORE,
+    Choice,
+    Prediction,
+    Scored,
+    choose,
+    pick,
+    predict,
+    refusal,
+)
 from pretrain.analysis.runs import RunPoint
 
-REFUSE_SCORE = 0.05   # the chosen candidate's backtest score above which a ladder is refused
+STRICT = 0.05         # the other refusal threshold the variants offer (prediction.REFUSE_SCORE)
 REFUSED_AS = 0.05     # a refused run counts as a miss this large when variants are compared
 COVERAGE = 0.9        # the share of held-out runs an interval is sized to cover
 
@@ -46,7 +55,7 @@ class Variant:
     max_ratio: float = math.inf       # the farthest backtest cut scored (and refused at)
     corrected: bool = False           # divide by 1 + the backtest's signed error at the
                                       # target's distance, where the backtest reached it
-    refuse_score: float = REFUSE_SCORE  # refuse the ladder above this backtest score
+    refuse_score: float = STRICT      # refuse the ladder above this backtest score
     regime: bool = False              # offer the data-regime candidates
     optimal: bool = False             # a target that is the best run of its budget: the
                                       # compute-optimal loss there (--predict-optimal)
@@ -59,11 +68,11 @@ class Variant:
 
 VARIANTS = (   # the broadest first: a tie on the other ladders keeps the ladder's own choice
     Variant("with the data regime, cuts to 64x, refused over 10%, optimal targets by the "
-            "frontier", regime=True, refuse_score=0.10, optimal=True),
+            "frontier", regime=True, refuse_score=REFUSE_SCORE, optimal=True),
     Variant("every candidate, cuts to 64x, refused over 10%, optimal targets by the frontier",
-            refuse_score=0.10, optimal=True),
+            refuse_score=REFUSE_SCORE, optimal=True),
     Variant("with the data regime, cuts to 64x, refused over 10%", regime=True,
-            refuse_score=0.10),
+            refuse_score=REFUSE_SCORE),
     Variant("with the data regime, cuts to 64x", regime=True),
     Variant("with the data regime, cuts to 8x", regime=True, max_ratio=8.0),
     Variant("every candidate, cuts to 64x"),
@@ -72,10 +81,11 @@ VARIANTS = (   # the broadest first: a tie on the other ladders keeps the ladder
     Variant("shared exponent only", forms=("shared",)),
     Variant("Chinchilla's form only", forms=("chinchilla",)),
     Variant("N total, every run (no filter)", counts=("total",), data_filter=False),
-    Variant("every candidate, cuts to 64x, refused over 10%", refuse_score=0.10),
+    Variant("every candidate, cuts to 64x, refused over 10%", refuse_score=REFUSE_SCORE),
     Variant("every candidate, cuts to 64x, bias-corrected, refused over 10%", corrected=True,
-            refuse_score=0.10),
-    Variant("every candidate, cuts to 8x, refused over 10%", max_ratio=8.0, refuse_score=0.10),
+            refuse_score=REFUSE_SCORE),
+    Variant("every candidate, cuts to 8x, refused over 10%", max_ratio=8.0,
+            refuse_score=REFUSE_SCORE),
 )
 
 
@@ -147,12 +157,7 @@ def outcome(choice: Choice, ladder: Sequence[RunPoint], targets: Sequence[RunPoi
     takes it), or why it refuses the ladder."""
     s = choice.chosen
     opt = {name: o for name, o in (optimal or {}).items() if variant.optimal}
-    why = None
-    if s is None:
-        why = "every candidate was refused"
-    elif s.score > variant.refuse_score:
-        why = (f"{s.candidate.name} misses the ladder's own top rungs by {100 * s.score:.1f}% "
-               f"from below (over {100 * variant.refuse_score:g}%)")
+    why = refusal(choice, variant.refuse_score)
     if why and not all(t.name in opt for t in targets):
         return Outcome(choice, [], why)
     rest = [t for t in targets if t.name not in opt]
