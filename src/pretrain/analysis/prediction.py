@@ -123,9 +123,9 @@ def choose(points: Sequence[RunPoint], cands: Sequence[Candidate] | None = None,
                          + res.degenerate)
         elif not rs:
             s.refused = "the ladder is too short to backtest (no ratio leaves a fittable part)"
-        elif not s.by_ratio:
-            s.refused = ("no cut leaves a target's data regime fittable and not degenerate: "
-                         "the backtest cannot score it")
+        elif 2 * len(s.by_ratio) < len(rs):
+            s.refused = (f"its targets' data regime is fittable and not degenerate under "
+                         f"{len(s.by_ratio)} of the {len(rs)} cuts: too few to judge it")
     return Choice(rs, scored, pick(scored), bts)
 
 
