@@ -114,13 +114,18 @@ GEMSTONES = {"1280x36-26223": 1.88, "2560x8-26223": -1.44, "1792x18-26223": 1.27
 def test_gemstones_chooses_the_data_regime_and_predicts_as_documented():
     """The ladder the regime is for: its 1-2B targets at 55-110 tokens a parameter, 4-6% too
     high from the whole grid, within 4% from their regime (figures to 0.05 points, the
-    spread issue 68 allows between BLAS kernels; docs/ladder/published.md)."""
-    from pretrain.tools.fit_stability import decisions
+    spread issue 68 allows between BLAS kernels; docs/ladder/published.md). The whole
+    policy's choice (twelve candidates) is python -m pretrain.tools.fit_stability gemstones;
+    here the two that decide it, on the same cuts (the regime's predictions are its own
+    fits', whatever else is offered)."""
     from pretrain.tools.ladders_manifest import PUBLISHED, ladder_and_targets
 
-    d = decisions(*ladder_and_targets("gemstones"))
-    assert d["chosen"] == "shared, N total, tpp<=2-4x the target's"
+    points, targets = ladder_and_targets("gemstones")
+    regime = Candidate("shared", regime=True)
+    choice = choose(points, [Candidate("shared"), regime], targets=targets)
+    assert choice.chosen.candidate == regime
+    errors = {p.name: p.error for p in predict(choice, points, targets, 0)}
     doc = (PUBLISHED.parent / "published.md").read_text()
     for name, expected in GEMSTONES.items():
-        assert 100 * d["predictions"][name] == pytest.approx(expected, abs=0.05), name
+        assert 100 * errors[name] == pytest.approx(expected, abs=0.05), name
         assert f"{expected:+.2f}%" in doc
