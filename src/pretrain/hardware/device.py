@@ -207,7 +207,11 @@ def inductor_cache_per_isa() -> None:
     (a fresh folder gave the eager ones to 4e-9). Unset or set by the user, nothing changes."""
     cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
     if cap and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        folder = f"torchinductor_{getpass.getuser()}_{cap}"  # beside inductor's default
+        try:  # as inductor names its default folder
+            user = getpass.getuser()
+        except (KeyError, OSError):  # no passwd entry (a container's arbitrary uid)
+            user = f"uid_{os.getuid()}"
+        folder = f"torchinductor_{user}_{cap}"  # beside inductor's default
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), folder)
 
 
