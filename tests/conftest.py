@@ -40,9 +40,13 @@ from helpers import (  # noqa: E402
 from pretrain.config.naming import register_resolvers  # noqa: E402
 from pretrain.config.schema import Config  # noqa: E402
 from pretrain.config.structured import register_configs  # noqa: E402
+from pretrain.hardware.device import inductor_cache_per_isa  # noqa: E402
 
 register_configs()
 register_resolvers()
+# Under the AVX2 imitation (``ATEN_CPU_CAPABILITY=avx2``) inductor's cache is kept apart from
+# the machine's own: the tests that compile, and the runs they start, inherit the folder.
+inductor_cache_per_isa()
 
 
 @pytest.fixture

@@ -154,6 +154,33 @@ def test_imitated_avx2_cpu_resolves_auto_to_fp32():
     assert plan["precision_auto"].startswith("fp32: this CPU has no native bf16 matmul")
 
 
+@pytest.mark.parametrize("cap,user_dir,expected", [
+    ("avx2", None, "torchinductor_{user}_avx2"),  # the imitation: a folder of its own
+    ("", None, None),  # the machine's own kernels: inductor's default, untouched
+    ("avx2", "/mine", "/mine"),  # a folder the user chose stays
+])
+def test_inductor_keeps_a_cache_per_cpu_capability(monkeypatch, cap, user_dir, expected):
+    """Inductor's FX-graph cache key leaves out the vector ISA ``ATEN_CPU_CAPABILITY`` picks:
+    an AVX512 run's cached graph came back under the AVX2 imitation as NaN gradients
+    (tests/test_activation_checkpoint.py's fullgraph test), so each capability keeps its own."""
+    import getpass
+    import tempfile
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    if user_dir:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", user_dir)
+    device_mod.inductor_cache_per_isa()
+    got = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if expected is None:
+        assert got is None
+    elif expected.startswith("/"):
+        assert got == expected
+    else:
+        assert got == os.path.join(tempfile.gettempdir(),
+                                   expected.format(user=getpass.getuser()))
+
+
 # -- the device -------------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import getpass
 import glob
 import logging
 import math
@@ -11,6 +12,7 @@ import os
 import platform
 import resource
 import sys
+import tempfile
 import time
 
 import torch
@@ -194,6 +196,23 @@ def peak_reserved_bytes(device: torch.device) -> int | None:
     and torchtitan report as a GPU's memory (allocated plus the allocator's cache and
     fragmentation); None elsewhere."""
     return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+
+
+def inductor_cache_per_isa() -> None:
+    """Give inductor's on-disk cache a folder of its own per ``ATEN_CPU_CAPABILITY``.
+
+    The imitation of an older CPU (``ATEN_CPU_CAPABILITY=avx2`` on an AVX512 machine) makes
+    inductor generate AVX2 code, but its FX-graph cache key (torch 2.13) leaves the vector ISA
+    out: a graph cached by an AVX512 run came back under the imitation and gave NaN gradients
+    (a fresh folder gave the eager ones to 4e-9). Unset or set by the user, nothing changes."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if cap and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        try:  # as inductor names its default folder
+            user = getpass.getuser()
+        except (KeyError, OSError):  # no passwd entry (a container's arbitrary uid)
+            user = f"uid_{os.getuid()}"
+        folder = f"torchinductor_{user}_{cap}"  # beside inductor's default
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), folder)
 
 
 def keep_freed_memory() -> None:

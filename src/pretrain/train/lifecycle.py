@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from pretrain.checkpoint.folder import on_rank0
 from pretrain.data.prefetch import Prefetcher
 from pretrain.data.run_data import mixture_training_data, training_data
-from pretrain.hardware.device import keep_freed_memory
+from pretrain.hardware.device import inductor_cache_per_isa, keep_freed_memory
 from pretrain.train.checkpointing import Checkpointing
 from pretrain.train.evaluation import validation
 from pretrain.train.hooks import LoopContext
@@ -49,6 +49,7 @@ class Lifecycle:
                                    plan=self.batches.plan(self.layout.dp, self.place.dp_rank))
         if self.device.type == "cpu":
             keep_freed_memory()
+            inductor_cache_per_isa()
 
     def _build_training(self) -> None:
         """The train module, the validation and the MFU denominator."""
