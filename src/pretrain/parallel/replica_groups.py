@@ -36,7 +36,8 @@ class ReplicaGroups:
     group (its replica id ``group<N>``); its ranks are the process group's, if one exists."""
 
     def __init__(self, group: int, lighthouse: str, min_replicas: int, timeout_s: float,
-                 state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]):
+                 state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None],
+                 quorum_retries: int = 0):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers: every step otherwise
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo
@@ -61,7 +62,7 @@ class ReplicaGroups:
             replica_id=f"group{group}", lighthouse_addr=lighthouse, hostname=host,
             store_addr=host, store_port=port[0], rank=rank, world_size=world,
             timeout=timeout, quorum_timeout=timedelta(seconds=max(60.0, 4 * timeout_s)),
-            connect_timeout=timeout)
+            connect_timeout=timeout, quorum_retries=quorum_retries)
         self.participants = 0  # the last quorum's size, for the log
 
     def start_step(self) -> None:
