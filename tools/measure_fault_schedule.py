@@ -1,21 +1,29 @@
 """Effective training time under a schedule of node faults, restart path vs torchft path
-(issue 71; docs/reliability.md#torchft has the figures and the command that made them).
+(issue 71; docs/reliability.md#torchft has the figures and the commands that made them).
 
     SLURM_LOCAL_DIR=/tmp/pretrain-slurm-nodes SLURM_LOCAL_PORT=7817 SLURM_LOCAL_DB_PORT=3407 \\
-        slurm/local_cluster.sh start --nodes 4
-    SLURM_LOCAL_DIR=/tmp/pretrain-slurm-nodes python tools/measure_fault_schedule.py \\
-        --work W --path torchft --minutes 4 --kill-every 60 --revive-after 30 [--no-faults]
+        slurm/local_cluster.sh start --nodes 4 --netns
+    M="python tools/measure_fault_schedule.py --work W --data NAME"   # same SLURM_LOCAL_DIR
+    $M --path restart --no-faults --minutes 2 --out restart-nofault.json
+    for k in 4 3 2 1; do $M --path torchft --no-faults --live $k --minutes 2 \\
+        --out torchft-nofault-$k.json; done
+    $M --path torchft --kill-order n2,n3,n4,n1 --out torchft-full.json \\
+        --baseline torchft-nofault-*.json        # 15 min, a kill every 120 s from 60 s
+    $M --path restart --kill-order n2,n3,n4,n1 --out restart-full.json \\
+        --baseline restart-nofault.json
 
 Trains for ``--minutes`` of wall time from the first step, on ``--nodes`` nodes one rank
-each: ``restart``, one job of a fixed dp = nodes (tools/launch.py, slurm/train.sbatch: a lost
-node ends the attempt, the job requeues and resumes from the newest checkpoint on nodes that
-are up); ``torchft``, one replica group a node (slurm/ft_group.sbatch, pinned to it) and a
-Lighthouse here. Node n1 is killed first (``kill-node``: slurmd and ranks, SIGKILL), then
-n2, ... every ``--kill-every`` seconds, each revived ``--revive-after`` seconds later. The
-same global batch either way (torchft: global / nodes a group). Prints one JSON line: the
-steps the run kept, the steps trained and thrown away, each group's steps, the mean step
-time, the last losses. Needs the tests' corpus prepared under W/data (tools/measure_node_loss.py
-says how).
+each: ``restart``, one job of a fixed dp = nodes (tools/launch.py, slurm/train.sbatch, DDP by
+default: a lost node ends the attempt, the job requeues and resumes from the newest
+checkpoint on nodes that are up); ``torchft``, one replica group a node (slurm/ft_group.sbatch,
+pinned to it) and a Lighthouse here, off every node. The nodes of ``--kill-order`` are killed
+in turn (``kill-node``: slurmd and ranks, SIGKILL) every ``--kill-every`` seconds from
+``--first-kill``, each revived ``--revive-after`` seconds later. The same global batch either
+way (torchft: global / nodes a group). ``--live K`` (with ``--no-faults``) starts only K
+groups: the no-fault step time of K live groups, which prices the steps a faulty run took with
+K groups (``effective``'s docstring says why). Prints one JSON line; ``--out`` also keeps, per
+step, the groups that took part, their mean loss and when it was logged. Needs the corpus
+prepared under W/data (tools/measure_node_loss.py says how).
 """
 
 from __future__ import annotations
