@@ -1,7 +1,8 @@
 """ft.mode=torchft on this machine (two replica groups as two train.py
 processes and a Lighthouse in this one, no Slurm): a full restart resumes every group from
 its checkpoint, a group with nothing heals from a live peer, and both give the state of the
-uninterrupted run bit for bit (model and optimizer). The multi-node version, a node killed
+uninterrupted run bit for bit (model and optimizer); the groups outlive a Lighthouse started
+again at its address. The multi-node version, a node killed
 and healed, is tests/test_slurm_nodes.py's ``test_a_node_lost_under_torchft...``."""
 
 from __future__ import annotations
