@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The torchft Lighthouse of a ft.mode=torchft run, kept alive: run it on a
 # host outside the compute nodes (the login or service node, beside slurmctld), where no
-# node failure reaches it; if it exits it is started again at the same address, so that
-# groups started again find it (the running ones do not survive its loss: their next quorum
-# times out and they exit; each resumes from its own checkpoint when resubmitted).
+# node failure reaches it; if it exits it is started again at the same address. The running
+# groups outlive that: each retries its quorum (ft.quorum_retries) until the new Lighthouse
+# answers, then trains on (docs/reliability.md#torchft: an 11 s pause for a 3 s outage).
 #   slurm/ft_lighthouse.sh [PORT] [MIN_REPLICAS]   # default 29510, 1
 # then export TORCHFT_LIGHTHOUSE=http://$(hostname):PORT for slurm/ft_group.sbatch.
 set -uo pipefail

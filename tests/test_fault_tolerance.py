@@ -1,7 +1,8 @@
 """ft.mode=torchft on this machine (two replica groups as two train.py
 processes and a Lighthouse in this one, no Slurm): a full restart resumes every group from
 its checkpoint, a group with nothing heals from a live peer, and both give the state of the
-uninterrupted run bit for bit (model and optimizer). The multi-node version, a node killed
+uninterrupted run bit for bit (model and optimizer); the groups outlive a Lighthouse started
+again at its address. The multi-node version, a node killed
 and healed, is tests/test_slurm_nodes.py's ``test_a_node_lost_under_torchft...``."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,15 +24,19 @@ pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
 
 
-@contextmanager
-def lighthouse(min_replicas: int):
-    """A torchft Lighthouse in this process (what slurm/ft_lighthouse.sh runs), on a free
-    port; yields its address."""
+def lighthouse_server(min_replicas: int, port: int = 0):
+    """A torchft Lighthouse in this process (what slurm/ft_lighthouse.sh runs)."""
     os.environ.setdefault("RUST_LOG", "warn")  # not a line for every quorum
     from torchft.coordination import LighthouseServer
 
-    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=2000,
-                              heartbeat_timeout_ms=2000)
+    return LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas,
+                            join_timeout_ms=2000, heartbeat_timeout_ms=2000)
+
+
+@contextmanager
+def lighthouse(min_replicas: int):
+    """A Lighthouse on a free port; yields its address."""
+    server = lighthouse_server(min_replicas)
     try:
         yield server.address()
     finally:
@@ -53,14 +59,16 @@ def ft_args(work_dir: Path, runs: Path, steps: int, address: str, interval: int)
             "ft.groups=2", f"ft.lighthouse={address}"]
 
 
-def run_groups(args: list[str], cwd: Path, timeout: float = 240) -> list[str]:
-    """Both groups to the end; their logs."""
+def run_groups(args: list[str], cwd: Path, timeout: float = 240,
+               meanwhile=lambda: None) -> list[str]:
+    """Both groups to the end (``meanwhile`` called once they are started); their logs."""
     procs = [subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=cwd,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=launch_env(OMP_NUM_THREADS="1", PRETRAIN_FT_GROUP=str(g)),
                               start_new_session=True) for g in (0, 1)]
     logs = []
     try:
+        meanwhile()
         for proc in procs:
             logs.append(proc.communicate(timeout=timeout)[0])
             assert proc.returncode == 0, logs[-1][-4000:]
@@ -69,6 +77,10 @@ def run_groups(args: list[str], cwd: Path, timeout: float = 240) -> list[str]:
             if proc.poll() is None:
                 kill_tree(proc.pid)
     return logs
+
+
+def steps_logged(metrics: Path) -> int:
+    return metrics.read_text().count('"loss"') if metrics.exists() else 0
 
 
 def saved_state(checkpoint: Path, tmp: Path) -> dict[str, torch.Tensor]:
@@ -114,6 +126,38 @@ def test_a_restart_from_a_checkpoint_and_a_heal_from_a_peer_give_the_same_state(
     assert_identical(saved_state(x / "ft" / "group1" / final, tmp_path), want)
     for g in (0, 1):
         assert_identical(saved_state(y / "ft" / f"group{g}" / final, tmp_path), want)
+
+
+def test_the_groups_outlive_a_lighthouse_restarted_at_its_address(work_dir, prepared,
+                                                                  tmp_path):
+    """The Lighthouse (off the compute nodes) shut down mid-run and started again 2 s later
+    at the same address, as slurm/ft_lighthouse.sh does: both groups retry their quorum
+    (ft.quorum_retries), train to the end and hold the same state bit for bit."""
+    server = lighthouse_server(min_replicas=2)
+    address = server.address()
+    port = int(address.rsplit(":", 1)[1])
+    steps, runs = 30, tmp_path / "runs"
+    restarted = []
+
+    def restart_when_training() -> None:
+        metrics = runs / "ft" / "group0" / "metrics.jsonl"
+        deadline = time.time() + 180
+        while time.time() < deadline and steps_logged(metrics) < 8:
+            time.sleep(0.2)
+        server.shutdown()
+        time.sleep(2)
+        restarted.append(lighthouse_server(min_replicas=2, port=port))
+
+    try:
+        run_groups(ft_args(work_dir, runs, steps, address, interval=100), work_dir,
+                   meanwhile=restart_when_training)
+    finally:
+        for s in restarted:
+            s.shutdown()
+    assert restarted
+    final = "checkpoints/step_0000030"
+    assert_identical(saved_state(runs / "ft" / "group0" / final, tmp_path),
+                     saved_state(runs / "ft" / "group1" / final, tmp_path))
 
 
 def test_what_torchft_needs_and_refuses_is_named(monkeypatch):

@@ -1,21 +1,29 @@
 """Effective training time under a schedule of node faults, restart path vs torchft path
-(issue 71; docs/reliability.md#torchft has the figures and the command that made them).
+(issue 71; docs/reliability.md#torchft has the figures and the commands that made them).
 
     SLURM_LOCAL_DIR=/tmp/pretrain-slurm-nodes SLURM_LOCAL_PORT=7817 SLURM_LOCAL_DB_PORT=3407 \\
-        slurm/local_cluster.sh start --nodes 4
-    SLURM_LOCAL_DIR=/tmp/pretrain-slurm-nodes python tools/measure_fault_schedule.py \\
-        --work W --path torchft --minutes 4 --kill-every 60 --revive-after 30 [--no-faults]
+        slurm/local_cluster.sh start --nodes 4 --netns
+    M="python tools/measure_fault_schedule.py --work W --data NAME"   # same SLURM_LOCAL_DIR
+    $M --path restart --no-faults --minutes 2 --out restart-nofault.json
+    for k in 4 3 2 1; do $M --path torchft --no-faults --live $k --minutes 2 \\
+        --out torchft-nofault-$k.json; done
+    $M --path torchft --kill-order n2,n3,n4,n1 --out torchft-full.json \\
+        --baseline torchft-nofault-*.json        # 15 min, a kill every 120 s from 60 s
+    $M --path restart --kill-order n2,n3,n4,n1 --out restart-full.json \\
+        --baseline restart-nofault.json
 
 Trains for ``--minutes`` of wall time from the first step, on ``--nodes`` nodes one rank
-each: ``restart``, one job of a fixed dp = nodes (tools/launch.py, slurm/train.sbatch: a lost
-node ends the attempt, the job requeues and resumes from the newest checkpoint on nodes that
-are up); ``torchft``, one replica group a node (slurm/ft_group.sbatch, pinned to it) and a
-Lighthouse here. Node n1 is killed first (``kill-node``: slurmd and ranks, SIGKILL), then
-n2, ... every ``--kill-every`` seconds, each revived ``--revive-after`` seconds later. The
-same global batch either way (torchft: global / nodes a group). Prints one JSON line: the
-steps the run kept, the steps trained and thrown away, each group's steps, the mean step
-time, the last losses. Needs the tests' corpus prepared under W/data (tools/measure_node_loss.py
-says how).
+each: ``restart``, one job of a fixed dp = nodes (tools/launch.py, slurm/train.sbatch, DDP by
+default: a lost node ends the attempt, the job requeues and resumes from the newest
+checkpoint on nodes that are up); ``torchft``, one replica group a node (slurm/ft_group.sbatch,
+pinned to it) and a Lighthouse here, off every node. The nodes of ``--kill-order`` are killed
+in turn (``kill-node``: slurmd and ranks, SIGKILL) every ``--kill-every`` seconds from
+``--first-kill``, each revived ``--revive-after`` seconds later. The same global batch either
+way (torchft: global / nodes a group). ``--live K`` (with ``--no-faults``) starts only K
+groups: the no-fault step time of K live groups, which prices the steps a faulty run took with
+K groups (``effective``'s docstring says why). Prints one JSON line; ``--out`` also keeps, per
+step, the groups that took part, their mean loss and when it was logged. Needs the corpus
+prepared under W/data (tools/measure_node_loss.py says how).
 """
 
 from __future__ import annotations
@@ -64,15 +72,17 @@ class Clock:
             seen.extend((s, v, now) for s, v in lines[len(seen):])
 
 
-def common(work: Path, runs: Path, name: str, model: list[str], batch: int) -> list[str]:
+def common(work: Path, runs: Path, name: str, model: list[str], batch: int,
+           data: str) -> list[str]:
     return ["+recipe=tiny-zero3", "precision=fp32", "model.vocab_size=300",
-            "data.source=text", "data.name=tinytext",
+            "data.source=text", f"data.name={data}",
             "data.data_files=[" + ",".join(f"corpus/doc{i:02d}.txt" for i in range(10)) + "]",
             "data.tokenizer_vocab_size=300", "data.validation_fraction=0.1",
             "data.num_proc=1", f"data.root={work / 'data'}", f"runs_dir={runs}",
             f"run_name={name}", "budget=steps", "budget.steps=5000", "data.max_epochs=1000",
             f"train.global_batch_size={batch}", "parallel.micro_batch_size=2",
             "train.eval_batches=2", "train.eval_interval=5000", "train.sample_tokens=0",
+            "train.noise_scale=false",
             "logging=quiet", "logging.log_interval=1", "checkpoint.enabled=true",
             "checkpoint.interval_steps=20", "checkpoint.async_save=false", *model]
 
@@ -83,71 +93,139 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rate(seen: list[tuple[int, float, float]]) -> float | None:
+    """Seconds a step after the first 10 (start-up, first checkpoint) of one group."""
+    if len(seen) < 21:
+        return None
+    (s0, _, t0), (s1, _, t1) = seen[10], seen[-1]
+    return (t1 - t0) / (s1 - s0)
+
+
+def summary(args, per: list[list[tuple[int, float, float]]], t0: float, wall: float,
+            done: list, redone: int) -> dict:
+    """The run's figures: per step, the groups that took part (torchft; the restart path's
+    steps are all whole) and their mean loss; steps kept, trained again, group-steps missed."""
+    groups: dict[int, list[float]] = {}
+    when: dict[int, float] = {}
+    for seen in per:
+        for s, v, t in {s: (s, v, t) for s, v, t in seen}.values():  # an attempt's rerun wins
+            groups.setdefault(s, []).append(v)
+            when[s] = min(when.get(s, t), t)
+    live = len(per) if args.path == "torchft" else 1
+    steps = sorted(groups)
+    logged = sum(len(seen) for seen in per)
+    return {
+        "path": args.path, "faults": not args.no_faults, "groups_started": live,
+        "nodes": args.nodes, "kills": done, "wall_s": round(wall, 1),
+        "model": args.model, "batch": args.batch,
+        "steps_kept": len(steps), "last_step": max(steps, default=0),
+        "steps_after_t0": sum(1 for s in steps if when[s] >= t0),
+        "steps_redone": redone if args.path == "torchft" else logged - len(steps),
+        "group_steps_missed": sum(live - len(groups[s]) for s in steps),
+        "step_s": min((r for r in map(rate, per) if r), default=None),
+        "per_step": {str(s): [len(groups[s]), round(sum(groups[s]) / len(groups[s]), 5),
+                         round(when[s] - t0, 2)] for s in steps},
+    }
+
+
+def effective(run: dict, baselines: list[dict]) -> dict:
+    """Effective training time as issue 71 defines it: the uninterrupted run's time for the
+    steps that counted over the wall time, each step priced at the no-fault step time of a run
+    with as many live groups as that step had (on this machine the groups share 2 cores, so a
+    step of 3 groups is faster than one of 4: pricing it at 4 groups' time would credit the
+    faulty run with the CPU its dead group freed)."""
+    base = {b["groups_started"]: b for b in baselines if b["path"] == run["path"]}
+    after = [v for v in run["per_step"].values() if v[2] >= 0]
+    need = sorted({v[0] for v in after})
+    if any(k not in base or not base[k]["step_s"] for k in need):
+        return {"effective": None, "missing_baselines": [k for k in need if k not in base]}
+    counted = sum(base[v[0]]["step_s"] for v in after)
+    out = {"effective": round(counted / run["wall_s"], 4),
+           "baseline_step_s": {k: round(base[k]["step_s"], 4) for k in need}}
+    ref = base.get(max(base))  # the uninterrupted run with every group: the loss reference
+    common = sorted(set(map(int, run["per_step"])) & set(map(int, ref["per_step"])))[-50:]
+    if common:
+        mean = lambda r: sum(r["per_step"][str(s)][1] for s in common) / len(common)  # noqa
+        out["loss_vs_reference"] = {"steps": [common[0], common[-1]], "run": round(mean(run), 4),
+                                    "reference": round(mean(ref), 4)}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, required=True, help="holds corpus/ and data/")
     ap.add_argument("--path", choices=["restart", "torchft"], required=True)
     ap.add_argument("--nodes", type=int, default=4)
-    ap.add_argument("--minutes", type=float, default=4)
-    ap.add_argument("--kill-every", type=float, default=60)
-    ap.add_argument("--first-kill", type=float, default=30)
+    ap.add_argument("--minutes", type=float, default=15)
+    ap.add_argument("--kill-every", type=float, default=120)
+    ap.add_argument("--first-kill", type=float, default=60)
     ap.add_argument("--revive-after", type=float, default=30)
+    ap.add_argument("--kill-order", default="", help="nodes, comma-separated (n1,...,nN)")
     ap.add_argument("--no-faults", action="store_true")
+    ap.add_argument("--live", type=int, default=0,
+                    help="torchft, --no-faults: start only this many groups (a baseline)")
     ap.add_argument("--batch", type=int, default=16, help="global sequences a step")
-    ap.add_argument("--model", nargs="*", default=["model=nano", "model.n_layer=4",
+    ap.add_argument("--data", default="tinytext", help="data.name prepared under W/data")
+    ap.add_argument("--dp-mode", default="ddp", help="the restart path's parallel.dp_mode")
+    ap.add_argument("--out", type=Path, help="write the whole summary (per step) here")
+    ap.add_argument("--baseline", type=Path, nargs="*", default=[],
+                    help="--out files of no-fault runs: effective time, loss reference")
+    ap.add_argument("--model", nargs="*", default=["model=nano", "model.n_layer=8",
                                                    "model.d_model=256", "model.n_head=4",
                                                    "model.seq_len=128"])
     args = ap.parse_args()
     env = {**os.environ, "PATH": os.environ["PATH"] + ":/usr/sbin:/sbin"}
     env["SLURM_CONF"] = sh("bash", str(CLUSTER), "env", env=env,
                            check=True).stdout.split("=", 1)[1].strip()
-    name = f"{args.path}-{'nofault' if args.no_faults else 'faults'}"
+    live = args.live or args.nodes
+    name = f"{args.path}-{'nofault' if args.no_faults else 'faults'}" + (
+        f"-live{live}" if live != args.nodes else "")
     runs = args.work / "runs"
     shutil.rmtree(runs / name, ignore_errors=True)
     (runs / name).mkdir(parents=True)
     nodes = [f"n{i + 1}" for i in range(args.nodes)]
+    order = args.kill_order.split(",") if args.kill_order else nodes
     netns = Path(os.environ.get("SLURM_LOCAL_DIR", "/tmp/pretrain-slurm"), "netns")
     iface = "eth0" if netns.exists() and netns.read_text().strip() == "1" else "lo"
+    base = common(args.work, runs, name, args.model, args.batch, args.data)
     lighthouse, jobs = None, []
     if args.path == "restart":
-        out = sh(sys.executable, str(REPO / "tools" / "launch.py"),
-                 *common(args.work, runs, name, args.model, args.batch), "cluster=local",
+        out = sh(sys.executable, str(REPO / "tools" / "launch.py"), *base, "cluster=local",
                  "cluster.procs_per_node=1", f"parallel.dp={args.nodes}",
-                 f"cluster.env.GLOO_SOCKET_IFNAME={iface}",
+                 f"parallel.dp_mode={args.dp_mode}", f"cluster.env.GLOO_SOCKET_IFNAME={iface}",
                  f"--nodes={args.nodes}", env=env, cwd=args.work, check=True).stdout
         jobs.append(re.search(r"submitted job (\d+)", out).group(1))
         metrics = [runs / name / "metrics.jsonl"]
     else:
         port = free_port()
-        lighthouse = subprocess.Popen(
+        lighthouse = subprocess.Popen(  # here, on the host: off every node the schedule kills
             ["torchft_lighthouse", "--bind", f"[::]:{port}", "--min_replicas", "1",
              "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         address = f"http://{socket.gethostname()}:{port}"
         per_group = args.batch // args.nodes
-        for g, node in enumerate(nodes):
+        for g, node in enumerate(nodes[:live]):
             ft = [f"train.global_batch_size={per_group}", "parallel=single",
                   "ft.mode=torchft", f"ft.groups={args.nodes}",
                   f"ft.lighthouse={address}"]
             out = sh("sbatch", "--parsable", f"--nodelist={node}",
                      f"--output={runs / name}/slurm-%j.out",
-                     str(REPO / "slurm" / "ft_group.sbatch"),
-                     *common(args.work, runs, name, args.model, args.batch), *ft,
+                     str(REPO / "slurm" / "ft_group.sbatch"), *base, *ft,
                      env={**env, "PRETRAIN_FT_GROUP": str(g), "TORCHFT_LIGHTHOUSE": address,
                           "PYTHON": sys.executable, "TRAIN_PY": str(REPO / "train.py")},
                      cwd=args.work, check=True).stdout
             jobs.append(out.strip().split(";")[0])
-        metrics = [runs / name / f"group{g}" / "metrics.jsonl" for g in range(args.nodes)]
+        metrics = [runs / name / f"group{g}" / "metrics.jsonl" for g in range(live)]
     clock = Clock(metrics)
     while not any(clock.seen):
         clock.poll()
         time.sleep(0.2)
     t0 = time.time()
     end = t0 + args.minutes * 60
-    kills = [] if args.no_faults else [
-        (t0 + args.first_kill + i * args.kill_every, nodes[i % len(nodes)])
-        for i in range(int((args.minutes * 60 - args.first_kill) // args.kill_every) + 1)
-        if args.first_kill + i * args.kill_every < args.minutes * 60]
+    count = 0 if args.no_faults else int((args.minutes * 60 - args.first_kill - 1e-9)
+                                         // args.kill_every) + 1
+    kills = [(t0 + args.first_kill + i * args.kill_every, order[i % len(order)])
+             for i in range(max(count, 0))]
     revives, done = [], []
     while time.time() < end:
         now = time.time()
@@ -161,26 +239,20 @@ def main() -> int:
         clock.poll()
         time.sleep(0.3)
     wall = time.time() - t0
+    clock.poll()
     for job in jobs:
         sh("scancel", job, env=env)
     for _, node in revives:
         sh("bash", str(CLUSTER), "revive-node", node, env=env, timeout=120)
     if lighthouse is not None:
         lighthouse.kill()
-    per = clock.seen
-    logged = [[s for s, _, _ in p] for p in per]
-    kept = max(max(s, default=0) for s in logged)  # the model's steps at the end
-    trained = sum(len(s) for s in logged)  # every step any group/attempt logged
-    steady = [p for p in per if len(p) > 20]
-    step_s = min((p[-1][2] - p[10][2]) / (len(p) - 11) for p in steady) if steady else None
-    last = {s: v for p in per for s, v, _ in p}
-    tail = [last[s] for s in sorted(last)[-10:]]
-    print(json.dumps({
-        "path": args.path, "faults": not args.no_faults, "kills": done, "wall_s": round(wall),
-        "steps_kept": kept,
-        "steps_logged": trained, "steps_per_group": [len(s) for s in logged],
-        "steady_step_s": round(step_s, 4) if step_s else None,
-        "loss_last10": round(sum(tail) / len(tail), 4) if tail else None}))
+    redone = sum(p.read_text().count("not committed") for p in (runs / name).glob("slurm-*.out"))
+    result = summary(args, clock.seen, t0, wall, done, redone)
+    if args.baseline:
+        result.update(effective(result, [json.loads(p.read_text()) for p in args.baseline]))
+    if args.out:
+        args.out.write_text(json.dumps(result))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("per_step", "model")}))
     return 0
 
 

@@ -65,3 +65,6 @@ class FaultToleranceConfig:
     lighthouse: str | None = None  # http://HOST:PORT; None: $TORCHFT_LIGHTHOUSE
     min_replicas: int = 1  # groups a step needs (1: any one survivor trains on)
     timeout_s: float = 30.0  # a collective, the commit vote, a heal's transfer
+    # Times a group's quorum request is retried when the Lighthouse does not answer (torchft's
+    # quorum_retries): a Lighthouse restarted at the same address within them is survived.
+    quorum_retries: int = 30

@@ -105,7 +105,8 @@ class ReplicaGroupTrainer(loop.Trainer):
         ft = self.cfg.ft
         self.replicas = ReplicaGroups(
             self.group, ft.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"],
-            ft.min_replicas, ft.timeout_s, self.heal_state, self.load_heal_state)
+            ft.min_replicas, ft.timeout_s, self.heal_state, self.load_heal_state,
+            ft.quorum_retries)
         params = lambda: [p for part in self.module.parts for p in part.parameters()]  # noqa
         self.module.strategy = AveragedStep(self.module.strategy, self.replicas, params)
 
