@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PHASES = ("loss backward", "blocks backward", "backward end", "optimizer step")
+PHASES = ("loss backward", "blocks backward", "root backward", "backward end", "optimizer step")
 
 KIND_OF = {
     "parameters": "Parameter", "compute-dtype weight copies": "Parameter",
