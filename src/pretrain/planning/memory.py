@@ -74,7 +74,7 @@ from pretrain.planning.activations import (
 )
 from pretrain.planning.document import mask_bytes
 from pretrain.planning.offload import defers_reduction
-from pretrain.planning.params import StageParams, inventory, rank_params
+from pretrain.planning.params import StageParams, block_experts, inventory, rank_params
 from pretrain.planning.phases import Backward, grads_at_backward_start, phase_parts
 from pretrain.planning.reducing import Reducing, reducing_phases
 from pretrain.precision.policy import dtype_bytes
@@ -326,9 +326,12 @@ def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda")
 
 def _reducing(cfg: Config, layout: Layout, a: ActivationSetup, sp: StageParams,
               parts: dict[str, float], held: bool, work: float) -> Reducing:
-    """The inputs of ``reducing.reducing_phases`` for one stage (no pipeline)."""
+    """The inputs of ``reducing.reducing_phases`` for one stage (no pipeline). Under EP a
+    block is two FSDP groups: its routed experts (sharded over dp_shard / ep ranks) and the
+    rest (over dp_shard)."""
     m, prec = cfg.model, cfg.precision
     e, rb = dtype_bytes(prec.compute_dtype), dtype_bytes(prec.reduce_dtype)
+    pb = dtype_bytes(prec.param_dtype)
     ac, every = layout.activation_checkpointing, cfg.parallel.ac_every_n_layers
     rest = "selective" if ac == "selective" else ("full" if ac == "full" else "none")
     saved = tuple(layer_bytes(m, a, "full" if ac == "selective" and every > 0
@@ -340,16 +343,21 @@ def _reducing(cfg: Config, layout: Layout, a: ActivationSetup, sp: StageParams,
     emb = vocab * m.d_model + (vocab // layout.tp * m.d_model if layout.tp > 1 else 0)
     emb += vocab // layout.tp * m.d_model if m.tie_embeddings else 0
     emb += m.seq_len * m.d_model if m.pos_emb == "learned" else 0
-    share = parts["gradients"] / sp.unsharded
+    experts = block_experts(m, layout) if layout.ep > 1 else (0,) * len(sp.blocks)
+    dense = tuple(b - x for b, x in zip(sp.blocks, experts, strict=True))
+    shards = layout.dp_shard if layout.dp_spec.shards else 1
+    # a dense block's backward makes its MLP output projection's gradient first
+    first = 0 if layout.ep > 1 else m.d_model * ffn_dim(m) // layout.tp
     return Reducing(
-        weights=tuple(e * b for b in sp.blocks), grads=tuple(share * b for b in sp.blocks),
-        reduce=tuple(rb * b for b in sp.blocks), saved=saved,
+        weights=tuple(e * d for d in dense), expert_weights=tuple(e * x for x in experts),
+        grads=tuple(pb * (d / shards + x / max(shards // layout.ep, 1))
+                    for d, x in zip(dense, experts, strict=True)),
+        reduce=tuple(rb * d for d in dense), saved=saved,
         saved_rest=max(parts["activations"] - sum(saved), 0.0), root_weights=e * sp.root,
         root_reduce=rb * sp.root,
         all_gathered=0.0 if layout.dp_spec.reshard_after_forward else e * sp.unsharded,
         grads_held=held, head_grad=e * head, embedding_grad=e * emb, work=work,
-        recompute=work - backward_working_bytes(m, a),
-        first_grad=e * m.d_model * ffn_dim(m) / layout.tp)
+        recompute=work - backward_working_bytes(m, a), first_grad=e * first)
 
 
 def _earlier_micro_batches(layout: Layout, cfg: Config) -> bool:

@@ -17,7 +17,14 @@ made them), a block's backward, ``j`` blocks from the last, holds:
 - the saved activations of this block and those not yet run, and a block's backward
   working set (with its recomputation) and the first gradient it makes (its MLP output
   projection's, in the compute dtype: the peak is in the MLP's backward, where the widest
-  activation gradient lives).
+  activation gradient lives; an MoE block's experts: the grouped GEMMs' backward writes the
+  whole group's gradients before autograd accumulates them).
+
+Under expert parallelism a block is two FSDP groups (``parallel.data_parallel``: the routed
+experts over ``experts_fsdp``, the rest over the dp mesh), gathered, reduced and sharded
+apart: the experts' backward runs first, so the dense part's reduce-scatter input is the
+one held into the next block, and the experts' all-gather output is held through their
+backward.
 
 Then the root's own backward (the embeddings), after every block: the head's gradient, the
 embedding's gradient (the whole vocabulary's in the compute dtype: DTensor's
@@ -39,6 +46,7 @@ class Reducing:
     input, its saved activations."""
 
     weights: tuple[float, ...]
+    expert_weights: tuple[float, ...]  # under EP: the routed experts, a group of their own
     grads: tuple[float, ...]
     reduce: tuple[float, ...]
     saved: tuple[float, ...]
@@ -56,20 +64,26 @@ class Reducing:
 
 def _fixed(parts: dict[str, float]) -> dict[str, float]:
     keep = ("parameters", "optimizer state", "fp8 scaling state")
-    return {k: (parts[k] if k in keep else 0.0) for k in parts}
+    return {k: (parts[k] if k in keep else 0.0) for k in (*parts, "gathered expert weights")}
 
 
 def _block(parts: dict[str, float], r: Reducing, i: int) -> dict[str, float]:
     """Block ``i``'s backward (blocks run backward from the last)."""
     n = len(r.weights)
     done = range(i + 1, n)
-    prefetch = r.weights[i - 1] if i > 0 else 0.0
-    gathered = r.all_gathered or r.root_weights + r.weights[i] + prefetch
+    # the all-gather output of the group gathered last: the next block's first group in
+    # backward (prefetched), or at the first block an MoE block's experts (its dense part
+    # comes after them)
+    buffer = (r.expert_weights[i - 1] or r.weights[i - 1]) if i > 0 else r.expert_weights[i]
+    gathered = r.all_gathered or r.root_weights + r.weights[i] + buffer
     return {**_fixed(parts),
+            "gathered expert weights": 0.0 if r.all_gathered else r.expert_weights[i],
             "gradients": r.first_grad + (parts["gradients"] if r.grads_held
                                          else sum(r.grads[k] for k in done)),
             "compute-dtype weight copies": gathered,
-            "gradient buffers": r.head_grad + (r.reduce[i + 1] if i + 1 < n else 0.0),
+            # an expert group's gradients: the grouped GEMMs' backward writes them whole
+            "gradient buffers": r.head_grad + (r.reduce[i + 1] if i + 1 < n else 0.0)
+            + r.expert_weights[i],
             "activations": r.saved_rest + sum(r.saved[: i + 1]) + r.recompute,
             "backward transient": r.work - r.recompute}
 
@@ -83,7 +97,9 @@ def reducing_phases(parts: dict[str, float], r: Reducing) -> dict[str, dict[str,
     root = {**_fixed(parts), "gradients": grads,
             "compute-dtype weight copies": r.all_gathered or r.root_weights,
             "gradient buffers": r.head_grad + (r.reduce[0] if r.reduce else 0.0),
-            "backward transient": r.embedding_grad}
-    end = {**_fixed(parts), "gradients": parts["gradients"], "gradient buffers": r.root_reduce}
+            "backward transient": r.embedding_grad, "gathered expert weights": 0.0}
+    end = {**_fixed(parts), "gradients": parts["gradients"], "gradient buffers": r.root_reduce,
+           "gathered expert weights": 0.0}
     phases = {"blocks backward": blocks, "root backward": root, "backward end": end}
-    return {name: {k: v for k, v in held.items() if k in parts} for name, held in phases.items()}
+    return {name: {k: v for k, v in held.items() if k in parts or v}
+            for name, held in phases.items()}
