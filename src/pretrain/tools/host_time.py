@@ -4,10 +4,10 @@ nano and 10M models, eager and compiled (planning/host_check.py says how and why
     python tools/host_time.py                 # the table (about 3 minutes on 2 cores)
     python tools/host_time.py --json
 
-Times are wall seconds a step over ``--steps`` steps after ``--warmup`` (compile and the
-allocator warmed), one thread (as torchrun gives a rank). Run it alone on the machine
-(``flock /tmp/pretrain-cpu.lock``): a busy CPU inflates every row alike, the calibration
-row too.
+Times are wall seconds a step: the fastest of ``--blocks`` blocks of ``--steps`` steps each
+(another process's burst slows a block, not the figure), after ``--warmup`` steps (compile
+and the allocator warmed), one thread (as torchrun gives a rank). Run it alone on the
+machine (``flock /tmp/pretrain-cpu.lock``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from pretrain.planning.calibration import GPU_HOST
 QUIET = ["logging.wandb=disabled", "logging.progress_bar=false", "train.sample_tokens=0"]
 
 
-def measure(model: str, compiled: bool, steps: int, warmup: int) -> host_check.Measured:
+def measure(model: str, compiled: bool, steps: int, warmup: int, blocks: int = 1
+            ) -> host_check.Measured:
     """The trainer's step of ``model`` at host_check's shape: seconds a step, and of it the
     forward/backward region's (its strategy's ``forward_backward``) and clipping's and the
     optimizer's (``_clipped_grad_norm``, ``_update``)."""
@@ -43,12 +44,16 @@ def measure(model: str, compiled: bool, steps: int, warmup: int) -> host_check.M
         module = trainer.module
         region = _timed(module.strategy, "forward_backward")
         clip, update = _timed(module, "_clipped_grad_norm"), _timed(module, "_update")
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            trainer.train_step_local()
-        wall = time.perf_counter() - t0
-    return host_check.Measured(model, compiled, wall / steps, region[0] / steps,
-                               (clip[0] + update[0]) / steps)
+        timed = []
+        for _ in range(blocks):
+            region[0] = clip[0] = update[0] = 0.0
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                trainer.train_step_local()
+            timed.append(host_check.Measured(
+                model, compiled, (time.perf_counter() - t0) / steps, region[0] / steps,
+                (clip[0] + update[0]) / steps))
+    return min(timed, key=lambda m: m.step_s)
 
 
 def _timed(owner, attr: str) -> list[float]:
@@ -68,12 +73,13 @@ def _timed(owner, attr: str) -> list[float]:
 @cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=50, help="steps a block")
+    ap.add_argument("--blocks", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    measured = [measure(m, c, args.steps, args.warmup)
+    measured = [measure(m, c, args.steps, args.warmup, args.blocks)
                 for m in host_check.MODELS for c in (False, True)]
     on = [m for m in measured if m.model == host_check.CALIBRATED_ON]
     costs = host_check.calibrate(*sorted(on, key=lambda m: m.compiled))
