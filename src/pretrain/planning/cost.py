@@ -204,7 +204,7 @@ def host_seconds(cfg: Config, layout: Layout, wrapped: bool | None = None,
     outside that region (planning/host.py: AccumulateGrad, clipping, the optimizer step,
     the step's bookkeeping and the loop's Python). A pipeline rank is charged its blocks
     and, an upper bound, the embeddings, head and loss too. ``costs``: a GPU machine's host
-    (``calibration.GPU_HOST``) or this CPU's (``host.CPU_HOST``, tools/host_time.py)."""
+    (``calibration.GPU_HOST``) or this CPU's (``host_check.calibrate``: tools/host_time.py)."""
     from pretrain.planning.dispatch import count_ops, loss_chunks
 
     m = cfg.model
