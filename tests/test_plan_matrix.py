@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pretrain.config.compose import compose_config
-from pretrain.parallel.layout import resolve_layout
+from pretrain.model.gpt import padded_vocab_size
+from pretrain.parallel.layout import layout_world_size, resolve_layout
 from pretrain.planning import matrix
 from pretrain.planning.memory import rank_memory
 from pretrain.planning.phases import KINDS, by_kind
@@ -50,3 +51,30 @@ def test_the_plan_the_simulation_and_the_kinds_read_the_same_phases():
     assert sum(pred["step_peak_by_kind"].values()) == pytest.approx(
         pred["step_peak_bytes"], abs=8)
     assert by_kind(rm.at_peak) == pytest.approx(pred["step_peak_by_kind"], abs=8)
+
+
+def _row(name: str):
+    row = next(r for r in matrix.ROWS if r.name == name)
+    cfg = compose_config(list(row.overrides))
+    return cfg, resolve_layout(cfg, layout_world_size(cfg.parallel))
+
+
+def test_groups_reduced_as_they_finish_hold_a_timeline_not_every_gradient():
+    """ZeRO-3 with one micro batch: at the blocks' backward only the blocks already reduced
+    hold gradient shards, and one reduce-scatter input is in flight, not one per block."""
+    cfg, layout = _row("6.7B zero3, full recompute")
+    rm = rank_memory(cfg, layout, 0, device="cpu")
+    blocks = rm.phases["blocks backward"]
+    assert 0 < blocks["gradients"] < rm.parts["gradients"]
+    assert rm.phases["backward end"]["gradients"] == rm.parts["gradients"]
+    assert {"root backward", "blocks backward"} <= set(rm.phases)
+
+
+def test_under_tp_the_embeddings_backward_makes_the_whole_vocabularys_gradient():
+    """DTensor's embedding backward replicates the gradient: the root's backward holds the
+    whole vocabulary's in the compute dtype, more than the TP shard of the table."""
+    cfg, layout = _row("6.7B tp4 SP zero3")
+    rm = rank_memory(cfg, layout, 0, device="cpu")
+    whole = 2 * padded_vocab_size(cfg.model) * cfg.model.d_model  # bf16
+    assert rm.phases["root backward"]["backward transient"] >= whole
+    assert rm.peak_phase == "root backward"

@@ -6,6 +6,8 @@ here (and the table in docs/benchmarks.md) together.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 # --- parallel.offload=params: the host's share of a step -------------------------------
 # `python tools/bench_offload.py` (1 thread: torchrun gives each rank OMP_NUM_THREADS=1),
 # torch 2.13.0+cpu, AMD EPYC (AVX2, 2 cores), 2026-11-25: ns per fp32 parameter.
@@ -68,6 +70,27 @@ HOST_S_PER_COMPILED_BLOCK = (65536 / 152_698 - 5359 * HOST_S_PER_OP
 #   needs to be small; 6 us a launch.
 HOST_S_PER_COMPILED_LAUNCH = 6e-6
 LAUNCHES_PER_HEAVY_OP = 2
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """What the host pays, per step's unit: a dispatched aten op (eager), a compiled graph's
+    kernel launch and its call (guards and AOTAutograd's runtime wrappers, forward and
+    backward), the loop's own Python a step (the batch, hooks, zero_grad, the schedule,
+    the trainer's lines between them), and a parameter tensor's share of clipping and the
+    optimizer step (its norm, its ``.to``, its turn in the fused AdamW kernel's loop)."""
+
+    per_op: float
+    per_launch: float
+    per_graph: float
+    loop: float
+    per_tensor: float
+
+
+# A GPU machine's host (the figures above; a graph's call is in its launches there, a
+# parameter tensor is clipping's `.to`, one op).
+GPU_HOST = HostCosts(HOST_S_PER_OP, HOST_S_PER_COMPILED_LAUNCH, 0.0, HOST_S_LOOP,
+                     HOST_S_PER_OP)
 
 # --- kernels on one GPU -------------------------------------------------------------------
 # A GPU type's kernel_efficiency (conf/gpu/) was fitted on torchtitan's 8B over 8 GPUs,

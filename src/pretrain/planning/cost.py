@@ -76,16 +76,16 @@ from pretrain.parallel.data_parallel import needs_wrapper
 from pretrain.parallel.layout import Layout
 from pretrain.parallel.stages import stage_indices, stage_layers
 from pretrain.planning.calibration import (
+    GPU_HOST,
     HOST_S_PER_COMPILED_BLOCK,
-    HOST_S_PER_COMPILED_LAUNCH,
     HOST_S_PER_FSDP_UNIT,
-    HOST_S_PER_OP,
     LAUNCHES_PER_HEAVY_OP,
     SOLO_BYTES_PER_LAYER_ELEMENT,
     SOLO_EAGER_SPEED,
     SOLO_EFFICIENCY_MAX,
     SOLO_FIT_KERNEL_EFFICIENCY,
     SOLO_HALF_WIDTH,
+    HostCosts,
 )
 from pretrain.planning.document import attention_work
 from pretrain.planning.host import outside_seconds
@@ -194,7 +194,8 @@ def memory_bound_seconds(cfg: Config, layout: Layout, gpu: GpuSpec, tokens: int)
     return SOLO_BYTES_PER_LAYER_ELEMENT * m.n_layer * m.d_model * tokens / (gpu.memory_gbps * 1e9)
 
 
-def host_seconds(cfg: Config, layout: Layout, wrapped: bool | None = None) -> float:
+def host_seconds(cfg: Config, layout: Layout, wrapped: bool | None = None,
+                 costs: HostCosts = GPU_HOST) -> float:
     """Host time to dispatch one step of this rank (planning/dispatch.py counts the ops),
     per the path the trainer takes (parallel/apply.py): one process compiled runs model and
     loss as one graph (its kernels' launches); compiled blocks elsewhere (a call each, the
@@ -202,7 +203,8 @@ def host_seconds(cfg: Config, layout: Layout, wrapped: bool | None = None) -> fl
     where a wrapper goes on (``wrapped``: the layout's answer unless given); then what runs
     outside that region (planning/host.py: AccumulateGrad, clipping, the optimizer step,
     the step's bookkeeping and the loop's Python). A pipeline rank is charged its blocks
-    and, an upper bound, the embeddings, head and loss too."""
+    and, an upper bound, the embeddings, head and loss too. ``costs``: a GPU machine's host
+    (``calibration.GPU_HOST``) or this CPU's (``host_check.calibrate``: tools/host_time.py)."""
     from pretrain.planning.dispatch import count_ops, loss_chunks
 
     m = cfg.model
@@ -217,14 +219,14 @@ def host_seconds(cfg: Config, layout: Layout, wrapped: bool | None = None) -> fl
     loss = c.loss_base + c.loss_per_chunk * chunks
     if cfg.train.compile and layout.world_size == 1 and not wrapped:  # one graph
         launches = LAUNCHES_PER_HEAVY_OP * (blocks * c.heavy_per_block + 4)  # + head, loss
-        per_mb = launches * HOST_S_PER_COMPILED_LAUNCH
+        per_mb = costs.per_graph + launches * costs.per_launch
     elif cfg.train.compile:
-        per_mb = (c.outside + loss) * HOST_S_PER_OP + blocks * HOST_S_PER_COMPILED_BLOCK
+        per_mb = (c.outside + loss) * costs.per_op + blocks * HOST_S_PER_COMPILED_BLOCK
     else:
-        per_mb = (c.outside + blocks * c.per_block + loss) * HOST_S_PER_OP
+        per_mb = (c.outside + blocks * c.per_block + loss) * costs.per_op
     if wrapped:
         per_mb += (blocks + 1) * HOST_S_PER_FSDP_UNIT
-    return layout.microbatches * per_mb + outside_seconds(cfg, layout)
+    return layout.microbatches * per_mb + outside_seconds(cfg, layout, costs)
 
 
 def _selective_recompute(cfg: Config, block_fwd: float) -> float:

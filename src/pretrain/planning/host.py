@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from pretrain.config.schema import Config
 from pretrain.parallel.layout import Layout
-from pretrain.planning.calibration import BOOKKEEPING_OPS, HOST_S_LOOP, HOST_S_PER_OP
+from pretrain.planning.calibration import BOOKKEEPING_OPS, GPU_HOST, HostCosts
 from pretrain.planning.dispatch import count_ops
 from pretrain.planning.params import rank_params
 
@@ -37,6 +37,9 @@ def outside_ops(cfg: Config, layout: Layout) -> dict[str, int]:
             "bookkeeping": BOOKKEEPING_OPS}
 
 
-def outside_seconds(cfg: Config, layout: Layout) -> float:
-    """The host's time for ``outside_ops`` and the loop's Python, per step."""
-    return sum(outside_ops(cfg, layout).values()) * HOST_S_PER_OP + HOST_S_LOOP
+def outside_seconds(cfg: Config, layout: Layout, costs: HostCosts = GPU_HOST) -> float:
+    """The host's time for ``outside_ops`` and the loop's Python, per step: each op at
+    ``costs.per_op``, clipping's per-tensor share at ``costs.per_tensor``."""
+    ops = outside_ops(cfg, layout)
+    tensors = ops.pop("clipping's .to")
+    return sum(ops.values()) * costs.per_op + tensors * costs.per_tensor + costs.loop

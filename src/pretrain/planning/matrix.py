@@ -68,7 +68,7 @@ ROWS = (
     Row("6.7B tp4 SP zero3", (*_67B, "parallel=zero3", "parallel.tp=4",
                               "parallel.sequence_parallel=true", "parallel.dp=2",
                               "parallel.micro_batch_size=1", "train.global_batch_size=2",
-                              "parallel.activation_checkpointing=none"), rank=5),
+                              "parallel.activation_checkpointing=none"), rank=5, fast=True),
     Row("6.7B tp2 SP, selective", (*_67B, "parallel=zero3", "parallel.tp=2",
                                    "parallel.sequence_parallel=true", "parallel.dp=4",
                                    "parallel.micro_batch_size=1", "train.global_batch_size=4",

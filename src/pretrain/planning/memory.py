@@ -57,7 +57,7 @@ from dataclasses import dataclass, field, replace
 from pretrain.budget.compute import count_params
 from pretrain.config.schema import Config
 from pretrain.hardware.gpus import GIB, GpuSpec
-from pretrain.model.gpt import padded_vocab_size
+from pretrain.model.gpt import ffn_dim, padded_vocab_size
 from pretrain.optim.muon import orthogonalisation_bytes
 from pretrain.optim.specs import spec
 from pretrain.parallel.data_parallel import autocasts, needs_wrapper
@@ -74,8 +74,9 @@ from pretrain.planning.activations import (
 )
 from pretrain.planning.document import mask_bytes
 from pretrain.planning.offload import defers_reduction
-from pretrain.planning.params import StageParams, inventory, rank_params
+from pretrain.planning.params import StageParams, block_experts, inventory, rank_params
 from pretrain.planning.phases import Backward, grads_at_backward_start, phase_parts
+from pretrain.planning.reducing import Reducing, reducing_phases
 from pretrain.precision.policy import dtype_bytes
 
 # PipelineStep (step_strategy.py) calls schedule.step(..., return_outputs=False): no logits kept
@@ -313,11 +314,50 @@ def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda")
     resharded = layout.dp_spec.reshard_after_forward and layout.pp == 1 and wrapped
     phases = phase_parts(parts, Backward(accumulators, held, loss_transient, work,
                                          0.0 if resharded else weights))
+    if wrapped and not accumulators and layout.pp == 1 and layout.offload == "none":
+        phases.pop("blocks backward")
+        phases.update(reducing_phases(parts, _reducing(cfg, layout, a, sp, parts, held, work)))
     if device == "cuda":
         for held in (parts, *phases.values()):
             held["allocator fragmentation"] = FRAGMENTATION * sum(held.values())
             held["CUDA context + NCCL"] = (1 + (layout.world_size > 1)) * GIB
     return RankMemory(pp_rank, parts, host, phases, held)
+
+
+def _reducing(cfg: Config, layout: Layout, a: ActivationSetup, sp: StageParams,
+              parts: dict[str, float], held: bool, work: float) -> Reducing:
+    """The inputs of ``reducing.reducing_phases`` for one stage (no pipeline). Under EP a
+    block is two FSDP groups: its routed experts (sharded over dp_shard / ep ranks) and the
+    rest (over dp_shard)."""
+    m, prec = cfg.model, cfg.precision
+    e, rb = dtype_bytes(prec.compute_dtype), dtype_bytes(prec.reduce_dtype)
+    pb = dtype_bytes(prec.param_dtype)
+    ac, every = layout.activation_checkpointing, cfg.parallel.ac_every_n_layers
+    rest = "selective" if ac == "selective" else ("full" if ac == "full" else "none")
+    saved = tuple(layer_bytes(m, a, "full" if ac == "selective" and every > 0
+                              and (i + 1) % every == 0 else rest) for i in range(m.n_layer))
+    vocab = padded_vocab_size(m)
+    head = vocab // layout.tp * m.d_model + m.d_model  # the head and the final norm
+    # the embedding's gradient: the whole vocabulary's (under TP too), the TP shard's copy,
+    # the tied weights' sum, a learned position table's
+    emb = vocab * m.d_model + (vocab // layout.tp * m.d_model if layout.tp > 1 else 0)
+    emb += vocab // layout.tp * m.d_model if m.tie_embeddings else 0
+    emb += m.seq_len * m.d_model if m.pos_emb == "learned" else 0
+    experts = block_experts(m, layout) if layout.ep > 1 else (0,) * len(sp.blocks)
+    dense = tuple(b - x for b, x in zip(sp.blocks, experts, strict=True))
+    shards = layout.dp_shard if layout.dp_spec.shards else 1
+    # a dense block's backward makes its MLP output projection's gradient first
+    first = 0 if layout.ep > 1 else m.d_model * ffn_dim(m) // layout.tp
+    return Reducing(
+        weights=tuple(e * d for d in dense), expert_weights=tuple(e * x for x in experts),
+        grads=tuple(pb * (d / shards + x / max(shards // layout.ep, 1))
+                    for d, x in zip(dense, experts, strict=True)),
+        reduce=tuple(rb * d for d in dense), saved=saved,
+        saved_rest=max(parts["activations"] - sum(saved), 0.0), root_weights=e * sp.root,
+        root_reduce=rb * sp.root,
+        all_gathered=0.0 if layout.dp_spec.reshard_after_forward else e * sp.unsharded,
+        grads_held=held, head_grad=e * head, embedding_grad=e * emb, work=work,
+        recompute=work - backward_working_bytes(m, a), first_grad=e * first)
 
 
 def _earlier_micro_batches(layout: Layout, cfg: Config) -> bool:

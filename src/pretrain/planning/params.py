@@ -172,13 +172,18 @@ def rank_params(model: ModelConfig, layout: Layout, pp_rank: int = 0, tp_rank: i
 def expert_share(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> int:
     """Of ``rank_params(...).unsharded``, the elements of routed experts (after EP): FSDP
     gathers and reduces them over dp_shard / ep ranks, not dp_shard."""
+    return sum(block_experts(model, layout, pp_rank))
+
+
+def block_experts(model: ModelConfig, layout: Layout, pp_rank: int = 0) -> tuple[int, ...]:
+    """Of each of ``rank_params(...).blocks``, the routed experts' elements (after EP)."""
     params = inventory(model)
     per_layer = {p.layer: 0 for p in params if p.layer is not None}
     for p in params:
         if p.expert:
             per_layer[p.layer] += math.prod(p.shape) // layout.ep
-    return sum(per_layer[layer] for s in stage_indices(layout, pp_rank)
-               for layer in stage_layers(model.n_layer, s, layout.n_stages))
+    return tuple(per_layer[layer] for s in stage_indices(layout, pp_rank)
+                 for layer in stage_layers(model.n_layer, s, layout.n_stages))
 
 
 def _root_params(model: ModelConfig, params: tuple[Param, ...], first: bool, last: bool

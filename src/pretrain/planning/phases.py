@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PHASES = ("loss backward", "blocks backward", "backward end", "optimizer step")
+PHASES = ("loss backward", "blocks backward", "root backward", "backward end", "optimizer step")
 
 KIND_OF = {
     "parameters": "Parameter", "compute-dtype weight copies": "Parameter",
@@ -36,6 +36,10 @@ KIND_OF = {
     "optimizer state": "Optstate", "optimizer step transient": "Temp",
     "activations": "Activation", "logits and loss": "Activation",
     "pipeline buffers": "Activation", "backward transient": "Temp",
+    # EP's experts, gathered by their own FSDP group: the module that uses them reads the
+    # weights without a forward of the experts' module, so MemTracker never tags their
+    # unsharded storages as parameters, and counts them as the forward outputs they were
+    "gathered expert weights": "Activation",
 }
 KINDS = ("Parameter", "Gradient", "Optstate", "Activation", "Temp")
 # compared as one: FSDP2's gathered weights are the module's parameters once installed and

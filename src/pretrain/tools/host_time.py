@@ -1,0 +1,93 @@
+"""The planner's host time of a step against the trainer's step timed on this CPU: the tiny,
+nano and 10M models, eager and compiled (planning/host_check.py says how and why).
+
+    python tools/host_time.py                 # the table (about 3 minutes on 2 cores)
+    python tools/host_time.py --json
+
+Times are wall seconds a step: the fastest of ``--blocks`` blocks of ``--steps`` steps each
+(another process's burst slows a block, not the figure), after ``--warmup`` steps (compile
+and the allocator warmed), one thread (as torchrun gives a rank). Run it alone on the
+machine (``flock /tmp/pretrain-cpu.lock``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pretrain.config.compose import compose_config
+from pretrain.errors import cli
+from pretrain.planning import host_check
+from pretrain.planning.calibration import GPU_HOST
+
+QUIET = ["logging.wandb=disabled", "logging.progress_bar=false", "train.sample_tokens=0"]
+
+
+def measure(model: str, compiled: bool, steps: int, warmup: int, blocks: int = 1
+            ) -> host_check.Measured:
+    """The trainer's step of ``model`` at host_check's shape: seconds a step, and of it the
+    forward/backward region's (its strategy's ``forward_backward``) and clipping's and the
+    optimizer's (``_clipped_grad_norm``, ``_update``)."""
+    from pretrain.train.trainer import Trainer
+
+    cfg = compose_config([*host_check.overrides(model, compiled), *QUIET])
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(cfg, Path(tmp))
+        trainer.setup()
+        for _ in range(warmup):
+            trainer.train_step_local()
+        module = trainer.module
+        region = _timed(module.strategy, "forward_backward")
+        clip, update = _timed(module, "_clipped_grad_norm"), _timed(module, "_update")
+        timed = []
+        for _ in range(blocks):
+            region[0] = clip[0] = update[0] = 0.0
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                trainer.train_step_local()
+            timed.append(host_check.Measured(
+                model, compiled, (time.perf_counter() - t0) / steps, region[0] / steps,
+                (clip[0] + update[0]) / steps))
+    return min(timed, key=lambda m: m.step_s)
+
+
+def _timed(owner, attr: str) -> list[float]:
+    """Wrap ``owner.attr`` to add its wall seconds into the returned one-element list."""
+    inner, seconds = getattr(owner, attr), [0.0]
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = inner(*args, **kwargs)
+        seconds[0] += time.perf_counter() - t0
+        return out
+
+    setattr(owner, attr, timed)
+    return seconds
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=50, help="steps a block")
+    ap.add_argument("--blocks", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    measured = [measure(m, c, args.steps, args.warmup, args.blocks)
+                for m in host_check.MODELS for c in (False, True)]
+    on = [m for m in measured if m.model == host_check.CALIBRATED_ON]
+    costs = host_check.calibrate(*sorted(on, key=lambda m: m.compiled))
+    table = host_check.rows(measured, costs)
+    if args.json:
+        print(json.dumps({"rows": table, "cpu_costs": costs.__dict__,
+                          "gpu_host_costs": GPU_HOST.__dict__,
+                          "measured": [m.__dict__ for m in measured]}))
+    else:
+        print(host_check.markdown(table, costs))
+    return 0
