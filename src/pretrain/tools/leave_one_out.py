@@ -225,7 +225,8 @@ def leave_one_out(ladders: dict[str, tuple[list[RunPoint], list[RunPoint]]],
     out = []
     for name, (ladder, targets) in ladders.items():
         v = select_variant(outcomes, n_targets, name)
-        opt = optimum_of((optimal or {}).get(name, ()), ladder, targets, resamples)
+        opt = (optima[name] if not resamples  # the same fits as above: not made twice
+               else optimum_of((optimal or {}).get(name, ()), ladder, targets, resamples))
         o = outcome(restrict(fulls[name], VARIANTS[v]), ladder, targets, resamples,
                     VARIANTS[v], opt)
         out.append((name, VARIANTS[v].name, widened(o, interval_scale(outcomes, v, name))))
