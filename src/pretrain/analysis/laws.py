@@ -27,8 +27,10 @@ did, so the box is the same for any units of N and D.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,7 +70,7 @@ def _sum_of_terms(terms: list[np.ndarray], grads: list[np.ndarray] | None
     given, its Jacobian. ``+ 0.0``: bit for bit what summing each term's zero-padded
     gradient gave (-0.0 became 0.0), without building them (a fit evaluates this some
     10^5 times)."""
-    total = np.sum(np.broadcast_arrays(*terms), axis=0)
+    total = functools.reduce(operator.add, terms)  # in order, as summing the stack did
     if grads is None:
         return np.log(total), None
     return np.log(total), (np.stack(grads, 1) + 0.0) / total[:, None]
