@@ -55,7 +55,8 @@ def cpu_peaks(tmp_path_factory) -> None:
     """The CPU's fp32 and bf16 matmul peaks at one thread (a run's MFU denominator),
     measured once per pytest run (tests/built_once.py) and handed to every run of the
     session, in this process and in those it starts (pretrain.train.metrics.CPU_PEAKS_ENV):
-    each of hundreds of runs measured them itself, about 2 s of CPU a start (issue 69).
+    each process that trained (a train.py, a rank 0, a pytest worker) measured them
+    itself, about 2 s of CPU each (issue 69).
     tests/test_any_machine.py checks the measurement; a run with another dtype or thread
     count measures its own."""
     import json

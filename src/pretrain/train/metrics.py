@@ -35,7 +35,8 @@ _CPU_PEAKS: dict[tuple[torch.dtype, int], float] = {}
 # CPU peaks a parent process measured already, handed down to the runs it starts: JSON
 # {"float32/1": FLOP/s, ...} (dtype, "/", intra-op threads). A run finds its own there
 # instead of timing matmuls for about 2 s of CPU at every start (the test session measures
-# once for its hundreds of runs, tests/conftest.py; issue 69). Unset, each process measures.
+# once for every process it starts, tests/conftest.py; issue 69). Unset, each process
+# measures.
 CPU_PEAKS_ENV = "PRETRAIN_CPU_PEAKS"
 
 
