@@ -33,6 +33,7 @@ from helpers import (  # noqa: E402
     DATA_NAME,
     compose_config,
     make_data_config,
+    one_thread,
     write_corpus,
     write_markov_data,
 )
@@ -47,6 +48,38 @@ register_resolvers()
 # Under the AVX2 imitation (``ATEN_CPU_CAPABILITY=avx2``) inductor's cache is kept apart from
 # the machine's own: the tests that compile, and the runs they start, inherit the folder.
 inductor_cache_per_isa()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_peaks(tmp_path_factory) -> None:
+    """The CPU's fp32 and bf16 matmul peaks at one thread (a run's MFU denominator),
+    measured once per pytest run (tests/built_once.py) and handed to every run of the
+    session, in this process and in those it starts (pretrain.train.metrics.CPU_PEAKS_ENV):
+    each process that trained (a train.py, a rank 0, a pytest worker) measured them
+    itself, about 2 s of CPU each (issue 69).
+    tests/test_any_machine.py checks the measurement; a run with another dtype or thread
+    count measures its own."""
+    import json
+
+    from built_once import built_once
+
+    from pretrain.train.metrics import CPU_PEAKS_ENV
+
+    if CPU_PEAKS_ENV not in os.environ:
+        os.environ[CPU_PEAKS_ENV] = json.dumps(built_once(tmp_path_factory, "cpu-peaks",
+                                                          lambda _: measure_cpu_peaks()))
+
+
+def measure_cpu_peaks() -> dict[str, float]:
+    import torch
+
+    from pretrain.hardware.device import measure_matmul_flops
+    from pretrain.train.metrics import peak_key
+
+    cpu = torch.device("cpu")
+    with one_thread():
+        return {peak_key(dtype, 1): measure_matmul_flops(dtype, cpu)
+                for dtype in (torch.float32, torch.bfloat16)}
 
 
 @pytest.fixture

@@ -1,10 +1,11 @@
-"""Score downstream tasks through a real Trainer's train module under torchrun (or in this
+"""Score downstream tasks through a real Trainer's train module on N ranks (or in this
 process for one), as the loop's hook does at its last evaluation.
 
-    torchrun --standalone --nproc_per_node=N tests/downstream_worker.py OUT SPEC
+    python tests/forked_ranks.py N tests/downstream_worker.py OUT SPEC
 
-SPEC: helpers.write_spec's file, {"configs": {name: Config}} (one layout a launch: a
-second Trainer after the first one closed hung in these ranks). Each rank writes
+SPEC: helpers.write_spec's file, {"configs": {name: Config}}: the layouts one after the
+other in the same process group (each Trainer closed without leaving it, as
+tests/parallel_worker.py's layouts are; the group is left at the end). Each rank writes
 OUT/<name>.rank<R>.json: the hook's metrics.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 from helpers import read_spec
 
+from pretrain.parallel.mesh import destroy
 from pretrain.train.services.tasks import TaskEvaluation
 from pretrain.train.trainer import Trainer
 
@@ -34,10 +36,17 @@ def score_layout(cfg, out: Path, name: str) -> dict:
         (out / f"{name}.rank{rank}.json").write_text(json.dumps(metrics))
         return metrics
     finally:
-        trainer.close()
+        trainer.close(leave_group=False)  # the caller leaves it (mesh.destroy)
 
 
-if __name__ == "__main__":
+def main() -> None:
     out, spec = Path(sys.argv[1]), read_spec(sys.argv[2])
     for name, cfg in spec["configs"].items():
         score_layout(cfg, out, name)
+        if dist.is_initialized():
+            dist.barrier()
+    destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -181,7 +181,21 @@ def run_script(script: Path | str, *args: str, nproc: int = 1, cwd: Path,
     takes minutes. ``env``: more variables. On a timeout the launcher and every process
     under it are killed (``kill_tree``) before TimeoutExpired is raised."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [sys.executable, *(launcher if nproc > 1 else []), str(script), *args]
+    return _communicate([sys.executable, *(launcher if nproc > 1 else []), str(script), *args],
+                        cwd, timeout, env)
+
+
+def run_ranks(script: Path | str, *args: str, nproc: int, cwd: Path, timeout: float = 600,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """A test worker's ``main()`` on ``nproc`` ranks forked from one process that imported
+    it (tests/forked_ranks.py: one import of torch and the project, not one per rank plus
+    torchrun's); otherwise as ``run_script``. For workers, not for train.py's launch path."""
+    return _communicate([sys.executable, str(HERE / "forked_ranks.py"), str(nproc),
+                         str(script), *args], cwd, timeout, env)
+
+
+def _communicate(cmd: list[str], cwd: Path, timeout: float, env: dict[str, str] | None
+                 ) -> subprocess.CompletedProcess:
     with subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, env=launch_env(OMP_NUM_THREADS="1", **(env or {})),
                           start_new_session=True) as proc:
@@ -239,7 +253,7 @@ def failed(proc: subprocess.CompletedProcess) -> str:
 def run_group(root: Path, common: list[str], nproc: int, layouts: dict[str, list[str]],
               eval_also: list[int] | tuple[int, ...] = ()) -> dict[str, dict]:
     """Run ``layouts`` one after the other with tests/parallel_worker.py, in one set of
-    ``nproc`` processes under torchrun (one start-up for all), or for one process in this
+    ``nproc`` processes (``run_ranks``: one start-up for all), or for one process in this
     one (which has already paid for importing torch); its records by name."""
     out = root / f"world{nproc}"
     out.mkdir()
@@ -256,8 +270,8 @@ def run_group(root: Path, common: list[str], nproc: int, layouts: dict[str, list
                 destroy()  # the group of one a mixed-precision or offloaded run joined
     else:
         spec = write_spec(out / "spec.pkl", configs=configs, eval_also=list(eval_also))
-        proc = run_script(HERE / "parallel_worker.py", str(out), str(spec), nproc=nproc,
-                          cwd=root)
+        proc = run_ranks(HERE / "parallel_worker.py", str(out), str(spec), nproc=nproc,
+                         cwd=root)
         assert proc.returncode == 0, failed(proc)
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in layouts}
 

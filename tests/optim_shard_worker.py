@@ -1,6 +1,6 @@
 """Optimizer steps on a matrix sharded over 2 ranks against the same steps on one process.
 
-Run under ``torchrun --standalone --nproc_per_node=2 tests/optim_shard_worker.py OUT``.
+Run as ``python tests/forked_ranks.py 2 tests/optim_shard_worker.py OUT``.
 For each placement (Shard(0): FSDP2's and column-parallel TP's; Shard(1): row-parallel
 TP's), rank 0 writes OUT/shards.pt: the largest difference between the whole matrix after
 3 steps and one process's, for ShardedMuon, for torch.optim.Muon left to run on the shards,

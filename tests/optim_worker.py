@@ -1,6 +1,6 @@
 """tests/parallel_worker.py's layouts, plus checkpoint round trips of the optimizer state.
 
-Run under ``torchrun --standalone --nproc_per_node=N tests/optim_worker.py OUT SPEC`` (or
+Run as ``python tests/forked_ranks.py N tests/optim_worker.py OUT SPEC`` (or
 called in the test's process for one process). SPEC: helpers.write_spec's file with
 "configs" and "eval_also" as parallel_worker reads them, and "resumes": {name: {"save":
 Config, "loads": {load_name: Config}, "k": K}}. For each resume, a run saves a checkpoint

@@ -1,9 +1,10 @@
 """Train a few steps of one or more layouts in this process and dump what tests compare.
 
-Run under ``torchrun --standalone --nproc_per_node=N tests/parallel_worker.py OUT SPEC``
-(SPEC: helpers.write_spec's file, {"configs": {name: Config}, "eval_also": [eval_batches,
-...]}: after training, evaluate again with each of those), or called in the test's process
-(helpers.run_group) for one process. Every layout of one world size runs in the same
+Run as ``python tests/forked_ranks.py N tests/parallel_worker.py OUT SPEC``
+(helpers.run_ranks; torchrun runs it as well; SPEC: helpers.write_spec's file,
+{"configs": {name: Config}, "eval_also": [eval_batches, ...]}: after training, evaluate
+again with each of those), or called in the test's process (helpers.run_group) for one
+process. Every layout of one world size runs in the same
 processes, one after the other, to pay the start-up (importing torch N times on a small
 CPU) once.
 

@@ -1,7 +1,7 @@
 """Train precision jobs step by step, recording what tests/test_precision.py compares, with an
 optional non-finite gradient injected on one rank at one step.
 
-Run under ``torchrun --standalone --nproc_per_node=N tests/precision_worker.py OUT SPEC``
+Run as ``python tests/forked_ranks.py N tests/precision_worker.py OUT SPEC``
 (SPEC: helpers.write_spec's file, {"jobs": {name: {"config": Config, "steps": null | n,
 "inject": null | {"step": k, "rank": r, "how": "forward" | "shard"}}}};
 ``steps``: stop after n steps of the budget's schedule). Jobs run one after

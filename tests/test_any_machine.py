@@ -249,6 +249,29 @@ def test_cpu_peak_is_at_least_what_the_models_own_matmuls_reach(dtype):
     assert peak >= 0.5 * linear_rate, (peak / 1e9, linear_rate / 1e9)
 
 
+def test_a_run_handed_the_peak_measures_nothing_and_one_without_measures(monkeypatch):
+    """PRETRAIN_CPU_PEAKS (what the test session hands its runs): the handed peak is the
+    run's, with no matmul timed; without it (or for another thread count) the run measures."""
+    from types import SimpleNamespace
+
+    import pretrain.train.metrics as metrics
+
+    timed = []
+    monkeypatch.setattr(metrics, "measure_matmul_flops",
+                        lambda dtype, device: timed.append(dtype) or 7e9)
+    fp32 = SimpleNamespace(compute_dtype=torch.float32, name="fp32")
+    threads = torch.get_num_threads()
+    monkeypatch.setenv(metrics.CPU_PEAKS_ENV, json.dumps({
+        metrics.peak_key(torch.float32, threads): 5e10,
+        metrics.peak_key(torch.float32, threads + 1): 9e10}))
+    monkeypatch.setattr(metrics, "_CPU_PEAKS", {})
+    assert metrics.PeakFlops(CPU, fp32, 1, measure=True).value == 5e10 and timed == []
+    monkeypatch.setattr(metrics, "_CPU_PEAKS", {})
+    monkeypatch.delenv(metrics.CPU_PEAKS_ENV)
+    assert metrics.PeakFlops(CPU, fp32, 1, measure=True).value == 7e9
+    assert timed == [torch.float32]
+
+
 def _timed(fn) -> float:
     import time
 

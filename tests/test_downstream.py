@@ -229,7 +229,7 @@ def test_two_process_layouts_score_as_one_process(prepared, tmp_path):
     ranks, the log-likelihoods summed) gives one process's numbers exactly; tp=2 (the
     vocabulary-sharded logits gathered) the same up to fp32 reduction order."""
     from downstream_worker import score_layout
-    from helpers import HERE, compose_all, failed, one_thread, run_script, write_spec
+    from helpers import HERE, compose_all, failed, one_thread, run_ranks, write_spec
 
     from pretrain.parallel.mesh import destroy
 
@@ -240,11 +240,10 @@ def test_two_process_layouts_score_as_one_process(prepared, tmp_path):
         destroy()
     configs = compose_all({"dp2": [*common, "parallel=zero3"],
                            "tp2": [*common, "parallel=tp2"]})
-    for name, cfg in configs.items():  # one launch each: a second Trainer in the same
-        spec = write_spec(tmp_path / f"{name}.pkl", configs={name: cfg})  # ranks hung
-        proc = run_script(HERE / "downstream_worker.py", str(tmp_path), str(spec), nproc=2,
-                          cwd=tmp_path, timeout=300)
-        assert proc.returncode == 0, failed(proc)
+    spec = write_spec(tmp_path / "spec.pkl", configs=configs)  # both in one process group
+    proc = run_ranks(HERE / "downstream_worker.py", str(tmp_path), str(spec), nproc=2,
+                     cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, failed(proc)
     keys = [k for k in one if k.startswith("task/")]
     assert len(keys) == 6
     for name, tol in (("dp2", 0.0), ("tp2", 1e-5)):

@@ -1,7 +1,8 @@
 """LAMB, LARS and Muon (optim=lamb|lars|muon) train like one process on zero3 dp=2, tp=2
 and pp=2 (CPU, gloo, fp32; tests/test_parallel_layouts.py's nano GPT, steps and bounds),
 and resume exactly from a checkpoint, optimizer state included, on the layout that saved
-it and (Muon) on another. All 2-process runs share one torchrun (tests/optim_worker.py).
+it and (Muon) on another. All 2-process runs share one set of processes
+(tests/optim_worker.py, forked by helpers.run_ranks).
 
 Muon's runs set optim.muon_ns_dtype=float32. In bf16 (torch's and the GPU default) the
 layouts gather the same fp32 momentum as one process up to reduction order (~1e-7
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from built_once import built_once
-from helpers import HERE, compose_all, failed, one_thread, problems, run_script, write_spec
+from helpers import HERE, compose_all, failed, one_thread, problems, run_ranks, write_spec
 from test_parallel_layouts import (
     COMMON,
     FEWER_EVAL_BATCHES,
@@ -76,9 +77,9 @@ def _run(root, common: list[str], nproc: int, layouts: dict, resumes: dict) -> d
             for name, cfg in spec["configs"].items():
                 run_layout(cfg, out, name, spec["eval_also"])
     else:
-        proc = run_script(HERE / "optim_worker.py", str(out), str(write_spec(out / "spec.pkl",
-                                                                           **spec)),
-                          nproc=nproc, cwd=root)
+        spec_file = write_spec(out / "spec.pkl", **spec)
+        proc = run_ranks(HERE / "optim_worker.py", str(out), str(spec_file), nproc=nproc,
+                         cwd=root)
         assert proc.returncode == 0, failed(proc)
     return {n: torch.load(out / f"{n}.pt", weights_only=False) for n in [*layouts, *resumes]}
 
@@ -274,7 +275,7 @@ def test_muon_on_shards_equals_one_process(tmp_path):
     placements) over 2 ranks (and the memory one orthogonalisation takes):
     ShardedMuon's update equals the one-process update exactly; torch.optim.Muon on the
     same DTensors does not (it runs Newton-Schulz on the shards)."""
-    proc = run_script(HERE / "optim_shard_worker.py", str(tmp_path), nproc=2, cwd=tmp_path)
+    proc = run_ranks(HERE / "optim_shard_worker.py", str(tmp_path), nproc=2, cwd=tmp_path)
     assert proc.returncode == 0, failed(proc)
     result = torch.load(tmp_path / "shards.pt")
     assert result["sharded_muon"] == {"Shard(0)": 0.0, "Shard(1)": 0.0}

@@ -34,21 +34,30 @@ def run_local(*args: str, cwd=REPO, check: bool = True) -> subprocess.CompletedP
                           text=True, check=check, env=launch_env(), timeout=600)
 
 
-@pytest.mark.slow
-def test_run_local_counts_the_processes_a_layout_needs():
-    out = run_local("--print", "+recipe=nano-3d").stdout
+def print_run_local(capsys, *args: str) -> tuple[int, str, str]:
+    """``tools/run_local.py --print ARGS`` in this process (it starts nothing with --print:
+    no python start-up for a printed command); its status, stdout and stderr."""
+    from pretrain.tools.run_local import main
+
+    code = main(["--print", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_run_local_counts_the_processes_a_layout_needs(capsys):
+    code, out, _ = print_run_local(capsys, "+recipe=nano-3d")
+    assert code == 0
     assert "pretrain.launch.torchrun --standalone --nproc_per_node=8" in out  # torchrun
     assert out.strip().endswith("train.py +recipe=nano-3d")
-    out = run_local("--print", "--nproc", "4", "+recipe=tiny", "parallel=zero3",
-                    "parallel.dp=null", "parallel.micro_batch_size=2").stdout
+    _, out, _ = print_run_local(capsys, "--nproc", "4", "+recipe=tiny", "parallel=zero3",
+                                "parallel.dp=null", "parallel.micro_batch_size=2")
     assert "--nproc_per_node=4" in out
 
 
-@pytest.mark.slow
-def test_run_local_needs_nproc_when_dp_is_left_to_the_world():
-    proc = run_local("--print", "+recipe=tiny", "parallel=zero3", "parallel.dp=null",
-                     check=False)
-    assert proc.returncode != 0 and "pass --nproc N" in proc.stderr
+def test_run_local_needs_nproc_when_dp_is_left_to_the_world(capsys):
+    code, _, err = print_run_local(capsys, "+recipe=tiny", "parallel=zero3",
+                                   "parallel.dp=null")
+    assert code != 0 and "pass --nproc N" in err
 
 
 @pytest.mark.slow

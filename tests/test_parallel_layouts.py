@@ -1,10 +1,11 @@
 """Every parallel layout trains exactly like one process (CPU, gloo, fp32).
 
 A 4-layer nano GPT (tied embeddings, learned positions, biases) trains 5 AdamW steps on the
-same global batches, once in one process (the reference) and once per layout under
-``torchrun``. The runs of one world size share one set of processes
-(tests/parallel_worker.py, helpers.run_group), so the module costs three start-ups: 2, 4
-and 8 processes (the one-process runs use pytest's own). Compared per step: the loss (1e-4,
+same global batches, once in one process (the reference) and once per layout on 2, 4 or 8
+ranks. The runs of one world size share one set of processes (tests/parallel_worker.py,
+helpers.run_group), forked from one that imported torch and the project once
+(tests/forked_ranks.py), so the module costs three imports, not 14 plus torchrun's (the
+one-process runs use pytest's own). Compared per step: the loss (1e-4,
 the project's bound; observed <= 5e-7), the global grad norm and the validation loss (over the
 same 8 batches everywhere; pipelines evaluate whole steps, see EVAL_BATCHES); after
 training, every parameter, gathered from all shards and stages.

@@ -2,8 +2,8 @@
 
 A nano GPT (2 blocks, d_model 64, vocabulary 256, 64 tokens a sequence, 8 sequences a step:
 N = 512 tokens) trains 50 AdamW steps on a fixed Markov-chain corpus from the same seed,
-once per variant, in this process; the 2-process runs share one ``torchrun``
-(tests/precision_worker.py).
+once per variant, in this process; the 2-process runs share one set of processes
+(tests/precision_worker.py, helpers.run_ranks).
 
 bf16 tolerance. bf16 keeps 8 significant bits: eps = 2^-8, unit roundoff u = 2^-9. Under
 autocast the matmul inputs and outputs are rounded to bf16 (relative error <= u each), while
@@ -72,7 +72,7 @@ from helpers import (
     compose_all,
     compose_config,
     one_thread,
-    run_script,
+    run_ranks,
     write_spec,
 )
 from precision_worker import block_output_dtype, run_steps
@@ -96,7 +96,7 @@ COMMON = [
     "budget=steps",
 ]
 
-# 2 processes, one torchrun: name -> (overrides, steps to run, injection)
+# 2 processes, one start-up: name -> (overrides, steps to run, injection)
 DP2_JOBS = {
     "fp16_zero2_forward_inf": (
         ["precision=fp16", "parallel=zero2", f"budget.steps={FP16_STEPS}"], None,
@@ -169,7 +169,7 @@ def train_compiled(env) -> dict:
 
 @pytest.fixture(scope="module")
 def dp2(env, tmp_path_factory) -> dict[str, list[dict] | str]:
-    """Every DP2_JOBS job in one 2-process torchrun: per job, the two ranks' records, or
+    """Every DP2_JOBS job in one 2-process group: per job, the two ranks' records, or
     (for a job that did not finish) the run's output."""
     return built_once(tmp_path_factory, "precision-dp2", lambda _: run_dp2(env))
 
@@ -184,7 +184,7 @@ def run_dp2(env) -> dict[str, list[dict] | str]:
     spec = write_spec(out / "spec.pkl", jobs={
         name: {"config": configs[name], "steps": steps, "inject": inject}
         for name, (_, steps, inject) in DP2_JOBS.items()})
-    proc = run_script(HERE / "precision_worker.py", str(out), str(spec), nproc=2, cwd=root)
+    proc = run_ranks(HERE / "precision_worker.py", str(out), str(spec), nproc=2, cwd=root)
     results: dict[str, list[dict] | str] = {}
     for name in DP2_JOBS:
         files = [out / f"{name}.rank{r}.pt" for r in range(2)]

@@ -18,6 +18,7 @@ from helpers import (
     REPO,
     by_step,
     compose_config,
+    one_thread,
     read_result,
     wait_for,
     write_corpus,
@@ -192,17 +193,32 @@ def test_resume_from_an_incomplete_checkpoint_fails_on_every_rank(two_rank_resum
     assert ".distcp is missing" in message  # what rank 0 saw (rank 1 sees no directory)
 
 
+def run_here(work: Path, run_name: str, *extra: str) -> int:
+    """``command``'s run in this process (pretrain.train.trainer.run, what train.py calls;
+    one thread, as a rank has): its exit status. No start-up of python and torch."""
+    from pretrain.train.trainer import run as train
+
+    cfg = compose_config(command(work, run_name, *extra)[2:])
+    cwd = os.getcwd()
+    os.chdir(work)  # data.data_files are relative to it
+    try:
+        with one_thread():
+            return train(cfg, work / "runs" / run_name)["exit_code"]
+    finally:
+        os.chdir(cwd)
+
+
 @pytest.mark.slow
 def test_completep_checkpoint_resumes_exactly(work):
     """CompleteP (muP's per-group LRs, epsilons and decay, output and attention scales, plus
     the 1/L residual branches) away from its base shape: a run stopped and resumed at step
-    12 computes the losses of the straight run."""
+    12 computes the losses of the straight run. In this process (each run a fresh Trainer,
+    as a fresh process would build it: test_exit_interval_requeues_until_done restarts
+    train.py itself)."""
     shape = ("model.parametrization=completep", "model.base_width=16", "model.base_depth=1")
-    proc = run(command(work, "completep-straight", *shape), work)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cmd = command(work, "completep-chunks", *shape, "checkpoint.enabled=true",
-                  "train.exit_interval=12")
-    assert [run(cmd, work).returncode for _ in range(2)] == [EXIT_REQUEUE, 0]
+    assert run_here(work, "completep-straight", *shape) == 0
+    chunks = (*shape, "checkpoint.enabled=true", "train.exit_interval=12")
+    assert [run_here(work, "completep-chunks", *chunks) for _ in range(2)] == [EXIT_REQUEUE, 0]
     straight = losses(work / "runs" / "completep-straight")
     assert sorted(straight) == list(range(1, STEPS + 1))
     assert losses(work / "runs" / "completep-chunks") == straight

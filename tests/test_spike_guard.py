@@ -152,23 +152,26 @@ def test_bad_stability_keys_are_refused_naming_the_fix(compose, overrides, says)
 
 
 @pytest.mark.slow
-def test_z_loss_under_a_pipeline_is_the_one_process_z_loss(prepared, tmp_path):
+def test_z_loss_under_a_pipeline_is_the_one_process_z_loss(compose, prepared, tmp_path):
     """pp=2 (two processes, the loss on the last stage, the schedule's first step calling the
-    loss to infer shapes too): the same reported losses and z-loss terms as one process."""
-    import subprocess
-    import sys
+    loss to infer shapes too): the same reported losses and z-loss terms as one process.
+    One process runs here (pretrain.train.trainer.run, what train.py calls), the pipeline
+    in two forked ranks (tests/runs_worker.py): no train.py, run_local or torchrun start-up
+    (test_parallel_launch.py launches those)."""
+    from helpers import HERE, failed, one_thread, run_ranks, write_spec
 
-    from helpers import REPO
+    from pretrain.train.trainer import run
 
     common = [a for a in NANO if not a.startswith(("logging=", "parallel.micro"))] + [
         f"data.root={prepared.parent}", "budget.steps=3", "train.z_loss=1e-2",
-        "logging.log_interval=1", "train.device=cpu", "parallel.micro_batch_size=4",
-        "logging=quiet", f"runs_dir={tmp_path}"]
-    for name, launch in (("one", ["train.py"]),
-                         ("pp2", ["tools/run_local.py", "parallel=pp2", "parallel.dp=1"])):
-        proc = subprocess.run([sys.executable, *launch, *common, f"run_name={name}"],
-                              cwd=REPO, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        "logging.log_interval=1", "parallel.micro_batch_size=4", "logging=quiet",
+        f"runs_dir={tmp_path}"]
+    with one_thread():
+        assert run(compose([*common, "run_name=one"]), tmp_path / "one")["exit_code"] == 0
+    cfg = compose([*common, "parallel=pp2", "parallel.dp=1", "run_name=pp2"])
+    spec = write_spec(tmp_path / "spec.pkl", runs=[("pp2", cfg, tmp_path / "pp2")])
+    proc = run_ranks(HERE / "runs_worker.py", str(tmp_path), str(spec), nproc=2, cwd=tmp_path)
+    assert proc.returncode == 0, failed(proc)
     one, pp2 = ([m for m in read_metrics(tmp_path / n) if "loss" in m] for n in ("one", "pp2"))
     assert [m["step"] for m in pp2] == [1, 2, 3]
     for a, b in zip(one, pp2, strict=True):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import secrets
 import string
 import sys
@@ -31,6 +32,22 @@ from pretrain.precision.policy import choose_auto
 log = logging.getLogger("pretrain")
 # The measured CPU peak per (dtype, threads), for the life of the process.
 _CPU_PEAKS: dict[tuple[torch.dtype, int], float] = {}
+# CPU peaks a parent process measured already, handed down to the runs it starts: JSON
+# {"float32/1": FLOP/s, ...} (dtype, "/", intra-op threads). A run finds its own there
+# instead of timing matmuls for about 2 s of CPU at every start (the test session measures
+# once for every process it starts, tests/conftest.py; issue 69). Unset, each process
+# measures.
+CPU_PEAKS_ENV = "PRETRAIN_CPU_PEAKS"
+
+
+def peak_key(dtype: torch.dtype, threads: int) -> str:
+    return f"{str(dtype).removeprefix('torch.')}/{threads}"
+
+
+def inherited_peak(dtype: torch.dtype, threads: int) -> float | None:
+    """The peak of ``dtype`` at ``threads`` threads that CPU_PEAKS_ENV hands down, if any."""
+    handed = os.environ.get(CPU_PEAKS_ENV)
+    return json.loads(handed).get(peak_key(dtype, threads)) if handed else None
 
 
 class LossWindow:
@@ -120,7 +137,8 @@ class PeakFlops:
             return gpu_peak_flops(self.device, self.policy.peak_dtype)
         key = (dtype, torch.get_num_threads())
         if key not in _CPU_PEAKS:  # once per process: several runs in one (bench, tests)
-            _CPU_PEAKS[key] = measure_matmul_flops(dtype, self.device)
+            _CPU_PEAKS[key] = (inherited_peak(*key)
+                               or measure_matmul_flops(dtype, self.device))
         peak = _CPU_PEAKS[key]
         log.info("CPU peak (measured %s matmul, best of 3 layouts, %d threads): %.1f GFLOP/s",
                  dtype, torch.get_num_threads(), peak / 1e9)
@@ -128,7 +146,8 @@ class PeakFlops:
         if not native:  # named explicitly: run as asked, but say what it costs, once
             fp32_key = (torch.float32, torch.get_num_threads())
             if fp32_key not in _CPU_PEAKS:  # measured as the peak is, not a quicker probe
-                _CPU_PEAKS[fp32_key] = measure_matmul_flops(torch.float32, self.device)
+                _CPU_PEAKS[fp32_key] = (inherited_peak(*fp32_key)
+                                        or measure_matmul_flops(torch.float32, self.device))
             log.warning(emulated_warning(self.policy.name, dtype, why, peak,
                                          _CPU_PEAKS[fp32_key], choose_auto(self.device)[0]))
         return peak
