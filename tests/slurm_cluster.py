@@ -51,7 +51,7 @@ def wait_job(job: int, env: dict[str, str], timeout: float = 300,
         info = job_info(job, env)
         if info.get("JobState") in TERMINAL:
             return info
-        time.sleep(0.5)
+        time.sleep(0.2)
     why = describe(job, env)
     subprocess.run(["scancel", str(job)], env=env)
     pytest.fail(f"job {job} did not finish in {timeout} s: {why}")

@@ -1,8 +1,9 @@
 """Seeing inside a run (issue 56): a torch.profiler trace holding the model's matmuls and
 its one-line summary; under DP=2 the collective in the trace and tools/trace_summary.py
 naming the rank the others waited for; a straggler named in the log line; a rank that
-stalls ending the run within comm.train_timeout_s with one line and exit 76; a CUDA memory
-snapshot refused on a CPU run; tools/plot_run.py drawing a finished run's numbers."""
+stalls ending the run within comm.train_timeout_s with one line and exit 76 (and the slow
+fault lifted by its PRETRAIN_FAULT_UNTIL file); a CUDA memory snapshot refused on a CPU run;
+tools/plot_run.py drawing a finished run's numbers."""
 
 from __future__ import annotations
 
@@ -182,6 +183,23 @@ def test_a_slowed_rank_is_named_and_the_traces_show_whom_the_others_waited_for(
     assert "collectives over 2 rank(s):" in text
     first = text.split("collectives over 2 rank(s):\n")[1].splitlines()[0]
     assert first.strip().startswith("gloo:all_reduce") and "slowest rank 1" in first
+
+
+def test_a_slow_fault_sleeps_until_its_until_file_exists(tmp_path, monkeypatch):
+    """The Slurm tests slow a run only until the fault is in (tests/test_slurm_nodes.py)."""
+    from types import SimpleNamespace
+
+    from pretrain.train.services import fault_injection
+
+    slept: list[float] = []
+    monkeypatch.setattr(fault_injection, "time", SimpleNamespace(sleep=slept.append))
+    monkeypatch.setenv("PRETRAIN_FAULT_UNTIL", str(tmp_path / "go"))
+    fault = fault_injection.Fault(*fault_injection.parse("slow:rank=0:seconds=0.25"))
+    fault.before_step(None)
+    fault.before_step(None)
+    (tmp_path / "go").touch()
+    fault.before_step(None)
+    assert slept == [0.25, 0.25]
 
 
 @pytest.mark.slow
