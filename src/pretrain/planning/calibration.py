@@ -106,8 +106,8 @@ class HostCosts:
     per_input: float = 0.0
 
 
-# A GPU machine's host (the figures above; a graph's call is in its launches there, a
-# parameter tensor is clipping's `.to`, one op).
+# A GPU machine's host (the figures above; a graph's call is in its launches and inputs
+# there, a parameter tensor is clipping's `.to`, one op).
 GPU_HOST = HostCosts(HOST_S_PER_OP, HOST_S_PER_COMPILED_LAUNCH, 0.0, HOST_S_LOOP,
                      HOST_S_PER_OP, HOST_S_PER_GRAPH_INPUT)
 
