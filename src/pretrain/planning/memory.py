@@ -221,7 +221,7 @@ def _per_chunk(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: int) ->
 
 
 def _pipeline_rank(cfg: Config, layout: Layout, a: ActivationSetup, sp: StageParams,
-                      pp_rank: int, saved: float, wrapped: bool) -> PipelineRank:
+                   pp_rank: int, saved: float, wrapped: bool) -> PipelineRank:
     """What ``pipeline_phases`` needs of this pipeline rank."""
     e = dtype_bytes(cfg.precision.compute_dtype)
     layers = [len(stage_layers(cfg.model.n_layer, s, layout.n_stages))
