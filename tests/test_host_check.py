@@ -8,11 +8,13 @@ import pytest
 
 from pretrain.planning import host_check
 from pretrain.planning.calibration import GPU_HOST
-from pretrain.planning.host import outside_ops, outside_seconds
+from pretrain.planning.host import graph_calls, outside_ops, outside_seconds
+from pretrain.planning.params import rank_params
 
 # made-up step times (seconds): only their algebra is checked
 EAGER = host_check.Measured("nano", False, step_s=0.020, region_s=0.012, update_s=0.004)
-COMPILED = host_check.Measured("nano", True, step_s=0.010, region_s=0.003, update_s=0.004)
+COMPILED = host_check.Measured("nano", True, step_s=0.010, region_s=0.003, update_s=0.004,
+                               launch_share=0.6)
 
 
 def test_the_calibration_reproduces_the_model_it_was_calibrated_on():
@@ -52,3 +54,23 @@ def test_the_table_marks_the_calibration_row_and_the_bar():
     assert rows[0]["calibration"] and rows[0]["ok"]
     assert not rows[1]["calibration"] and not rows[1]["ok"]
     assert "calibration" in host_check.markdown(rows, costs)
+
+
+def test_the_compiled_graph_is_split_into_launches_and_inputs_by_its_profile():
+    """The compiled graph's time (the step less what runs outside it) is its launches'
+    share (``launch_share``) over the kernels inductor's code calls, and the rest over the
+    graph's inputs (each parameter tensor and the batch's two)."""
+    costs = host_check.calibrate(EAGER, COMPILED)
+    cfg, layout = host_check.config("nano", True)
+    launches, inputs = graph_calls(cfg, layout)
+    graph = COMPILED.step_s - outside_seconds(cfg, layout, costs)
+    assert launches * costs.per_launch == pytest.approx(0.6 * graph)
+    assert inputs * costs.per_input == pytest.approx(0.4 * graph)
+    assert inputs == len(rank_params(cfg.model, layout).held) + 2
+
+
+def test_a_compiled_block_launches_its_heavy_ops_and_the_fused_kernels_between_them():
+    """29 kernels a block (inductor's generated code for nano, tiny and 10M: 20 heavy ops,
+    9 fused kernels), 7 outside: the count grows by a block's per layer."""
+    (two, _), (four, _) = (graph_calls(*host_check.config(m, True)) for m in ("nano", "tiny"))
+    assert two == pytest.approx(2 * 29 + 7) and four - two == pytest.approx(2 * 29)

@@ -63,34 +63,53 @@ HOST_S_PER_FSDP_UNIT = (65536 / 170_522 - 65536 / 235_619) / (4 * 13)
 #   132 eager ops (3.1 ms), so per-block compile did not pay at 124M.
 HOST_S_PER_COMPILED_BLOCK = (65536 / 152_698 - 5359 * HOST_S_PER_OP
                              - 4 * 13 * HOST_S_PER_FSDP_UNIT) / 48
-# - one graph (model + loss, one process): inductor's wrapper launches each kernel; about
-#   two per matmul or attention op (the op, the fused pointwise work after it). A stated
-#   figure, not fitted: the iso loop's whole-model compile (0.1885 s) was not host-bound
-#   (swapping its loss for the 5,228-op eager chunk loop added only 0.049 s), so this only
-#   needs to be small; 6 us a launch.
+# - one graph (model + loss, one process): what its call costs the host, read off
+#   torch.profiler over the trainer's compiled step at tools/host_time.py's shape (nano,
+#   tiny and 10M alike, torch 2.13.0+cpu, 2026-11-29): two parts.
+#   * Per graph input (each parameter tensor, and the batch's two: with
+#     inline_inbuilt_nn_modules every parameter is an input of the graph): dynamo's guards
+#     ("TorchDynamo Cache Lookup": 0.13, 0.25, 0.38 ms a step for 36, 68 and 132 tensors)
+#     and AOTAutograd's runtime wrappers (CompiledFunction and CompiledFunctionBackward:
+#     each input, and each input's gradient, handled in Python). ``HostCosts.per_input``.
+#   * Per kernel: inductor's generated code (forward and backward, "## Call CompiledFxGraph
+#     ##") calls each kernel from Python. Counted in that code (TORCH_LOGS=output_code), the
+#     same for the three models: a block's 20 heavy ops (dispatch.HEAVY: 6 Linears, their
+#     12 backward matmuls, attention forward and backward) and 9 fused kernels between them
+#     (3 in its forward: the norms, GELU, the residual adds; 6 in its backward), 29 a block;
+#     7 outside the blocks (the head's matmuls, the embeddings', final norm's and loss's
+#     fused kernels). ``HostCosts.per_launch``.
+#   This CPU's two costs are calibrated on nano's compiled step (tools/host_time.py: the
+#   graph's host time split by the profile's share inside the generated code); the tiny
+#   model and the 10M rung check them (docs/planning.md). A GPU machine's host: a launch at
+#   a stated 6 us (a CUDA launch from inductor's wrapper; not measured: no GPU here), a graph
+#   input at this CPU's figure, rounded (the same Python and C++ guards on any host).
+COMPILED_LAUNCHES_PER_HEAVY_OP = 29 / 20
+COMPILED_LAUNCHES_OUTSIDE = 7
 HOST_S_PER_COMPILED_LAUNCH = 6e-6
-LAUNCHES_PER_HEAVY_OP = 2
+HOST_S_PER_GRAPH_INPUT = 7.5e-6
 
 
 @dataclass(frozen=True)
 class HostCosts:
     """What the host pays, per step's unit: a dispatched aten op (eager), a compiled graph's
-    kernel launch and its call (guards and AOTAutograd's runtime wrappers, forward and
-    backward), the loop's own Python a step (the batch, hooks, zero_grad, the schedule,
-    the trainer's lines between them), and a parameter tensor's share of clipping and the
-    optimizer step (its norm, its ``.to``, its turn in the fused AdamW kernel's loop)."""
+    kernel launch, its call (a fixed part) and each of its inputs (dynamo's guards and
+    AOTAutograd's runtime wrappers, forward and backward), the loop's own Python a step
+    (the batch, hooks, zero_grad, the schedule, the trainer's lines between them), and a
+    parameter tensor's share of clipping and the optimizer step (its norm, its ``.to``,
+    its turn in the fused AdamW kernel's loop)."""
 
     per_op: float
     per_launch: float
     per_graph: float
     loop: float
     per_tensor: float
+    per_input: float = 0.0
 
 
-# A GPU machine's host (the figures above; a graph's call is in its launches there, a
-# parameter tensor is clipping's `.to`, one op).
+# A GPU machine's host (the figures above; a graph's call is in its launches and inputs
+# there, a parameter tensor is clipping's `.to`, one op).
 GPU_HOST = HostCosts(HOST_S_PER_OP, HOST_S_PER_COMPILED_LAUNCH, 0.0, HOST_S_LOOP,
-                     HOST_S_PER_OP)
+                     HOST_S_PER_OP, HOST_S_PER_GRAPH_INPUT)
 
 # --- kernels on one GPU -------------------------------------------------------------------
 # A GPU type's kernel_efficiency (conf/gpu/) was fitted on torchtitan's 8B over 8 GPUs,

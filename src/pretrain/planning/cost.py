@@ -79,7 +79,6 @@ from pretrain.planning.calibration import (
     GPU_HOST,
     HOST_S_PER_COMPILED_BLOCK,
     HOST_S_PER_FSDP_UNIT,
-    LAUNCHES_PER_HEAVY_OP,
     SOLO_BYTES_PER_LAYER_ELEMENT,
     SOLO_EAGER_SPEED,
     SOLO_EFFICIENCY_MAX,
@@ -88,7 +87,7 @@ from pretrain.planning.calibration import (
     HostCosts,
 )
 from pretrain.planning.document import attention_work
-from pretrain.planning.host import outside_seconds
+from pretrain.planning.host import graph_calls, outside_seconds
 from pretrain.planning.offload import offload_seconds
 from pretrain.planning.params import expert_share, inventory, rank_params
 from pretrain.precision.policy import dtype_bytes
@@ -198,9 +197,10 @@ def host_seconds(cfg: Config, layout: Layout, wrapped: bool | None = None,
                  costs: HostCosts = GPU_HOST) -> float:
     """Host time to dispatch one step of this rank (planning/dispatch.py counts the ops),
     per the path the trainer takes (parallel/apply.py): one process compiled runs model and
-    loss as one graph (its kernels' launches); compiled blocks elsewhere (a call each, the
-    rest eager); eager, every op, the chunked loss's loop included; FSDP2's hooks per unit
-    where a wrapper goes on (``wrapped``: the layout's answer unless given); then what runs
+    loss as one graph (its kernels' launches, its inputs' guards and wrappers:
+    ``host.graph_calls``); compiled blocks elsewhere (a call each, the rest eager); eager,
+    every op, the chunked loss's loop included; FSDP2's hooks per unit where a wrapper goes
+    on (``wrapped``: the layout's answer unless given); then what runs
     outside that region (planning/host.py: AccumulateGrad, clipping, the optimizer step,
     the step's bookkeeping and the loop's Python). A pipeline rank is charged its blocks
     and, an upper bound, the embeddings, head and loss too. ``costs``: a GPU machine's host
@@ -218,8 +218,8 @@ def host_seconds(cfg: Config, layout: Layout, wrapped: bool | None = None,
                                               vocab_sharded=layout.tp > 1)
     loss = c.loss_base + c.loss_per_chunk * chunks
     if cfg.train.compile and layout.world_size == 1 and not wrapped:  # one graph
-        launches = LAUNCHES_PER_HEAVY_OP * (blocks * c.heavy_per_block + 4)  # + head, loss
-        per_mb = costs.per_graph + launches * costs.per_launch
+        launches, inputs = graph_calls(cfg, layout)
+        per_mb = costs.per_graph + inputs * costs.per_input + launches * costs.per_launch
     elif cfg.train.compile:
         per_mb = (c.outside + loss) * costs.per_op + blocks * HOST_S_PER_COMPILED_BLOCK
     else:

@@ -23,7 +23,13 @@ from __future__ import annotations
 
 from pretrain.config.schema import Config
 from pretrain.parallel.layout import Layout
-from pretrain.planning.calibration import BOOKKEEPING_OPS, GPU_HOST, HostCosts
+from pretrain.planning.calibration import (
+    BOOKKEEPING_OPS,
+    COMPILED_LAUNCHES_OUTSIDE,
+    COMPILED_LAUNCHES_PER_HEAVY_OP,
+    GPU_HOST,
+    HostCosts,
+)
 from pretrain.planning.dispatch import count_ops
 from pretrain.planning.params import rank_params
 
@@ -43,3 +49,14 @@ def outside_seconds(cfg: Config, layout: Layout, costs: HostCosts = GPU_HOST) ->
     ops = outside_ops(cfg, layout)
     tensors = ops.pop("clipping's .to")
     return sum(ops.values()) * costs.per_op + tensors * costs.per_tensor + costs.loop
+
+
+def graph_calls(cfg: Config, layout: Layout) -> tuple[float, int]:
+    """(kernel launches, inputs) of one compiled graph of model and loss (one process):
+    inductor's kernels for this rank's blocks and the rest (``calibration.
+    COMPILED_LAUNCHES_*``), and the graph's inputs, each parameter tensor and the batch's
+    two (what dynamo guards and AOTAutograd's wrappers handle, ``HostCosts.per_input``)."""
+    heavy = count_ops(cfg.model).heavy_per_block
+    blocks = cfg.model.n_layer // layout.pp
+    launches = COMPILED_LAUNCHES_PER_HEAVY_OP * blocks * heavy + COMPILED_LAUNCHES_OUTSIDE
+    return launches, len(rank_params(cfg.model, layout).held) + 2

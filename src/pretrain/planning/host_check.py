@@ -10,8 +10,9 @@ vocabulary, tied embeddings, parameter tensors: what ``dispatch.count_ops`` and
 autocast: the op counts are taken without it), fused AdamW (as on a GPU).
 
 The CPU's costs (``calibration.HostCosts``) are calibrated on one model, nano (eager: an
-op's cost and the loop's Python; compiled: a graph call's), and predict the others: the
-tiny model and the 10M rung, eager and compiled, are out of sample.
+op's cost, a parameter tensor's in clipping and the optimizer, and the loop's Python;
+compiled: a kernel launch's and a graph input's, its graph's time split by a profile), and
+predict the others: the tiny model and the 10M rung, eager and compiled, are out of sample.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from dataclasses import dataclass
 from pretrain.config.compose import compose_config
 from pretrain.config.schema import Config
 from pretrain.parallel.layout import Layout, resolve_layout
-from pretrain.planning.calibration import GPU_HOST, LAUNCHES_PER_HEAVY_OP, HostCosts
+from pretrain.planning.calibration import GPU_HOST, HostCosts
 from pretrain.planning.cost import host_seconds
 from pretrain.planning.dispatch import count_ops
-from pretrain.planning.host import outside_ops, outside_seconds
+from pretrain.planning.host import graph_calls, outside_ops, outside_seconds
 
 # each model as its recipe runs it (the 10M rung: docs/benchmarks.md, "One H200")
 MODELS = {
@@ -63,6 +64,9 @@ class Measured:
     step_s: float
     region_s: float
     update_s: float
+    # compiled: of the graph's host time, the share inside inductor's generated code (its
+    # kernels' calls; the rest the guards and AOTAutograd's wrappers), from a profile
+    launch_share: float = 0.0
 
 
 def _ops(cfg: Config, layout: Layout) -> tuple[int, int]:
@@ -72,17 +76,14 @@ def _ops(cfg: Config, layout: Layout) -> tuple[int, int]:
     return region, sum(outside_ops(cfg, layout).values())
 
 
-def _launches(cfg: Config) -> int:
-    return LAUNCHES_PER_HEAVY_OP * (cfg.model.n_layer * count_ops(cfg.model).heavy_per_block + 4)
-
-
 def calibrate(eager: Measured, compiled: Measured) -> HostCosts:
     """This CPU's costs from one model's eager and compiled steps: an op's cost from the
     eager forward/backward region (its ops and an ``AccumulateGrad`` a parameter tensor),
     a parameter tensor's in clipping and the optimizer step (their time, less their own
     ops, over the tensors), the loop's Python from what is left of the step (less the
-    bookkeeping's ops), and a graph call from the compiled step less what runs outside
-    the graph and its launches (at the GPU host's stated cost a launch)."""
+    bookkeeping's ops); then the compiled graph's host time (the compiled step less what
+    runs outside the graph), split by its profile's ``launch_share`` into its kernels'
+    launches and its inputs' guards and wrappers (``host.graph_calls`` counts both)."""
     cfg, layout = config(eager.model, False)
     region, _ = _ops(cfg, layout)
     kinds, mb = outside_ops(cfg, layout), layout.microbatches
@@ -93,9 +94,10 @@ def calibrate(eager: Measured, compiled: Measured) -> HostCosts:
             - kinds["bookkeeping"] * per_op)
     costs = HostCosts(per_op, GPU_HOST.per_launch, 0.0, loop, per_tensor)
     ccfg, clayout = config(compiled.model, True)
-    outside = outside_seconds(ccfg, clayout, costs)
-    per_graph = (compiled.step_s - outside) / mb - _launches(ccfg) * GPU_HOST.per_launch
-    return HostCosts(per_op, GPU_HOST.per_launch, per_graph, loop, per_tensor)
+    graph = (compiled.step_s - outside_seconds(ccfg, clayout, costs)) / mb
+    launches, inputs = graph_calls(ccfg, clayout)
+    return HostCosts(per_op, compiled.launch_share * graph / launches, 0.0, loop, per_tensor,
+                     (1 - compiled.launch_share) * graph / inputs)
 
 
 def predict(model: str, compiled: bool, costs: HostCosts) -> float:
@@ -125,7 +127,7 @@ def markdown(table: list[dict], costs: HostCosts) -> str:
     lines.append(f"This CPU's costs: {1e6 * costs.per_op:.2f} us an op, "
                  f"{1e6 * costs.per_tensor:.2f} us a parameter tensor in clipping and the "
                  "optimizer, "
-                 f"{1e3 * costs.per_graph:.3f} ms a graph call, "
-                 f"{1e6 * costs.per_launch:.1f} us a launch (stated), "
+                 f"{1e6 * costs.per_input:.2f} us a compiled graph's input, "
+                 f"{1e6 * costs.per_launch:.2f} us a compiled kernel's launch, "
                  f"{1e3 * costs.loop:.3f} ms of loop a step.")
     return "\n".join(lines)

@@ -87,7 +87,7 @@ ROWS = (
     Row("6.7B pp2 interleaved x2", (*_67B, "parallel=zero3", "parallel.pp=2", "parallel.dp=2",
                                     "parallel.micro_batch_size=1", "train.global_batch_size=8",
                                     "parallel.pp_schedule=interleaved_1f1b",
-                                    "parallel.virtual_stages=2"), rank=0),
+                                    "parallel.virtual_stages=2"), rank=0, fast=True),
     Row("6.7B pp2 zero-bubble (ZBV)", (*_67B, "parallel=zero3", "parallel.pp=2",
                                        "parallel.dp=2", "parallel.micro_batch_size=1",
                                        "train.global_batch_size=8", "parallel.pp_schedule=zbv",

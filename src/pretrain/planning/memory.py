@@ -76,6 +76,7 @@ from pretrain.planning.document import mask_bytes
 from pretrain.planning.offload import defers_reduction
 from pretrain.planning.params import StageParams, block_experts, inventory, rank_params
 from pretrain.planning.phases import Backward, grads_at_backward_start, phase_parts
+from pretrain.planning.pipeline_phases import PipelineRank, blocks_backward, forward_phase
 from pretrain.planning.reducing import Reducing, reducing_phases
 from pretrain.precision.policy import dtype_bytes
 
@@ -90,7 +91,7 @@ FRAGMENTATION = 0.28
 
 PARTS = (
     "parameters", "gradients", "optimizer state", "optimizer step transient",
-    "compute-dtype weight copies",
+    "compute-dtype weight copies", "all-gather outputs",
     "gradient buffers", "activations", "logits and loss", "backward transient",
     "pipeline buffers", "fp8 scaling state", "CUDA context + NCCL", "allocator fragmentation",
 )
@@ -187,14 +188,7 @@ def _activations(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: int
     stages = stage_indices(layout, pp_rank)
     chunks = inflight_chunks(layout.pp_schedule, layout.pp, layout.virtual_stages,
                              layout.microbatches, pp_rank)
-    rest = "selective" if ac == "selective" else ("full" if ac == "full" else "none")
-    per_mode = {mode: layer_bytes(m, a, mode) for mode in {rest, "full"}}
-    per_chunk = []
-    for s in stages:
-        layers = stage_layers(m.n_layer, s, layout.n_stages)
-        whole = sum(1 for i in layers if ac == "selective" and every > 0
-                    and (i + 1) % every == 0)
-        per_chunk.append(whole * per_mode["full"] + (len(layers) - whole) * per_mode[rest])
+    per_chunk = _per_chunk(cfg, layout, a, pp_rank)
     # Chunks in flight spread evenly over this rank's stages (stages hold equal layers).
     saved = chunks * sum(per_chunk) / len(per_chunk)
     saved += chunks * 8 * m.seq_len * a.micro_batch if 0 in stages else 0.0  # token ids
@@ -208,6 +202,41 @@ def _activations(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: int
     elif a.sequence_parallel:  # none keeps shards: the rest of one block made again
         work += sum(everything.values()) - layer_bytes(m, a, "none")
     return saved, head, loss_transient, work
+
+
+def _per_chunk(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: int) -> list[float]:
+    """One micro batch's saved activations through each of this rank's stages (its blocks
+    under the checkpointing mode each runs)."""
+    m = cfg.model
+    ac, every = layout.activation_checkpointing, cfg.parallel.ac_every_n_layers
+    rest = "selective" if ac == "selective" else ("full" if ac == "full" else "none")
+    per_mode = {mode: layer_bytes(m, a, mode) for mode in {rest, "full"}}
+    per_chunk = []
+    for s in stage_indices(layout, pp_rank):
+        layers = stage_layers(m.n_layer, s, layout.n_stages)
+        whole = sum(1 for i in layers if ac == "selective" and every > 0
+                    and (i + 1) % every == 0)
+        per_chunk.append(whole * per_mode["full"] + (len(layers) - whole) * per_mode[rest])
+    return per_chunk
+
+
+def _pipeline_rank(cfg: Config, layout: Layout, a: ActivationSetup, sp: StageParams,
+                   pp_rank: int, saved: float, wrapped: bool) -> PipelineRank:
+    """What ``pipeline_phases`` needs of this pipeline rank."""
+    e = dtype_bytes(cfg.precision.compute_dtype)
+    layers = [len(stage_layers(cfg.model.n_layer, s, layout.n_stages))
+              for s in stage_indices(layout, pp_rank)]
+    starts = [sum(layers[:i]) for i in range(len(layers))]
+    per_chunk = _per_chunk(cfg, layout, a, pp_rank)
+    chunks = inflight_chunks(layout.pp_schedule, layout.pp, layout.virtual_stages,
+                             layout.microbatches, pp_rank)
+    return PipelineRank(
+        chunks=chunks, per_chunk=tuple(per_chunk), layers=tuple(layers),
+        roots=tuple(e * r for r in sp.roots),
+        blocks=tuple(e * max(sp.blocks[i:i + n], default=0)
+                     for i, n in zip(starts, layers, strict=True)),
+        rest=saved - chunks * sum(per_chunk) / len(per_chunk),
+        resharded=wrapped and layout.dp_spec.reshard_after_forward)
 
 
 def _pipeline_buffers(cfg: Config, layout: Layout, a: ActivationSetup, pp_rank: int) -> float:
@@ -314,6 +343,11 @@ def rank_memory(cfg: Config, layout: Layout, pp_rank: int, device: str = "cuda")
     resharded = layout.dp_spec.reshard_after_forward and layout.pp == 1 and wrapped
     phases = phase_parts(parts, Backward(accumulators, held, loss_transient, work,
                                          0.0 if resharded else weights))
+    if layout.pp > 1:
+        pr = _pipeline_rank(cfg, layout, a, sp, pp_rank, saved, wrapped)
+        phases["forward"] = forward_phase(phases["loss backward"], pr)
+        if pr.resharded and "blocks backward" in phases:
+            phases["blocks backward"] = blocks_backward(phases["blocks backward"], pr)
     if wrapped and not accumulators and layout.pp == 1 and layout.offload == "none":
         phases.pop("blocks backward")
         phases.update(reducing_phases(parts, _reducing(cfg, layout, a, sp, parts, held, work)))

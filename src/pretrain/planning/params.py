@@ -126,6 +126,7 @@ class StageParams:
     # (name, global shape, shape of this rank's shard) of every tensor: what an optimizer's
     # state is a function of (optim/specs.py OptimizerSpec.state_bytes)
     held: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+    roots: tuple[int, ...] = ()  # ``root`` per stage, the rank's first stage first
 
 
 @dataclass(frozen=True)
@@ -254,4 +255,5 @@ def _rank_params(fields: tuple, tp: int, tp_rank: int, dp_shard: int, sharded: b
         n_muon=total.n_muon,
         muon_largest=total.muon_largest,
         held=total.held,
+        roots=tuple(r.unsharded for r in root),
     )

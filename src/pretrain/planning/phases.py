@@ -1,6 +1,8 @@
 """The phases of a training step, and which of the planner's parts (``memory.PARTS``) a GPU
 holds in each: the step's peak is the largest phase, not the sum of every part's own peak.
 
+- ``forward`` (a pipeline rank only, ``pipeline_phases.py``): the last forward of the
+  micro batches in flight, before the backward that frees the oldest.
 - ``loss backward``: the forward has ended and the loss's backward runs: every saved
   activation, the logits and loss, the loss's backward transient, the pipeline's receive
   buffers, FSDP's unsharded weights as far as they are still gathered (none under ZeRO-3,
@@ -27,11 +29,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PHASES = ("loss backward", "blocks backward", "root backward", "backward end", "optimizer step")
+PHASES = ("forward", "loss backward", "blocks backward", "root backward", "backward end",
+          "optimizer step")
 
 KIND_OF = {
     "parameters": "Parameter", "compute-dtype weight copies": "Parameter",
     "fp8 scaling state": "Parameter",
+    # FSDP2's all-gather outputs held (pipeline_phases.py): Activation in a forward
+    "all-gather outputs": "Temp",
     "gradients": "Gradient", "gradient buffers": "Temp",
     "optimizer state": "Optstate", "optimizer step transient": "Temp",
     "activations": "Activation", "logits and loss": "Activation",
@@ -91,10 +96,14 @@ def phase_parts(parts: dict[str, float], bw: Backward) -> dict[str, dict[str, fl
     return {name: {k: v for k, v in held.items() if k in parts} for name, held in phases.items()}
 
 
-def by_kind(parts: dict[str, float], autocast: bool = False) -> dict[str, float]:
-    """``parts`` summed by MemTracker's kinds; under autocast the weight copies are
-    autocast's cache, made by the forward: activations to MemTracker."""
+def by_kind(parts: dict[str, float], autocast: bool = False, phase: str = ""
+            ) -> dict[str, float]:
+    """``parts`` (of ``phase``) summed by MemTracker's kinds; under autocast the weight
+    copies are autocast's cache, made by the forward: activations to MemTracker, as are
+    FSDP2's all-gather outputs held in the forward phase."""
     kind_of = {**KIND_OF, "compute-dtype weight copies": "Activation"} if autocast else KIND_OF
+    if phase == "forward":
+        kind_of = {**kind_of, "all-gather outputs": "Activation"}
     out = dict.fromkeys(KINDS, 0.0)
     for name, b in parts.items():
         if name in kind_of:

@@ -339,7 +339,8 @@ def predicted(cfg: Config, layout: Layout, pp_rank: int, tp_rank: int) -> dict:
         "memory_by_part": {k: int(v) for k, v in parts.items()},
         "step_peak_phase": step_phase,
         "step_peak_by_part": {k: int(v) for k, v in phases[step_phase].items()},
-        "step_peak_by_kind": {k: int(v) for k, v in by_kind(phases[step_phase], auto).items()},
+        "step_peak_by_kind": {k: int(v) for k, v in by_kind(phases[step_phase], auto,
+                                                                  step_phase).items()},
         # parallel.offload=params: on the host, where this CPU's simulation holds them too
         "host_by_kind": {k: int(v) for k, v in by_kind(
             {k: v for k, v in rm.host.items() if k != "gradients" or rm.grads_held}).items()},
