@@ -15,7 +15,17 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import MARKOV_DATA, REPO, VOCAB, by_step, failed, read_result, run_script
+from helpers import (
+    HERE,
+    MARKOV_DATA,
+    VOCAB,
+    by_step,
+    compose_config,
+    failed,
+    read_result,
+    run_ranks,
+    write_spec,
+)
 from noise_problem import B_SIMPLE, SIGMA, D, Regressions, draw, w_star
 from two_ranks import run_on_two_ranks
 
@@ -144,11 +154,22 @@ COMMON = [
 ])
 def test_training_logs_noise_scale_at_every_logging_step(tmp_path, markov_root, name, nproc,
                                                         extra):
+    """The run as train.py trains it (pretrain.train.trainer's setup and fit): in this
+    process, and on 2 ranks forked from one import (tests/runs_worker.py; train.py's own
+    start-up and torchrun are tests/test_train_e2e.py's and tests/test_parallel_launch.py's)."""
     overrides = [*COMMON, *extra, "train.device=cpu", f"data.root={markov_root}",
                  f"runs_dir={tmp_path / 'runs'}", f"run_name={name}"]
-    proc = run_script(REPO / "train.py", *overrides, nproc=nproc, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, failed(proc)
     run_dir = tmp_path / "runs" / name
+    if nproc == 1:
+        from pretrain.train.trainer import run
+
+        assert run(compose_config(overrides), run_dir)["exit_code"] == 0
+    else:
+        spec = write_spec(tmp_path / "runs.pkl",
+                          runs=[(name, compose_config(overrides), run_dir)])
+        proc = run_ranks(HERE / "runs_worker.py", str(tmp_path), str(spec), nproc=nproc,
+                         cwd=tmp_path, timeout=300)
+        assert proc.returncode == 0, failed(proc)
     logged = by_step(run_dir, "noise_scale")
     assert sorted(logged) == [1, 3, 6, 9]
     for step, value in logged.items():
