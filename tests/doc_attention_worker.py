@@ -1,7 +1,7 @@
 """Per-token losses of packed windows under document masking, on a multi-process layout.
 
-Run under ``torchrun --standalone --nproc_per_node=2 tests/doc_attention_worker.py OUT
-SPEC`` (SPEC: helpers.write_spec's file, {"cases": {name: Config}, "x": tokens, "y":
+Run as ``python tests/forked_ranks.py 2 tests/doc_attention_worker.py OUT SPEC`` (or under
+torchrun) (SPEC: helpers.write_spec's file, {"cases": {name: Config}, "x": tokens, "y":
 targets, "seed": int, "attention": backend}). Every case runs in the same two processes, one
 after the other (one start-up for all, as tests/parallel_worker.py). For each, builds the
 layout the way a run does (train_module.join, parallel.apply: parallelize_gpt, materialize

@@ -1,7 +1,7 @@
-"""Run ``Trainer.fit`` under torchrun and record what the loop around the optimizer step
+"""Run ``Trainer.fit`` on N ranks and record what the loop around the optimizer step
 costs in collectives and host syncs, step by step, and where each rank stops.
 
-    torchrun --standalone --nproc_per_node=N tests/loop_worker.py OUT SPEC
+    python tests/forked_ranks.py N tests/loop_worker.py OUT SPEC  (or under torchrun)
 
 SPEC: helpers.write_spec's file, {"runs": {name: {"config": Config, "signal": [step, rank]
 or null}}}. Every run is one Trainer + fit() in these processes. With

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO, launch_env
+from train_forks import train_py
 
 from pretrain.config.naming import check_runs_dir
 from pretrain.config.schema import ConfigError
@@ -24,11 +25,11 @@ TOOLS = REPO / "src" / "pretrain" / "tools"
 
 
 def train(tmp_path: Path, *overrides: str, **env: str) -> subprocess.CompletedProcess:
-    """``python train.py`` as a user runs it, its run directories under ``tmp_path``."""
+    """``python train.py`` as a user runs it, its run directories under ``tmp_path``: in a
+    fresh fork of a process that imported it (tests/train_forks.py)."""
     args = [*overrides] + ([] if any(o.startswith("runs_dir=") for o in overrides)
                            else [f"runs_dir={tmp_path / 'runs'}"])
-    return subprocess.run([sys.executable, TRAIN, *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, env=launch_env(**env))
+    return train_py(*args, cwd=tmp_path, env=env)
 
 
 def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
@@ -84,7 +85,10 @@ def test_a_runs_dir_that_is_a_file_is_one_line(tmp_path):
     Hydra makes the run directory, not a bare NotADirectoryError."""
     (tmp_path / "afile").write_text("not a directory\n")
     runs = tmp_path / "afile"
-    proc = train(tmp_path, f"runs_dir={runs}", "dry_run=true")
+    # a real interpreter start of train.py (train_forks.py's forks run the same code)
+    proc = subprocess.run([sys.executable, TRAIN, f"runs_dir={runs}", "dry_run=true"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=launch_env())
     assert proc.returncode == 2, proc.stderr
     (line,) = error_lines(proc)
     assert line.startswith(f"error: runs_dir={runs} is a file") and "runs_dir=runs" in line

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from built_once import built_once
-from helpers import CONF_DIR, failed, run_script, write_spec
+from helpers import CONF_DIR, failed, run_ranks, write_spec
 from torch._dynamo.utils import counters
 
 from pretrain.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
@@ -265,7 +265,7 @@ def run_cases(out: Path) -> dict:
     cases = {f"{name}-{layout}": layout_case(name, layout)
              for name in MODELS for layout in LAYOUTS}
     spec = write_spec(out / "spec.pkl", cases=cases, x=x, y=y, seed=SEED, attention="sdpa")
-    proc = run_script("tests/doc_attention_worker.py", str(out), str(spec), nproc=2,
+    proc = run_ranks("tests/doc_attention_worker.py", str(out), str(spec), nproc=2,
                       cwd=CONF_DIR.parent)
     assert proc.returncode == 0, failed(proc)
     return {case: torch.load(out / f"{case}.pt") for case in cases}

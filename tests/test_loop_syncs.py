@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from built_once import built_once
-from helpers import HERE, MARKOV_DATA, VOCAB, by_step, compose_all, failed, run_script, write_spec
+from helpers import HERE, MARKOV_DATA, VOCAB, by_step, compose_all, failed, run_ranks, write_spec
 
 STEPS, LOG_EVERY, CHECK_EVERY = 12, 6, 4
 SIGNAL_AFTER = 5  # rank 1 alone gets SIGUSR1 after this step
@@ -50,8 +50,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, markov_root) -> dict[str, list[dict]]:
-    """Every run's per-rank records, from one torchrun of tests/loop_worker.py; once per
-    pytest run (tests/built_once.py)."""
+    """Every run's per-rank records, from one 2-rank group of tests/loop_worker.py forked
+    from one import (helpers.run_ranks); once per pytest run (tests/built_once.py)."""
     return built_once(tmp_path_factory, "loop-syncs", lambda root: train_all(root, markov_root))
 
 
@@ -62,7 +62,7 @@ def train_all(root: Path, markov_root: Path) -> dict[str, list[dict]]:
     spec = write_spec(root / "spec.pkl", runs={name: {"config": configs[name],
                                                       "signal": run.get("signal")}
                                                for name, run in RUNS.items()})
-    proc = run_script(HERE / "loop_worker.py", str(root), str(spec), nproc=2, cwd=root)
+    proc = run_ranks(HERE / "loop_worker.py", str(root), str(spec), nproc=2, cwd=root)
     assert proc.returncode == 0, failed(proc)
     out = {name: [json.loads((root / f"{name}.rank{r}.json").read_text()) for r in (0, 1)]
            for name in RUNS}

@@ -21,10 +21,12 @@ from helpers import (
     VOCAB,
     by_step,
     compose_config,
+    launch_env,
     wait_for,
     write_corpus,
     write_markov_data,
 )
+from train_forks import train_py
 
 from pretrain.config.decision import SourceShare, WeightStage
 from pretrain.config.schema import ConfigError
@@ -276,8 +278,7 @@ def command(work: Path, run: str, *extra: str) -> list[str]:
 @pytest.mark.slow
 def test_the_recipe_trains_and_a_killed_run_resumes_exactly(prepared3):
     work = prepared3
-    straight = subprocess.run(command(work, "straight"), cwd=work, capture_output=True,
-                              text=True, timeout=600)
+    straight = train_py(*command(work, "straight")[2:], cwd=work, timeout=600)
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert "site-docs: weight(s) 0.2/0.5" in straight.stdout + straight.stderr
     want = by_step(work / "runs" / "straight")
@@ -300,13 +301,15 @@ def test_the_recipe_trains_and_a_killed_run_resumes_exactly(prepared3):
     cmd = command(work, "killed", "checkpoint.enabled=true", "checkpoint.interval_steps=5",
                   "checkpoint.async_save=false")
     run_dir = work / "runs" / "killed"
+    # a real start of train.py, killed; one OpenMP thread as train_py's forks have (the
+    # resumed run is compared bit for bit with the straight one)
     proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env=launch_env(OMP_NUM_THREADS="1"))
     step5 = run_dir / "checkpoints" / "step_0000005"
     wait_for(step5, proc)
     os.kill(proc.pid, signal.SIGKILL)  # the cooldown stage (step 9) is still ahead
     proc.wait()
-    again = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=600)
+    again = train_py(*cmd[2:], cwd=work, timeout=600)  # a fork of train.py: the same code
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout + again.stderr
     assert by_step(run_dir, pattern="metrics*.jsonl") == want  # bit for bit, fp32

@@ -10,20 +10,28 @@ steps, EMA 0.98) the estimate's standard deviation over seeds is about 3%.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
-from helpers import MARKOV_DATA, REPO, VOCAB, by_step, failed, read_result, run_script
-from noise_problem import B_SIMPLE, SIGMA, D, Regressions, draw, w_star
-from two_ranks import run_on_two_ranks
+from helpers import (
+    HERE,
+    MARKOV_DATA,
+    VOCAB,
+    by_step,
+    compose_config,
+    failed,
+    read_result,
+    run_ranks,
+    write_spec,
+)
+from noise_problem import B_SIMPLE, SIGMA, D, Regressions, measure, w_star
 
-from pretrain.parallel.grad_clip import global_grad_norm
 from pretrain.train.noise_scale import NoiseScale, compare_batch, estimates
 
 TOL = 0.10
-STEPS, EMA = 150, 0.98
 
 
 def test_estimator_on_exact_per_sample_gradients():
@@ -53,77 +61,26 @@ def test_noise_scale_ema_and_messages():
     assert "smaller batch" in compare_batch(10**5, 1e3)
 
 
-def measure(model: torch.nn.Module, micro: int, per_micro: int, gen: torch.Generator,
-            ws: torch.Tensor, dp: int, ddp: bool = False) -> float:
-    """The trainer's protocol for STEPS steps at fixed weights: the loss of each micro batch
-    / micro, backward; after the first, the squared global gradient norm x micro^2 (its mean
-    gradient); after the last, the whole step's. Returns the EMA'd B_simple in samples."""
-    ns = NoiseScale(EMA)
-    params = list(model.parameters())
-    for _ in range(STEPS):
-        for i in range(micro):
-            if ddp:  # DDP: reduced once at the end, and at once on a measuring step
-                model.set_requires_gradient_sync(i in (0, micro - 1))
-            x, y = draw(per_micro, gen, ws)
-            (model(x, y) / micro).backward()
-            if i == 0:
-                small = (global_grad_norm(params) ** 2 * micro**2).item()
-        big = (global_grad_norm(params) ** 2).item()
-        for p in params:
-            p.grad = None
-        ns.update(small, big, per_micro * dp, per_micro * micro * dp)
-    return ns.value
-
-
 def test_one_process_with_accumulation():
     """4 micro batches of 4 samples: B_small = 4, B_big = 16."""
     value = measure(Regressions(), 4, 4, torch.Generator().manual_seed(0), w_star(), dp=1)
     assert value == pytest.approx(B_SIMPLE, rel=TOL)
 
 
-def _dp_rank(rank: int) -> dict:
-    return {mode: _dp_mode(rank, mode) for mode in ("zero3", "ddp")}
-
-
-def _dp_mode(rank: int, mode: str) -> dict:
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (2,))
-    model = Regressions()
-    (replicate if mode == "ddp" else fully_shard)(model, mesh=mesh)
-    gen = torch.Generator().manual_seed(1000 + rank)  # every rank its own samples
-    value = measure(model, 4, 2, gen, w_star(), dp=2, ddp=mode == "ddp")
-    # the mixed pattern (first micro batch reduced at once, the middle one not, the last
-    # with the rest) still gives the mean gradient over both ranks' whole batches
-    xs = [draw(3, torch.Generator().manual_seed(50 + r), w_star()) for r in range(2)]
-    mine = xs[rank]
-    for i in range(3):
-        if mode == "ddp":
-            model.set_requires_gradient_sync(i in (0, 2))
-        (model(mine[0][i:i + 1], mine[1][i:i + 1]) / 3).backward()
-    g = model.w.grad
-    g = g.full_tensor() if isinstance(g, DTensor) else g
-    ref = Regressions()
-    ref(torch.cat([x for x, _ in xs]), torch.cat([y for _, y in xs])).backward()
-    return {"value": value, "grad_error": float((g - ref.w.grad).abs().max())}
-
-
 @pytest.mark.slow
 def test_two_data_parallel_ranks(tmp_path):
     """2 ranks x 4 micro batches of 2 samples, FSDP2 (ZeRO-3) and DDP: B_small = the first
-    micro batch over both ranks = 4, B_big = 16."""
-    results = run_on_two_ranks(_dp_rank, tmp_path / "store")
-    for status, out in results:
-        assert status == "ok", out
+    micro batch over both ranks = 4, B_big = 16. The ranks are forked from one import
+    (helpers.run_ranks, tests/noise_problem.py's main)."""
+    proc = run_ranks(HERE / "noise_problem.py", str(tmp_path), nproc=2, cwd=tmp_path,
+                     timeout=300)
+    assert proc.returncode == 0, failed(proc)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for mode in ("zero3", "ddp"):
-        for _, out in results:
+        for out in results:
             assert out[mode]["value"] == pytest.approx(B_SIMPLE, rel=TOL), mode
             assert out[mode]["grad_error"] < 1e-5, mode
-        assert results[0][1][mode]["value"] == pytest.approx(results[1][1][mode]["value"])
+        assert results[0][mode]["value"] == pytest.approx(results[1][mode]["value"])
 
 
 # -- real training runs ---------------------------------------------------------------------
@@ -144,11 +101,22 @@ COMMON = [
 ])
 def test_training_logs_noise_scale_at_every_logging_step(tmp_path, markov_root, name, nproc,
                                                         extra):
+    """The run as train.py trains it (pretrain.train.trainer's setup and fit): in this
+    process, and on 2 ranks forked from one import (tests/runs_worker.py; train.py's own
+    start-up and torchrun are tests/test_train_e2e.py's and tests/test_parallel_launch.py's)."""
     overrides = [*COMMON, *extra, "train.device=cpu", f"data.root={markov_root}",
                  f"runs_dir={tmp_path / 'runs'}", f"run_name={name}"]
-    proc = run_script(REPO / "train.py", *overrides, nproc=nproc, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, failed(proc)
     run_dir = tmp_path / "runs" / name
+    if nproc == 1:
+        from pretrain.train.trainer import run
+
+        assert run(compose_config(overrides), run_dir)["exit_code"] == 0
+    else:
+        spec = write_spec(tmp_path / "runs.pkl",
+                          runs=[(name, compose_config(overrides), run_dir)])
+        proc = run_ranks(HERE / "runs_worker.py", str(tmp_path), str(spec), nproc=nproc,
+                         cwd=tmp_path, timeout=300)
+        assert proc.returncode == 0, failed(proc)
     logged = by_step(run_dir, "noise_scale")
     assert sorted(logged) == [1, 3, 6, 9]
     for step, value in logged.items():

@@ -20,6 +20,7 @@ from helpers import (
     compose_config,
     failed,
     read_metrics,
+    run_ranks,
     run_script,
     write_spec,
 )
@@ -141,14 +142,17 @@ def test_the_head_count_suggested_divides_the_width():
 
 
 def two_rank_run(markov_root: Path, tmp_path: Path, *overrides: str, fault: str,
-                 timeout: float = 180):
+                 timeout: float = 180, launch=run_ranks):
+    """Two ranks of tests/observe_worker.py with a fault injected: forked from one import
+    (helpers.run_ranks) unless ``launch`` is ``run_script`` (torchrun, where its teardown is
+    part of what the test times)."""
     cfg = compose_config([*NANO, f"data.root={markov_root}", "parallel=ddp",
                           "parallel.dp=2", *overrides])
     spec = write_spec(tmp_path / "spec.pkl", cfg=cfg, run_dir=str(tmp_path / "run"))
     t0 = time.monotonic()
-    proc = run_script(HERE / "observe_worker.py", str(spec), nproc=2, cwd=tmp_path,
-                      timeout=timeout, env={"PRETRAIN_FAULT": fault,
-                                            "PRETRAIN_FAULT_MARK": str(tmp_path / "mark")})
+    proc = launch(HERE / "observe_worker.py", str(spec), nproc=2, cwd=tmp_path,
+                  timeout=timeout, env={"PRETRAIN_FAULT": fault,
+                                        "PRETRAIN_FAULT_MARK": str(tmp_path / "mark")})
     return proc, time.monotonic() - t0
 
 
@@ -206,7 +210,7 @@ def test_a_slow_fault_sleeps_until_its_until_file_exists(tmp_path, monkeypatch):
 def test_a_stalled_rank_ends_the_run_within_the_timeout_with_one_line(markov_root, tmp_path):
     timeout = 4
     proc, _ = two_rank_run(markov_root, tmp_path, f"comm.train_timeout_s={timeout}",
-                           fault="stall:rank=1:step=3")
+                           fault="stall:rank=1:step=3", launch=run_script)
     ended = time.time()
     stalled = float((tmp_path / "mark").read_text())
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: collective")]

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
-from helpers import CPU_RECIPES, GPU_RECIPES, RECIPES, REPO
+from helpers import CPU_RECIPES, GPU_RECIPES, RECIPES
+from train_forks import train_py
 
 from pretrain.budget.compute import count_params, flops_per_token
 from pretrain.decision.checks import check
@@ -104,11 +103,8 @@ def test_default_config_is_the_tiny_recipe(compose):
 @pytest.mark.slow
 def test_train_py_dry_run_prints_one_json_line(tmp_path):
     data_root, runs = tmp_path / "data", tmp_path / "runs"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "+recipe=gpt3-125m", "dry_run=true",
-         "logging=quiet", f"data.root={data_root}", f"runs_dir={runs}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )
+    proc = train_py("+recipe=gpt3-125m", "dry_run=true", "logging=quiet",
+                    f"data.root={data_root}", f"runs_dir={runs}", cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 1, proc.stdout

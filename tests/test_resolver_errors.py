@@ -6,11 +6,8 @@ registers has a case here, so a new one cannot be added without one."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from helpers import REPO
+from train_forks import train_py
 
 from pretrain.config.schema import ConfigError
 from pretrain.errors import UserError
@@ -65,9 +62,7 @@ def test_a_resolver_error_is_one_line_naming_the_key(compose, resolver):
      "error: train.eval_batches: pretrain_eval_batches: windows and batch must be positive"),
 ])
 def test_train_py_answers_a_rule_error_in_one_line_with_exit_2(tmp_path, override, line):
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), LADDER, override,
-                           "dry_run=true", f"runs_dir={tmp_path}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = train_py(LADDER, override, "dry_run=true", f"runs_dir={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.startswith(line) and len(proc.stderr.strip().splitlines()) == 1, \
         proc.stderr[-3000:]

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
-from helpers import REPO, launch_env, problems
+from helpers import problems
+from train_forks import train_py
 
 from pretrain.budget.compute import resolve_budget
 from pretrain.config.schema import ConfigError
@@ -96,9 +96,7 @@ def test_z_loss_has_an_upper_bound(compose, z, refused):
 
 
 def dry_run(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *overrides, "dry_run=true",
-                           f"runs_dir={tmp_path / 'runs'}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300, env=launch_env())
+    return train_py(*overrides, "dry_run=true", f"runs_dir={tmp_path / 'runs'}", cwd=tmp_path)
 
 
 def test_dry_run_states_the_warnings(tmp_path):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
-from helpers import REPO, launch_env
+from helpers import REPO
+from train_forks import train_py
 
 from pretrain.config.schema import EvalConfig
 from pretrain.data.task_scoring import TaskSet
@@ -25,9 +25,7 @@ SMALL = ["model=nano", "model.vocab_size=300", "model.seq_len=32", "model.n_head
 
 
 def train(*overrides: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], cwd=cwd,
-                          capture_output=True, text=True, timeout=300,
-                          env=launch_env(OMP_NUM_THREADS="1"))
+    return train_py(*overrides, cwd=cwd, env={"OMP_NUM_THREADS": "1"})
 
 
 def test_the_dry_run_states_the_tasks_and_their_cost(compose, prepared, capsys):

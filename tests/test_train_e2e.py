@@ -1,16 +1,17 @@
-"""End to end: train.py trains a nano GPT on a tiny local corpus, twice, in one run directory."""
+"""End to end: train.py trains a nano GPT on a tiny local corpus, twice, in one run directory.
+Each run is train.py in a fresh fork of a process that imported it (tests/train_forks.py);
+a real interpreter start of train.py is tests/test_mixture.py's killed run."""
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from built_once import built_once
-from helpers import CORPUS_FILES, REPO, read_result, write_corpus
+from helpers import CORPUS_FILES, read_result, write_corpus
+from train_forks import train_py
 
 from pretrain.config.naming import run_name
 
@@ -38,10 +39,9 @@ def run_twice(work: Path) -> dict:
         # neutral: these do not change the run directory's name
         "logging=quiet", f"data.root={work / 'data'}", f"runs_dir={runs}", "data.num_proc=1",
     ]
-    cmd = [sys.executable, str(REPO / "train.py"), *overrides]
     out: dict = {"runs": runs, "overrides": overrides}
     for attempt in ("first", "second"):
-        proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=240)
+        proc = train_py(*overrides, cwd=work, timeout=240)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         dirs = [p for p in runs.iterdir() if p.is_dir()]
         assert len(dirs) == 1, dirs  # the second run found the first one's directory
