@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger("pretrain")
+NICE_ENV = "PRETRAIN_FT_NICE_FROM"  # the priority a niced start-up returns to (ft_group.sbatch)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -57,8 +58,9 @@ class ReplicaGroups:
         if world > 1:
             dist.broadcast_object_list(port, src=0)
         timeout = timedelta(seconds=timeout_s)
+        self.pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=min_replicas,
+            pg=self.pg, min_replica_size=min_replicas,
             load_state_dict=load_state_dict, state_dict=state_dict, use_async_quorum=False,
             replica_id=f"group{group}", lighthouse_addr=lighthouse, hostname=host,
             store_addr=host, store_port=port[0], rank=rank, world_size=world,
@@ -78,6 +80,8 @@ class ReplicaGroups:
         if self.steps and self.steps % 50 == 0:
             log.info("torchft: mean per step over %d steps: %s", self.steps, ", ".join(
                 f"{k} {1000 * v / self.steps:.1f} ms" for k, v in self.spent.items()))
+        if not self.steps:
+            startup_priority_restored()  # a joining group: at full speed from its heal on
         self.steps += 1
         start = time.perf_counter()
         self.manager.start_quorum()
@@ -91,12 +95,21 @@ class ReplicaGroups:
     def average(self, params: Iterable[torch.nn.Parameter]) -> bool:
         """The gradients averaged over the quorum's groups (one flat all-reduce a rank),
         then the commit vote: False when a peer failed during the step (the gradients are
-        then garbage and the step is to be taken again)."""
+        then garbage and the step is to be taken again).
+
+        When this rank's all-reduce failed, its process group is closed at once, not at the
+        next quorum's reconfiguration as torchft would: a live peer that waits on this rank
+        rather than on the dead one (a ring's far side) sees its connection close and fails
+        now. Otherwise it failed only once the groups that saw the death first had their
+        next quorum (without it, after the Lighthouse's join timeout) and reconfigured, then
+        joined late and healed: a step of fewer groups and a heal at every lost group."""
         start = time.perf_counter()
         grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             self.manager.allreduce(flat).wait()
+            if self.manager.errored() is not None:
+                self.pg.abort()  # the next quorum (a new quorum id) configures a new one
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -114,6 +127,26 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def startup_priority_restored() -> None:
+    """Every thread of this process back to the scheduling priority ``$PRETRAIN_FT_NICE_FROM``
+    names, if set: slurm/ft_group.sbatch starts a requeued group's process under ``nice``
+    (its imports, model build, checkpoint load) so that, where nodes share CPUs, a group
+    coming back does not slow the groups training; it asks to join at full priority, as
+    its heal and its steps hold the others up. Linux keeps a nice value per thread (the
+    ones started so far inherited it), hence every task of the process."""
+    target = os.environ.pop(NICE_ENV, None)
+    if target is None:
+        return
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), int(target))
+    except (OSError, ValueError) as e:
+        log.warning("torchft: the start-up priority could not be restored (%s): "
+                    "this group trains at nice %d", e, os.getpriority(os.PRIO_PROCESS, 0))
+        return
+    log.info("torchft: start-up done under nice, back to priority %s to join", target)
 
 
 def local_state(module_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> dict:

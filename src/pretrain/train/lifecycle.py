@@ -67,7 +67,9 @@ class Lifecycle:
         self.validation = validation(cfg, self.module, dp_rank=self.place.dp_rank,
                                      device=self.device, own=self.val_data)
         log_startup_memory(self.device, max_over_ranks)
-        self.peak = PeakFlops(self.device, self.policy, self.world_size, measure=self.rank0)
+        self.peak = PeakFlops(self.device, self.policy, self.world_size, measure=self.rank0,
+                              kept=self.run_dir / "cpu_peak.json" if cfg.ft.mode == "torchft"
+                              else None)  # a torchft group's returns start under nice
         # Every rank continues from the same RNG state (rank 0 alone drew random numbers to
         # time the peak), so dropout masks agree wherever activations are replicated (TP).
         torch.manual_seed(cfg.train.seed)

@@ -127,21 +127,38 @@ class PeakFlops:
     process's share of it when several share the CPU). Measured on rank 0 only
     (``measure``); ``value`` None elsewhere."""
 
-    def __init__(self, device: torch.device, policy, world_size: int, measure: bool):
+    def __init__(self, device: torch.device, policy, world_size: int, measure: bool,
+                 kept: Path | None = None):
         self.device, self.policy, self.world_size = device, policy, world_size
+        self.kept = kept  # a file keeping the CPU peak for the run's later starts, or None
         self.value = self._measure() if measure else None
+
+    def _kept(self) -> dict[str, float]:
+        """The CPU peaks an earlier start of this run measured (``kept``): a torchft group
+        coming back starts under nice (slurm/ft_group.sbatch), where a timing measures the
+        leftovers (and a low peak is measured again later, at full priority, mid-run)."""
+        return json.loads(self.kept.read_text()) if self.kept and self.kept.exists() else {}
+
+    def _keep(self, key: tuple[torch.dtype, int]) -> None:
+        if self.kept is not None:
+            self.kept.parent.mkdir(parents=True, exist_ok=True)
+            self.kept.write_text(json.dumps({**self._kept(), peak_key(*key): _CPU_PEAKS[key]}))
 
     def _measure(self) -> float | None:
         dtype = self.policy.compute_dtype
         if self.device.type == "cuda":
             return gpu_peak_flops(self.device, self.policy.peak_dtype)
         key = (dtype, torch.get_num_threads())
+        kept = None
         if key not in _CPU_PEAKS:  # once per process: several runs in one (bench, tests)
-            _CPU_PEAKS[key] = (inherited_peak(*key)
-                               or measure_matmul_flops(dtype, self.device))
+            kept = inherited_peak(*key) or self._kept().get(peak_key(*key))
+            _CPU_PEAKS[key] = kept or measure_matmul_flops(dtype, self.device)
         peak = _CPU_PEAKS[key]
-        log.info("CPU peak (measured %s matmul, best of 3 layouts, %d threads): %.1f GFLOP/s",
-                 dtype, torch.get_num_threads(), peak / 1e9)
+        if kept is None:
+            self._keep(key)
+        log.info("CPU peak (measured %s matmul, best of 3 layouts, %d threads%s): %.1f GFLOP/s",
+                 dtype, torch.get_num_threads(),
+                 ", handed down or kept by an earlier start" if kept else "", peak / 1e9)
         native, why = cpu_native_matmul(dtype)
         if not native:  # named explicitly: run as asked, but say what it costs, once
             fp32_key = (torch.float32, torch.get_num_threads())
@@ -168,6 +185,7 @@ class PeakFlops:
         self.value = max(self.value, again)
         key = (self.policy.compute_dtype, torch.get_num_threads())
         _CPU_PEAKS[key] = max(_CPU_PEAKS.get(key, 0.0), self.value)
+        self._keep(key)
 
     def mfu(self, achieved: float) -> float | None:
         """Model FLOPs utilisation of ``achieved`` FLOP/s over the whole run, per device:
