@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -158,10 +159,46 @@ def effective(run: dict, baselines: list[dict]) -> dict:
     return out
 
 
+def effective_in_run(run: dict, revive_after: float = 30.0, rejoined: float = 60.0,
+                     settle: float = 3.0) -> dict:
+    """Effective time with each step priced by the faulty run itself, not by separate no-fault
+    runs (whose step times moved by up to 7% between runs here: 103.9% against them). A step
+    of the run's full group count is priced at the mean of its own steady steps with every
+    group in and nothing starting (before the first kill, or ``rejoined`` s after the last); a
+    step of fewer groups at the mean of its steady steps ``settle``-``revive_after`` s after a
+    kill (the dead group gone, its node not yet back, nothing starting). Steady: the steps
+    before and after had as many groups (not a kill's spoiled step). A group count with no
+    such step (a kill's one 2-group step) is priced by the no-fault baselines
+    (``baseline_step_s``), or not at all."""
+    kills = sorted(k[0] for k in run["kills"])
+    ps = sorted((int(s), v) for s, v in run["per_step"].items())
+    ps = [v for _, v in ps if v[2] >= 0]
+    full = run["groups_started"]
+    quiet: dict[int, list[float]] = {}
+    for i in range(1, len(ps) - 1):
+        (g0, _, t0), (groups, _, t), (g2, _, _) = ps[i - 1], ps[i], ps[i + 1]
+        since = t - max((k for k in kills if k <= t), default=-math.inf)
+        if g0 == groups == g2 and (
+                (groups == full and i > 10 and since > rejoined)
+                or (groups < full and settle < since < revive_after)):
+            quiet.setdefault(groups, []).append(t - t0)
+    price = {g: sum(v) / len(v) for g, v in quiet.items()}
+    fallback = {int(g): p for g, p in run.get("baseline_step_s", {}).items()}
+    steps = [v[0] for v in ps[1:]]
+    unpriced = sorted({g for g in steps if g not in price and g not in fallback})
+    if unpriced:
+        return {"effective_in_run": None, "unpriced_groups": unpriced}
+    counted = sum(price.get(g, fallback.get(g, 0.0)) for g in steps)
+    return {"effective_in_run": round(counted / run["wall_s"], 4),
+            "in_run_step_s": {g: round(p, 4) for g, p in sorted(price.items())},
+            "in_run_quiet_steps": {g: len(v) for g, v in sorted(quiet.items())},
+            "priced_by_baseline": sorted({g for g in steps if g not in price})}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--work", type=Path, required=True, help="holds corpus/ and data/")
-    ap.add_argument("--path", choices=["restart", "torchft"], required=True)
+    ap.add_argument("--work", type=Path, help="holds corpus/ and data/ (required to run)")
+    ap.add_argument("--path", choices=["restart", "torchft"])
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--minutes", type=float, default=15)
     ap.add_argument("--kill-every", type=float, default=120)
@@ -180,10 +217,18 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write the whole summary (per step) here")
     ap.add_argument("--baseline", type=Path, nargs="*", default=[],
                     help="--out files of no-fault runs: effective time, loss reference")
+    ap.add_argument("--reprice", type=Path,
+                    help="only price a saved --out file by its own quiet steps, and print it")
     ap.add_argument("--model", nargs="*", default=["model=nano", "model.n_layer=8",
                                                    "model.d_model=256", "model.n_head=4",
                                                    "model.seq_len=128"])
     args = ap.parse_args()
+    if args.reprice:
+        run = json.loads(args.reprice.read_text())
+        print(json.dumps(effective_in_run(run, args.revive_after)))
+        return 0
+    if args.work is None or args.path is None:
+        ap.error("--work and --path are required (or --reprice RUN.json)")
     env = {**os.environ, "PATH": os.environ["PATH"] + ":/usr/sbin:/sbin"}
     env["SLURM_CONF"] = sh("bash", str(CLUSTER), "env", env=env,
                            check=True).stdout.split("=", 1)[1].strip()
@@ -261,6 +306,8 @@ def main() -> int:
     result = summary(args, clock.seen, t0, wall, done, redone)
     if args.baseline:
         result.update(effective(result, [json.loads(p.read_text()) for p in args.baseline]))
+    if not args.no_faults:
+        result.update(effective_in_run(result, args.revive_after))
     if args.out:
         args.out.write_text(json.dumps(result))
     print(json.dumps({k: v for k, v in result.items() if k not in ("per_step", "model")}))
