@@ -5,8 +5,9 @@ nano and 10M models, eager and compiled (planning/host_check.py says how and why
     python tools/host_time.py --json
 
 Times are wall seconds a step: the fastest of ``--blocks`` blocks of ``--steps`` steps each
-(another process's burst slows a block, not the figure), after ``--warmup`` steps (compile
-and the allocator warmed), one thread (as torchrun gives a rank). Run it alone on the
+(another process's burst slows a block, not the figure), the six steps' blocks interleaved
+(a slow minute slows the calibration and the checks alike), after ``--warmup`` steps
+(compile and the allocator warmed), one thread (as torchrun gives a rank). Run it alone on the
 machine (``flock /tmp/pretrain-cpu.lock``).
 """
 
@@ -29,33 +30,52 @@ from pretrain.planning.calibration import GPU_HOST
 QUIET = ["logging.wandb=disabled", "logging.progress_bar=false", "train.sample_tokens=0"]
 
 
-def measure(model: str, compiled: bool, steps: int, warmup: int, blocks: int = 1
-            ) -> host_check.Measured:
-    """The trainer's step of ``model`` at host_check's shape: seconds a step, and of it the
-    forward/backward region's (its strategy's ``forward_backward``) and clipping's and the
-    optimizer's (``_clipped_grad_norm``, ``_update``)."""
-    from pretrain.train.trainer import Trainer
+class Timed:
+    """The trainer's step of ``model`` at host_check's shape, set up and warmed (compile and
+    the allocator), timed a block at a time: seconds a step, and of it the forward/backward
+    region's (its strategy's ``forward_backward``) and clipping's and the optimizer's
+    (``_clipped_grad_norm``, ``_update``)."""
 
-    cfg = compose_config([*host_check.overrides(model, compiled), *QUIET])
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(cfg, Path(tmp))
-        trainer.setup()
+    def __init__(self, model: str, compiled: bool, warmup: int, folder: Path):
+        from pretrain.train.trainer import Trainer
+
+        self.model, self.compiled = model, compiled
+        cfg = compose_config([*host_check.overrides(model, compiled), *QUIET])
+        self.trainer = Trainer(cfg, folder)
+        self.trainer.setup()
         for _ in range(warmup):
-            trainer.train_step_local()
-        module = trainer.module
-        region = _timed(module.strategy, "forward_backward")
-        clip, update = _timed(module, "_clipped_grad_norm"), _timed(module, "_update")
-        timed = []
+            self.trainer.train_step_local()
+        module = self.trainer.module
+        self.region = _timed(module.strategy, "forward_backward")
+        self.clip, self.update = _timed(module, "_clipped_grad_norm"), _timed(module, "_update")
+
+    def block(self, steps: int) -> host_check.Measured:
+        self.region[0] = self.clip[0] = self.update[0] = 0.0
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.trainer.train_step_local()
+        return host_check.Measured(self.model, self.compiled, (time.perf_counter() - t0) / steps,
+                                   self.region[0] / steps,
+                                   (self.clip[0] + self.update[0]) / steps)
+
+
+def measure_all(steps: int, warmup: int, blocks: int) -> list[host_check.Measured]:
+    """Every model, eager and compiled, its blocks interleaved with the others' (a block of
+    each in turn, ``blocks`` rounds): a slow minute of a shared machine lands on the model
+    calibrated on and the models checked alike, not on one of them (timed one model after
+    the other, the step times moved 5-25% between runs minutes apart). Each keeps its fastest
+    block (another process's burst slows a block, not the figure)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        timed = [Timed(m, c, warmup, Path(tmp) / f"{m}-{int(c)}")
+                 for m in host_check.MODELS for c in (False, True)]
+        best: list[host_check.Measured | None] = [None] * len(timed)
         for _ in range(blocks):
-            region[0] = clip[0] = update[0] = 0.0
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                trainer.train_step_local()
-            timed.append(host_check.Measured(
-                model, compiled, (time.perf_counter() - t0) / steps, region[0] / steps,
-                (clip[0] + update[0]) / steps))
-        share = launch_share(trainer, steps) if compiled else 0.0
-    return replace(min(timed, key=lambda m: m.step_s), launch_share=share)
+            for i, t in enumerate(timed):
+                got = t.block(steps)
+                if best[i] is None or got.step_s < best[i].step_s:
+                    best[i] = got
+        return [replace(b, launch_share=launch_share(t.trainer, steps) if t.compiled else 0.0)
+                for b, t in zip(best, timed, strict=True)]
 
 
 # torch.profiler's names (torch 2.13): the compiled region's entry (dynamo's guards, then
@@ -105,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    measured = [measure(m, c, args.steps, args.warmup, args.blocks)
-                for m in host_check.MODELS for c in (False, True)]
+    measured = measure_all(args.steps, args.warmup, args.blocks)
     on = [m for m in measured if m.model == host_check.CALIBRATED_ON]
     costs = host_check.calibrate(*sorted(on, key=lambda m: m.compiled))
     table = host_check.rows(measured, costs)
