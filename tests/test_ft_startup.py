@@ -5,6 +5,7 @@ its first start measured (``PeakFlops(kept=...)``), not a timing of what nice le
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -43,6 +44,7 @@ def test_a_torchft_groups_cpu_peak_is_measured_once_for_all_its_starts(tmp_path,
     import pretrain.train.metrics as metrics
 
     timed = []
+    monkeypatch.delenv(metrics.CPU_PEAKS_ENV, raising=False)  # conftest hands one down
     monkeypatch.setattr(metrics, "measure_matmul_flops",
                         lambda dtype, device: timed.append(dtype) or 5e10)
     policy = types.SimpleNamespace(compute_dtype=torch.float32, name="fp32")
@@ -52,3 +54,9 @@ def test_a_torchft_groups_cpu_peak_is_measured_once_for_all_its_starts(tmp_path,
         peak = metrics.PeakFlops(torch.device("cpu"), policy, 1, measure=True, kept=kept)
         assert peak.value == 5e10
     assert timed == [torch.float32]
+    # a peak the parent process hands down comes first (tests/conftest.py's, a launcher's)
+    monkeypatch.setattr(metrics, "_CPU_PEAKS", {})
+    monkeypatch.setenv(metrics.CPU_PEAKS_ENV, json.dumps(
+        {metrics.peak_key(torch.float32, torch.get_num_threads()): 7e10}))
+    peak = metrics.PeakFlops(torch.device("cpu"), policy, 1, measure=True, kept=kept)
+    assert peak.value == 7e10 and timed == [torch.float32]
