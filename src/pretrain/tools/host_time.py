@@ -68,12 +68,8 @@ def measure_all(steps: int, warmup: int, blocks: int) -> list[host_check.Measure
     with tempfile.TemporaryDirectory() as tmp:
         timed = [Timed(m, c, warmup, Path(tmp) / f"{m}-{int(c)}")
                  for m in host_check.MODELS for c in (False, True)]
-        best: list[host_check.Measured | None] = [None] * len(timed)
-        for _ in range(blocks):
-            for i, t in enumerate(timed):
-                got = t.block(steps)
-                if best[i] is None or got.step_s < best[i].step_s:
-                    best[i] = got
+        rounds = [[t.block(steps) for t in timed] for _ in range(blocks)]
+        best = [min(blocks_of, key=lambda m: m.step_s) for blocks_of in zip(*rounds, strict=True)]
         return [replace(b, launch_share=launch_share(t.trainer, steps) if t.compiled else 0.0)
                 for b, t in zip(best, timed, strict=True)]
 
