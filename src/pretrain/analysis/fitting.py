@@ -25,10 +25,12 @@ Needs scipy (the ``analysis`` extra): ``pip install -e '.[analysis]'``.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -74,6 +76,23 @@ class Fitted:
     objective: float
 
 
+# A fit is a function of its arguments alone (the starts are a grid, not random; the
+# gradient is summed in a fixed order): the policy's backtests ask for the same fit again
+# (a cut that leaves two candidates the same runs; 166 of the 756 fits of
+# ``tools/scaling_law.py --loo``, 10 of its 45 s). Those are answered from here.
+FIT_CACHE_SIZE = 4096
+_FITS: OrderedDict[bytes, Fitted] = OrderedDict()
+
+
+def _fit_key(form: str, arrays: Sequence, delta: float, keep: int,
+             starts: np.ndarray | None, fixed: dict[str, float] | None) -> bytes:
+    h = hashlib.blake2b(repr((form, delta, keep, sorted((fixed or {}).items()),
+                              None if starts is None else np.shape(starts))).encode())
+    for a in (*arrays, *(() if starts is None else (starts,))):
+        h.update(np.ascontiguousarray(a, float).tobytes())
+    return h.digest()
+
+
 def fit(form: str, n: Sequence[float], d: Sequence[float], loss: Sequence[float], *,
         delta: float = HUBER_DELTA, keep: int = 8, starts: np.ndarray | None = None,
         fixed: dict[str, float] | None = None) -> Fitted:
@@ -81,7 +100,24 @@ def fit(form: str, n: Sequence[float], d: Sequence[float], loss: Sequence[float]
 
     ``fixed``: parameters held at a value (by their name in the form's ``params``, e.g.
     ``{"e": log(E)}``), the rest fitted; ``starts``: rows of full parameter vectors instead
-    of the form's grid (the bootstrap passes the full-data optimum)."""
+    of the form's grid (the bootstrap passes the full-data optimum). The same arguments
+    again: the same fit, from ``_FITS`` (a copy: the caller may keep or change it)."""
+    key = _fit_key(form, (n, d, loss), delta, keep, starts, fixed)
+    if key in _FITS:
+        _FITS.move_to_end(key)
+    else:
+        _FITS[key] = _fit(form, n, d, loss, delta=delta, keep=keep, starts=starts,
+                          fixed=fixed)
+        if len(_FITS) > FIT_CACHE_SIZE:
+            _FITS.popitem(last=False)
+    hit = _FITS[key]
+    return replace(hit, law=Law(hit.law.form, dict(hit.law.constants)),
+                   theta=hit.theta.copy())
+
+
+def _fit(form: str, n: Sequence[float], d: Sequence[float], loss: Sequence[float], *,
+         delta: float, keep: int, starts: np.ndarray | None,
+         fixed: dict[str, float] | None) -> Fitted:
     from scipy.optimize import minimize
 
     spec = FORMS[form]
