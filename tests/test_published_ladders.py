@@ -51,7 +51,10 @@ def args_for(table: str) -> tuple[list[str], dict]:
     flags, targets = TABLES[table]
     csv = PUBLISHED / flags[0] / "runs.csv"
     held = [x for name in targets for x in ("--heldout", name.replace(".", r"\."))]
-    return ["--points", str(csv), *flags[1:], *held, "--policy", "--no-plots"], targets
+    # 50 resamples, not the command's 200: the figures checked are point predictions, and the
+    # intervals still cover each held-out run by 2.5-8.3 points (measured; 3 s a table, not 5-12)
+    return ["--points", str(csv), *flags[1:], *held, "--policy", "--no-plots",
+            "--bootstrap", "50"], targets
 
 
 @pytest.mark.parametrize("table", list(TABLES))
