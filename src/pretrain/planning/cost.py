@@ -65,7 +65,6 @@ Stated assumptions (an idealised model for ranking layouts, not a promise of thr
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from pretrain.budget.compute import Budget
@@ -89,7 +88,7 @@ from pretrain.planning.calibration import (
 from pretrain.planning.document import attention_work
 from pretrain.planning.host import graph_calls, outside_seconds
 from pretrain.planning.offload import offload_seconds
-from pretrain.planning.params import expert_share, inventory, rank_params
+from pretrain.planning.params import expert_share, linear_elements, rank_params
 from pretrain.precision.policy import dtype_bytes
 
 
@@ -236,9 +235,8 @@ def _selective_recompute(cfg: Config, block_fwd: float) -> float:
     m, every = cfg.model, cfg.parallel.ac_every_n_layers
     if every > 0:
         return block_fwd * (m.n_layer // every) / m.n_layer
-    names = set(recomputed_linears(m))
-    return sum(2 * math.prod(q.shape) for q in inventory(m) if q.layer is not None
-               and q.matmul and q.name.split(".")[-2] in names)
+    linear = linear_elements(m)
+    return sum(2 * linear.get(name, 0) for name in set(recomputed_linears(m)))
 
 
 def _sp_recompute(cfg: Config, layout: Layout) -> float:
@@ -247,8 +245,7 @@ def _sp_recompute(cfg: Config, layout: Layout) -> float:
     nothing (the partitioner recomputes only what a gradient needs)."""
     if not layout.sequence_parallel or layout.tp == 1 or cfg.train.compile:
         return 0.0
-    return sum(2 * math.prod(q.shape) for q in inventory(cfg.model) if q.layer is not None
-               and q.matmul and q.name.split(".")[-2] == "wo")
+    return 2 * linear_elements(cfg.model).get("wo", 0)
 
 
 def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> StepCost:
@@ -262,11 +259,10 @@ def step_cost(cfg: Config, layout: Layout, gpu: GpuSpec, budget: Budget) -> Step
     model_flops = budget.flops_per_token * tokens / world
 
     # Compute (+ fp8 speed-up on the block Linears) and recomputation.
-    layer_matmul = sum(math.prod(q.shape) for q in inventory(m) if q.layer is not None
-                       and q.matmul)  # the whole model's block Linear parameters
+    linear = linear_elements(m)
+    layer_matmul = linear["matmul"]  # the whole model's block Linear parameters
     if m.moe_experts:  # plus the routed experts a token uses (top_k of moe_experts)
-        layer_matmul += sum(math.prod(q.shape) for q in inventory(m) if ".experts." in
-                            q.name) * m.moe_top_k // m.moe_experts
+        layer_matmul += linear["experts"] * m.moe_top_k // m.moe_experts
     attn_fwd = 4 * m.n_layer * m.d_model * m.seq_len  # per token, forward only
     block_fwd = 2 * layer_matmul + attn_fwd
     extra = {"full": block_fwd, "selective": _selective_recompute(cfg, block_fwd),

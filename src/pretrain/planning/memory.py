@@ -51,6 +51,7 @@ Parts (bytes per GPU, for the pipeline rank that needs the most):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -283,9 +284,11 @@ def _weights_and_grad_buffers(cfg: Config, layout: Layout, sp: StageParams
     return weights, (e + reduce_b) * max(sp.root, biggest_block) + e * biggest_block, 0.0
 
 
+@functools.lru_cache(maxsize=1024)
 def optimizer_state_bytes(name: str, sp: StageParams, pb: int) -> int:
     """Bytes of ``optim.name``'s state for the parameters ``sp`` (``pb`` bytes each): its
-    spec's ``state_bytes`` of each tensor's shard, summed."""
+    spec's ``state_bytes`` of each tensor's shard, summed (once per holding: a layout
+    search asks again for every candidate with the same shards)."""
     state = spec(name).state_bytes
     return sum(state(n, shape, local, pb) for n, shape, local in sp.held)
 
