@@ -204,3 +204,26 @@ def test_planner_stage_split_equals_the_pipeline_split(model, par):
         planned = rank_params(cfg.model, layout, pp_rank)
         assert len(planned.blocks) == sum(len(part.layers) for part in parts)
         assert planned.unsharded == sum(p.numel() for part in parts for p in part.parameters())
+
+
+@pytest.mark.parametrize("overrides", [["model=gpt3-1.3b"], ["+recipe=mixtral-8x7b"],
+                                       ["+recipe=moe-tiny"]])
+def test_linear_elements_are_the_inventorys_sums(overrides):
+    """The cost model's FLOPs read ``params.linear_elements`` (once per model): the block
+    Linears' elements, the routed experts' and each Linear's by name, as summed over the
+    inventory itself."""
+    import math
+
+    from helpers import compose_config
+
+    from pretrain.planning.params import inventory, linear_elements
+
+    m = compose_config(overrides).model
+    got, inv = linear_elements(m), inventory(m)
+    block = [q for q in inv if q.layer is not None and q.matmul]
+    assert got["matmul"] == sum(math.prod(q.shape) for q in block)
+    assert got["experts"] == sum(math.prod(q.shape) for q in inv if ".experts." in q.name)
+    for name in {q.name.split(".")[-2] for q in block}:
+        assert got[name] == sum(math.prod(q.shape) for q in block
+                                if q.name.split(".")[-2] == name)
+    assert (got["experts"] > 0) == bool(m.moe_experts)

@@ -178,3 +178,27 @@ def test_one_fitter_one_bootstrap_each_law_once():
     law = ChinchillaLaw(E=1.7, A=400.0, B=410.0, alpha=0.34, beta=0.28)
     same = Law("chinchilla", vars(law)).predict(1e9, 2e10)
     assert float(law.predict(1e9, 2e10)) == pytest.approx(float(same), rel=1e-12)
+
+
+def test_the_same_fit_again_is_the_first_ones_and_the_caller_may_change_it(monkeypatch):
+    """fitting.fit answers a repeated call from its cache (the policy's backtests repeat a
+    sixth of their fits): the same law, a fresh copy each time, and new arguments (other
+    runs, a fixed constant, other starts) fit anew."""
+    from pretrain.analysis import fitting
+
+    monkeypatch.setattr(fitting, "_FITS", type(fitting._FITS)())
+    calls = []
+    real = fitting._fit
+    monkeypatch.setattr(fitting, "_fit", lambda *a, **k: calls.append(a) or real(*a, **k))
+    pts = off_optimum_isoflop()
+    n, d, loss = ([getattr(p, f) for p in pts] for f in ("n_params", "tokens", "loss"))
+    first = fit("chinchilla", n, d, loss)
+    first.theta[:] = 0.0
+    first.law.constants["E"] = -1.0
+    again = fit("chinchilla", n, d, loss)
+    assert len(calls) == 1 and again.law.constants["E"] > 0 and again.theta.any()
+    assert again.law == fit("chinchilla", list(n), list(d), list(loss)).law and len(calls) == 1
+    fit("chinchilla", n, d, [x * 1.001 for x in loss])
+    fit("chinchilla", n, d, loss, fixed={"e": math.log(1.8)})
+    fit("chinchilla", n, d, loss, keep=1, starts=again.theta[None, :])
+    assert len(calls) == 4
