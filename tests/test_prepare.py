@@ -243,3 +243,62 @@ def test_named_tokenizer_encodes_like_the_trained_one(one_worker, tmp_path, in_w
     assert bins == {k: v for k, v in one_worker.items() if k.endswith(".bin")}
     index = json.loads(contents(out)["index.json"])
     assert index["vocab_size"] == TOKENIZER_VOCAB and index["dtype"] == "uint16"
+
+
+def test_two_processes_preparing_the_same_data_at_once_give_one_copy(one_worker, tmp_path,
+                                                                     in_work_dir):
+    """Two processes asked for the same fresh data dir at once (torchft's replica groups
+    starting together): the second waits for the first's preparation and finds it done, the
+    files those of one worker, nothing left beside the dir. They used to encode the same
+    pieces into one staging dir and race on its temporary files."""
+    import multiprocessing
+
+    from pretrain.data import prepare as prep
+
+    cfg = small_config(tmp_path)
+    ctx = multiprocessing.get_context("fork")
+    entered, release = ctx.Event(), ctx.Event()
+    real_plan = prep.plan
+
+    def slow_plan(c):  # the first process, inside its preparation, waits for the second
+        entered.set()
+        release.wait(60)
+        return real_plan(c)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prep, "plan", slow_plan)
+        first = ctx.Process(target=prepare, args=(cfg, 1))
+        first.start()
+    assert entered.wait(60)
+    second = ctx.Process(target=prepare, args=(cfg, 1))
+    second.start()
+    lock = staging_dir(cfg) / prep.LOCK
+    for _ in range(600):  # until the second waits on the lock the first holds
+        if second.exitcode is not None or _flocks_on(lock) >= 2:
+            break
+        second.join(0.05)
+    assert second.exitcode is None and _flocks_on(lock) == 2  # one held, one waiting
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert first.exitcode == 0 and second.exitcode == 0
+    assert contents(data_dir(cfg)) == one_worker
+    assert [p.name for p in tmp_path.iterdir()] == [data_dir(cfg).name]
+
+
+def _flocks_on(path: Path) -> int:
+    """flock()s held or waited for on ``path`` (/proc/locks)."""
+    try:
+        inode = os.stat(path).st_ino
+    except FileNotFoundError:
+        return 0
+    return sum(f":{inode} " in ln for ln in Path("/proc/locks").read_text().splitlines())
+
+
+def test_a_preparation_that_fails_before_planning_leaves_nothing(tmp_path, in_work_dir):
+    """A missing data file fails the plan: no staging dir (nor its lock) is left in the root,
+    so the next run starts as the first did."""
+    cfg = small_config(tmp_path, data_files=[*small_config(tmp_path).data_files, "missing.txt"])
+    with pytest.raises((DataError, FileNotFoundError)):
+        prepare(cfg, workers=1)
+    assert list(tmp_path.iterdir()) == []

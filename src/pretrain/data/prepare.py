@@ -24,7 +24,9 @@ different fingerprint, or a non-empty dir without an index, is never overwritten
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -302,6 +304,7 @@ def merge(cfg: DataConfig) -> Path:
         raise
     for leftover in (DONE, PROGRESS_FILES):
         shutil.rmtree(out / leftover, ignore_errors=True)
+    (out / LOCK).unlink(missing_ok=True)  # a waiter holds the file open, not its name
     for stray in out.glob(".*.tmp*"):
         stray.unlink(missing_ok=True)
     log.info("data: prepared %s: %s tokens", out,
@@ -312,12 +315,58 @@ def merge(cfg: DataConfig) -> Path:
 # -- the whole job, locally -------------------------------------------------------------------
 
 
+# In the staging dir while a process of this machine prepares it (``prepare``); removed
+# once the dir is published.
+LOCK = ".preparing.lock"
+
+
+@contextlib.contextmanager
+def _one_preparation(cfg: DataConfig):
+    """Hold the staging dir's lock: one ``prepare`` of the same data at a time. Two runs
+    started at once on a fresh ``data.root`` (torchft's replica groups, a sweep's first
+    jobs) encoded the same pieces into the same staging dir and raced on its temporary
+    files; the second now waits for the first and then finds the data prepared (the Slurm
+    path's plan, encode array and merge jobs are ordered by their dependencies instead)."""
+    staging = staging_dir(cfg)
+    staging.mkdir(parents=True, exist_ok=True)
+    with open(staging / LOCK, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("data: another process is preparing %s: waiting for it", data_dir(cfg))
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        try:
+            yield
+        except BaseException:
+            _remove_if_unplanned(staging)
+            raise
+
+
+def _remove_if_unplanned(staging: Path) -> None:
+    """A preparation that failed before planning (a missing file, a bad source) leaves no
+    staging dir; one that planned keeps it, for the next run to resume."""
+    if [p.name for p in staging.iterdir()] == [LOCK]:
+        (staging / LOCK).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            staging.rmdir()
+
+
 def prepare(cfg: DataConfig, workers: int | None = None) -> Path:
     """Plan, encode with ``workers`` processes (default data.num_proc; one runs in this
     process), merge. Returns the data dir; a no-op when it is already prepared. An
-    interrupted run resumes: finished pieces are kept in the staging dir."""
+    interrupted run resumes: finished pieces are kept in the staging dir. Another process
+    preparing the same data is waited for (``_one_preparation``)."""
     out = data_dir(cfg)
-    staging = plan(cfg)
+    if is_empty_mixture(cfg):  # data=mixture lists no source: nothing to fetch or read
+        raise DataError(empty_mixture_problem())
+    if _check_output(cfg, fingerprint(cfg)):
+        return out
+    with _one_preparation(cfg):
+        return _prepare_locked(cfg, out, workers)
+
+
+def _prepare_locked(cfg: DataConfig, out: Path, workers: int | None) -> Path:
+    staging = plan(cfg)  # None: the process waited for has prepared it
     if staging is None:
         return out
     n_pieces = len(load_plan(staging)["pieces"])
