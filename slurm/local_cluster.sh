@@ -82,10 +82,19 @@ make_network() {
   done
 }
 
+# Every namespace and host link of this port's clusters, whatever the node count recorded:
+# `ip netns del` only unlinks a namespace that a process still lives in (a rank or a step
+# not reaped yet), and its veth stayed on the host until then, so the next start failed
+# ("File exists"). Deleting a veth's host end deletes its pair.
 remove_network() {
-  local i n
-  n=$(nodes_count)
-  for ((i = 1; i <= n; i++)); do ip netns del "$(ns_of "n$i")" 2>/dev/null || true; done
+  local name
+  for name in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 |
+                grep "^pv$PORT-"); do
+    ip link del "$name" 2>/dev/null || true
+  done
+  for name in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^pr$PORT-"); do
+    ip netns del "$name" 2>/dev/null || true
+  done
   ip link del "$BRIDGE" 2>/dev/null || true
 }
 # Every daemon in start order: the services, then slurmd (one node) or slurmd-nI.
