@@ -85,8 +85,8 @@ HOST_S_PER_COMPILED_BLOCK = (65536 / 152_698 - 5359 * HOST_S_PER_OP
 #   CUDA launch from inductor's wrapper; not measured: no GPU here), a graph input at 7.5 us:
 #   this CPU's figure when calibrated on nano alone at 8 channels a head, which charged the
 #   graph's fixed part to its inputs and launches; the two-depth calibration puts an input at
-#   2.8-4.2 us and the graph's fixed part (here with the 4096-token loss's kernels inline)
-#   at 0.59-0.75 ms (three runs, docs/planning.md): not moved here without a GPU machine's
+#   2.8-4.3 us and the graph's fixed part (here with the 4096-token loss's kernels inline)
+#   at 0.59-0.75 ms (five runs, docs/planning.md): not moved here without a GPU machine's
 #   profile to split that part.
 COMPILED_LAUNCHES_PER_HEAVY_OP = 29 / 20
 COMPILED_LAUNCHES_OUTSIDE = 7
