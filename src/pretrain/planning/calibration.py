@@ -78,11 +78,16 @@ HOST_S_PER_COMPILED_BLOCK = (65536 / 152_698 - 5359 * HOST_S_PER_OP
 #     (3 in its forward: the norms, GELU, the residual adds; 6 in its backward), 29 a block;
 #     7 outside the blocks (the head's matmuls, the embeddings', final norm's and loss's
 #     fused kernels). ``HostCosts.per_launch``.
-#   This CPU's two costs are calibrated on nano's compiled step (tools/host_time.py: the
-#   graph's host time split by the profile's share inside the generated code); the tiny
-#   model and the 10M rung check them (docs/planning.md). A GPU machine's host: a launch at
-#   a stated 6 us (a CUDA launch from inductor's wrapper; not measured: no GPU here), a graph
-#   input at this CPU's figure, rounded (the same Python and C++ guards on any host).
+#   This CPU's two costs are calibrated on nano's compiled step at 2 and 16 layers
+#   (tools/host_time.py: what the 14 layers add, split by the profile's share inside the
+#   generated code; the rest of nano's graph its fixed part); the tiny model and the 10M
+#   rung check them (docs/planning.md). A GPU machine's host: a launch at a stated 6 us (a
+#   CUDA launch from inductor's wrapper; not measured: no GPU here), a graph input at 7.5 us:
+#   this CPU's figure when calibrated on nano alone at 8 channels a head, which charged the
+#   graph's fixed part to its inputs and launches; the two-depth calibration puts an input at
+#   2.8-4.3 us and the graph's fixed part (here with the 4096-token loss's kernels inline)
+#   at 0.59-0.75 ms (five runs, docs/planning.md): not moved here without a GPU machine's
+#   profile to split that part.
 COMPILED_LAUNCHES_PER_HEAVY_OP = 29 / 20
 COMPILED_LAUNCHES_OUTSIDE = 7
 HOST_S_PER_COMPILED_LAUNCH = 6e-6
@@ -104,6 +109,9 @@ class HostCosts:
     loop: float
     per_tensor: float
     per_input: float = 0.0
+    # the eager region's fixed part a micro batch, besides its ops (on this CPU: the
+    # embedding's and the loss's vocabulary-sized work; none stated for a GPU's host)
+    per_region: float = 0.0
 
 
 # A GPU machine's host (the figures above; a graph's call is in its launches and inputs

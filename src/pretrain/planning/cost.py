@@ -222,7 +222,7 @@ def host_seconds(cfg: Config, layout: Layout, wrapped: bool | None = None,
     elif cfg.train.compile:
         per_mb = (c.outside + loss) * costs.per_op + blocks * HOST_S_PER_COMPILED_BLOCK
     else:
-        per_mb = (c.outside + blocks * c.per_block + loss) * costs.per_op
+        per_mb = costs.per_region + (c.outside + blocks * c.per_block + loss) * costs.per_op
     if wrapped:
         per_mb += (blocks + 1) * HOST_S_PER_FSDP_UNIT
     return layout.microbatches * per_mb + outside_seconds(cfg, layout, costs)

@@ -1,20 +1,22 @@
-"""The planner's host time of a step against the trainer's step timed on this CPU: the tiny,
-nano and 10M models, eager and compiled (planning/host_check.py says how and why).
+"""The planner's host time of a step against the trainer's step timed on this CPU: nano at
+its 2 layers and at 16 (the calibration), the tiny model and the 10M rung (the checks),
+eager and compiled (planning/host_check.py says how and why).
 
-    python tools/host_time.py                 # the table (about 3 minutes on 2 cores)
+    python tools/host_time.py                 # the table (about 2 minutes on 2 cores)
     python tools/host_time.py --json
 
 Times are wall seconds a step: the fastest of ``--blocks`` blocks of ``--steps`` steps each
-(another process's burst slows a block, not the figure), the six steps' blocks interleaved
-(a slow minute slows the calibration and the checks alike), after ``--warmup`` steps
-(compile and the allocator warmed), one thread (as torchrun gives a rank). Run it alone on the
-machine (``flock /tmp/pretrain-cpu.lock``).
+(another process's burst slows a block, not the figure), each of the eight steps in a
+process of its own, their blocks interleaved (a slow minute slows the calibration and the
+checks alike), after ``--warmup`` steps (compile and the allocator warmed), one thread (as
+torchrun gives a rank). Run it alone on the machine (``flock /tmp/pretrain-cpu.lock``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import tempfile
 import time
 from dataclasses import replace
@@ -60,18 +62,48 @@ class Timed:
 
 
 def measure_all(steps: int, warmup: int, blocks: int) -> list[host_check.Measured]:
-    """Every model, eager and compiled, its blocks interleaved with the others' (a block of
-    each in turn, ``blocks`` rounds): a slow minute of a shared machine lands on the model
-    calibrated on and the models checked alike, not on one of them (timed one model after
-    the other, the step times moved 5-25% between runs minutes apart). Each keeps its fastest
-    block (another process's burst slows a block, not the figure)."""
+    """Every model, eager and compiled, each in a process of its own, their blocks
+    interleaved (a block of each in turn, ``blocks`` rounds, one process running at a time):
+    a slow minute of a shared machine lands on the models calibrated on and the models
+    checked alike, not on one of them (timed one model after the other, the step times moved
+    5-25% between runs minutes apart); and no step is slowed by the others built before it
+    in its process (built in one process, a model built after twelve others took 10-15%
+    longer than the same model built first). Each keeps its fastest block (another
+    process's burst slows a block, not the figure)."""
+    ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        timed = [Timed(m, c, warmup, Path(tmp) / f"{m}-{int(c)}")
-                 for m in host_check.MODELS for c in (False, True)]
-        rounds = [[t.block(steps) for t in timed] for _ in range(blocks)]
+        pipes = []
+        for m in host_check.MODELS:
+            for c in (False, True):
+                ours, theirs = ctx.Pipe()
+                ctx.Process(target=_serve, args=(theirs, m, c, warmup, f"{tmp}/{m}-{int(c)}"),
+                            daemon=True).start()
+                pipes.append(ours)
+        for p in pipes:
+            p.recv()  # built and warmed
+        rounds = [[_ask(p, ("block", steps)) for p in pipes] for _ in range(blocks)]
         best = [min(blocks_of, key=lambda m: m.step_s) for blocks_of in zip(*rounds, strict=True)]
-        return [replace(b, launch_share=launch_share(t.trainer, steps) if t.compiled else 0.0)
-                for b, t in zip(best, timed, strict=True)]
+        return [replace(b, launch_share=_ask(p, ("profile", steps)) if b.compiled else 0.0)
+                for b, p in zip(best, pipes, strict=True)]
+
+
+def _ask(pipe, request):
+    pipe.send(request)
+    return pipe.recv()
+
+
+def _serve(pipe, model: str, compiled: bool, warmup: int, folder: str) -> None:
+    """A model's process: build and warm its step (one thread, as torchrun gives a rank),
+    then time a block or profile its steps when asked, until the parent closes."""
+    torch.set_num_threads(1)
+    timed = Timed(model, compiled, warmup, Path(folder))
+    pipe.send(None)
+    while True:
+        try:
+            what, steps = pipe.recv()
+        except EOFError:
+            return
+        pipe.send(timed.block(steps) if what == "block" else launch_share(timed.trainer, steps))
 
 
 # torch.profiler's names (torch 2.13): the compiled region's entry (dynamo's guards, then
@@ -122,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     measured = measure_all(args.steps, args.warmup, args.blocks)
-    on = [m for m in measured if m.model == host_check.CALIBRATED_ON]
-    costs = host_check.calibrate(*sorted(on, key=lambda m: m.compiled))
+    costs = host_check.calibrate(measured)
     table = host_check.rows(measured, costs)
     if args.json:
         print(json.dumps({"rows": table, "cpu_costs": costs.__dict__,
