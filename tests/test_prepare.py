@@ -302,3 +302,20 @@ def test_a_preparation_that_fails_before_planning_leaves_nothing(tmp_path, in_wo
     with pytest.raises((DataError, FileNotFoundError)):
         prepare(cfg, workers=1)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_system_without_locks_still_prepares(one_worker, tmp_path, in_work_dir,
+                                                    monkeypatch, caplog):
+    """Where flock is not supported (Lustre mounted without ``-o flock``: ENOSYS) the
+    preparation goes on without the lock, saying so."""
+    import errno
+    import fcntl
+    import logging
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with caplog.at_level(logging.WARNING):
+        out = prepare(small_config(tmp_path), workers=1)
+    assert contents(out) == one_worker and "no file lock" in caplog.text

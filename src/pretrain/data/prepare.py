@@ -335,6 +335,9 @@ def _one_preparation(cfg: DataConfig):
         except BlockingIOError:
             log.info("data: another process is preparing %s: waiting for it", data_dir(cfg))
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        except OSError as e:  # a file system without flock (Lustre mounted without it)
+            log.warning("data: no file lock on %s (%s): preparing without one, as one "
+                        "process at a time must", staging, e.strerror)
         try:
             yield
         except BaseException:
