@@ -24,6 +24,8 @@ too slow. The tiny model and the 10M rung (other heads, widths and depths) are p
 
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass, replace
 
 from pretrain.config.compose import compose_config
@@ -53,12 +55,24 @@ TOLERANCE = 0.20
 
 
 def overrides(model: str, compiled: bool) -> list[str]:
+    return list(_overrides(model, compiled))
+
+
+@functools.cache
+def _overrides(model: str, compiled: bool) -> tuple[str, ...]:
     cfg = compose_config(list(MODELS[model]))
-    return [*MODELS[model], *SHAPE, f"model.d_model={HEAD_CHANNELS * cfg.model.n_head}",
-            f"train.compile={str(compiled).lower()}"]
+    return (*MODELS[model], *SHAPE, f"model.d_model={HEAD_CHANNELS * cfg.model.n_head}",
+            f"train.compile={str(compiled).lower()}")
 
 
 def config(model: str, compiled: bool) -> tuple[Config, Layout]:
+    """``model``'s config at the measured shape and its one-process layout (a copy: composed
+    once a process, not at each of the calibration's and the table's dozens of asks)."""
+    return copy.deepcopy(_config(model, compiled))
+
+
+@functools.cache
+def _config(model: str, compiled: bool) -> tuple[Config, Layout]:
     cfg = compose_config(overrides(model, compiled))
     return cfg, resolve_layout(cfg, 1)
 
