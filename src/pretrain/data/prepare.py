@@ -24,9 +24,7 @@ different fingerprint, or a non-empty dir without an index, is never overwritten
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
@@ -55,6 +53,7 @@ from pretrain.data.encode import (
 from pretrain.data.errors import DataError
 from pretrain.data.mixture_checks import empty_mixture_problem, is_empty_mixture
 from pretrain.data.sources import apply_max_documents, expand_files, plan_pieces, stdlib_files
+from pretrain.data.staging_lock import LOCK, one_preparation
 from pretrain.data.tokenizer import make_tokenizer
 
 __all__ = ["DataError", "INDEX", "FORMAT_VERSION", "config_dict", "data_dir", "fingerprint",
@@ -315,56 +314,17 @@ def merge(cfg: DataConfig) -> Path:
 # -- the whole job, locally -------------------------------------------------------------------
 
 
-# In the staging dir while a process of this machine prepares it (``prepare``); removed
-# once the dir is published.
-LOCK = ".preparing.lock"
-
-
-@contextlib.contextmanager
-def _one_preparation(cfg: DataConfig):
-    """Hold the staging dir's lock: one ``prepare`` of the same data at a time. Two runs
-    started at once on a fresh ``data.root`` (torchft's replica groups, a sweep's first
-    jobs) encoded the same pieces into the same staging dir and raced on its temporary
-    files; the second now waits for the first and then finds the data prepared (the Slurm
-    path's plan, encode array and merge jobs are ordered by their dependencies instead)."""
-    staging = staging_dir(cfg)
-    staging.mkdir(parents=True, exist_ok=True)
-    with open(staging / LOCK, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("data: another process is preparing %s: waiting for it", data_dir(cfg))
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        except OSError as e:  # a file system without flock (Lustre mounted without it)
-            log.warning("data: no file lock on %s (%s): preparing without one, as one "
-                        "process at a time must", staging, e.strerror)
-        try:
-            yield
-        except BaseException:
-            _remove_if_unplanned(staging)
-            raise
-
-
-def _remove_if_unplanned(staging: Path) -> None:
-    """A preparation that failed before planning (a missing file, a bad source) leaves no
-    staging dir; one that planned keeps it, for the next run to resume."""
-    if [p.name for p in staging.iterdir()] == [LOCK]:
-        (staging / LOCK).unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            staging.rmdir()
-
-
 def prepare(cfg: DataConfig, workers: int | None = None) -> Path:
     """Plan, encode with ``workers`` processes (default data.num_proc; one runs in this
     process), merge. Returns the data dir; a no-op when it is already prepared. An
     interrupted run resumes: finished pieces are kept in the staging dir. Another process
-    preparing the same data is waited for (``_one_preparation``)."""
+    preparing the same data is waited for (``staging_lock.one_preparation``)."""
     out = data_dir(cfg)
     if is_empty_mixture(cfg):  # data=mixture lists no source: nothing to fetch or read
         raise DataError(empty_mixture_problem())
     if _check_output(cfg, fingerprint(cfg)):
         return out
-    with _one_preparation(cfg):
+    with one_preparation(staging_dir(cfg), out):
         return _prepare_locked(cfg, out, workers)
 
 
