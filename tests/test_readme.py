@@ -60,3 +60,27 @@ def test_the_tests_run_without_pytest_xdist():
                            "-p", "no:cacheprovider", "--collect-only", "tests/test_readme.py"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_ci_stops_at_a_failing_pip_inside_an_and_list(tmp_path):
+    """Under ``set -e`` bash goes on past a failure inside an ``&&`` list (but for its last
+    command), and README's test line is such a list: .ci/run's wrappers make a pip or venv
+    failure there end the script with pip's status (a CI once ran out of disk in ``pip install``
+    and failed two stages later)."""
+    import os
+    import subprocess
+
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    wrapper = r'\w+\(\) \{ command \w+ "\$@" \|\| exit "\$\?"; \}'
+    wrappers = [line for line in ci if re.fullmatch(wrapper, line)]
+    assert {w.split("(")[0] for w in wrappers} >= {"pip", "python3"}
+    assert ci.index(wrappers[-1]) < ci.index(readme_commands()[1])
+    stub = tmp_path / "pip"
+    stub.write_text("#!/bin/sh\necho 'No space left on device' >&2\nexit 3\n")
+    stub.chmod(0o755)
+    script = "\n".join([*wrappers, "set -e", "true && pip install x && echo tests-ran",
+                        "echo went-on"])
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr)
+    assert "tests-ran" not in proc.stdout and "went-on" not in proc.stdout
