@@ -44,7 +44,7 @@ from helpers import (
     read_metrics,
     read_result,
 )
-from slurm_cluster import TERMINAL, job_info, sbin_path, unavailable, wait_job
+from slurm_cluster import TERMINAL, job_info, launch, sbin_path, unavailable, wait_job
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -145,12 +145,9 @@ def one_process(work_dir: Path, runs: Path, name: str, steps: int, **kw) -> dict
 
 
 def submit(args: list[str], cwd: Path, env: dict[str, str]) -> int:
-    args = [*args, f"cluster.env.GLOO_SOCKET_IFNAME={env[GLOO_IF]}"]
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    match = re.search(r"submitted job (\d+)", proc.stdout)
-    assert match, proc.stdout
+    out = launch([*args, f"cluster.env.GLOO_SOCKET_IFNAME={env[GLOO_IF]}"], cwd, env)
+    match = re.search(r"submitted job (\d+)", out)
+    assert match, out
     return int(match.group(1))
 
 
