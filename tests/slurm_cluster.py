@@ -77,18 +77,23 @@ def launch(args: list[str], cwd: Path, env: dict[str, str]) -> str:
     out, err = io.StringIO(), io.StringIO()
     with _LAUNCHING:
         saved = dict(os.environ)
-        os.environ.clear()
-        os.environ.update(env)
+        _set_environ(env)
         try:
             with contextlib.chdir(cwd), contextlib.redirect_stdout(out), \
                     contextlib.redirect_stderr(err):
                 rc = tool.main(args)
         finally:
-            os.environ.clear()
-            os.environ.update(saved)
+            _set_environ(saved)
             HydraConfig.instance().cfg = None
     assert rc == 0, err.getvalue()[-3000:]
     return out.getvalue()
+
+
+def _set_environ(env: dict[str, str]) -> None:
+    """os.environ made ``env``, touching only the variables that differ."""
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
+    os.environ.update({k: v for k, v in env.items() if os.environ.get(k) != v})
 
 
 def sbin_path() -> str:

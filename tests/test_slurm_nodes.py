@@ -265,9 +265,9 @@ def test_a_four_node_pipeline_of_ddp_equals_one_process(nodes, work_dir, prepare
     steps, runs = 4, tmp_path / "runs"
     job = submit([*run_args(work_dir, runs, "nodes", steps, "pp2"), "parallel.dp_mode=ddp",
                   "--nodes=4"], work_dir, nodes)
+    want = one_process(work_dir, runs, "one", steps)  # while the job starts
     wait_job(job, nodes)
-    check_across_nodes(job, runs / "nodes", 4, one_process(work_dir, runs, "one", steps),
-                       nodes, dp=2)
+    check_across_nodes(job, runs / "nodes", 4, want, nodes, dp=2)
     assert '"pp": 2' in (runs / "nodes" / "plan.json").read_text()
 
 
