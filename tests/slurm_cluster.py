@@ -14,11 +14,14 @@ and a job waited for CPUs another worker's job held.)
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import io
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -55,6 +58,42 @@ def wait_job(job: int, env: dict[str, str], timeout: float = 300,
     why = describe(job, env)
     subprocess.run(["scancel", str(job)], env=env)
     pytest.fail(f"job {job} did not finish in {timeout} s: {why}")
+
+
+_LAUNCHING = threading.Lock()
+
+
+def launch(args: list[str], cwd: Path, env: dict[str, str]) -> str:
+    """``tools/launch.py ARGS`` in ``cwd`` with ``env`` for its environment (sbatch hands it to
+    the job), run as its ``main`` in this process: its stdout; a non-zero exit fails the test.
+    A new interpreter imported torch again for each submission, about 3 s of CPU beside the
+    jobs it had just started (tests/test_launch.py runs the command line itself). One call at
+    a time: the environment, the working directory and Hydra's state are the process's, and
+    tests/test_slurm_nodes.py submits from two threads at once."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from pretrain.tools import launch as tool
+
+    out, err = io.StringIO(), io.StringIO()
+    with _LAUNCHING:
+        saved = dict(os.environ)
+        _set_environ(env)
+        try:
+            with contextlib.chdir(cwd), contextlib.redirect_stdout(out), \
+                    contextlib.redirect_stderr(err):
+                rc = tool.main(args)
+        finally:
+            _set_environ(saved)
+            HydraConfig.instance().cfg = None
+    assert rc == 0, err.getvalue()[-3000:]
+    return out.getvalue()
+
+
+def _set_environ(env: dict[str, str]) -> None:
+    """os.environ made ``env``, touching only the variables that differ."""
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
+    os.environ.update({k: v for k, v in env.items() if os.environ.get(k) != v})
 
 
 def sbin_path() -> str:

@@ -1,10 +1,12 @@
 """Against a real Slurm (slurm/local_cluster.sh: one node, this machine): tools/launch.py
-submits a 2-process gloo run that trains; a preemption signal reaches both workers through
-srun and torchrun, and the job requeues itself and finishes; a Hydra multirun of the tiny
-ladder through the submitit launcher runs each point as a Slurm job. (A real run preempted,
-saved, requeued and resumed to the uninterrupted run's losses, with one wandb run across
-both attempts: tests/test_slurm_nodes.py's test_a_preempted_two_node_job_resumes_bit_identically,
-which took over this module's single-node preemption test.)
+submits the jobs that prepare unprepared data and, after them, a 2-process gloo run that
+trains on it (one launch, looked at by three tests); a preemption signal reaches both
+workers through srun and torchrun, and the job requeues itself and finishes; a Hydra
+multirun of the tiny ladder through the submitit launcher runs each point as a Slurm job.
+(A real run preempted, saved, requeued and resumed to the uninterrupted run's losses, with
+one wandb run across both attempts: tests/test_slurm_nodes.py's
+test_a_preempted_two_node_job_resumes_bit_identically, which took over this module's
+single-node preemption test.)
 
 The module holds the cluster while its tests run (tests/slurm_cluster.py: one process a
 machine at a time, so `pytest -n auto` workers take turns): an already running one is used,
@@ -31,6 +33,7 @@ from slurm_cluster import (
     ClusterStartError,
     held_cluster,
     job_info,
+    launch,
     sbin_path,
     unavailable,
 )
@@ -82,15 +85,6 @@ def gloo_run(work_dir: Path, runs: Path, name: str, steps: int) -> list[str]:
             f"checkpoint.interval_steps={steps}", "checkpoint.async_save=false"]
 
 
-def submit(args: list[str], cwd: Path, env: dict[str, str]) -> int:
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    match = re.search(r"submitted job (\d+)", proc.stdout)
-    assert match, proc.stdout
-    return int(match.group(1))
-
-
 def why(job: int | str, env: dict[str, str]) -> str:
     """What a failed wait shows: the job's state and reason, and the node's."""
     info = job_info(job, env)
@@ -123,16 +117,25 @@ SUBMIT_STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def submitted(slurm, work_dir, prepared, tmp_path_factory) -> tuple[int, Path, dict]:
-    """One short 2-process run submitted with tools/launch.py, waited for: (job, run dir,
-    the job's final scontrol record). Shared by the tests that inspect it."""
-    runs = tmp_path_factory.mktemp("submit") / "runs"
-    job = submit(gloo_run(work_dir, runs, "submit", SUBMIT_STEPS), work_dir, slurm)
-    return job, runs / "submit", wait_job(job, slurm)
+def submitted(slurm, work_dir, tmp_path_factory) -> dict:
+    """One short 2-process run submitted with tools/launch.py on data not prepared yet (a
+    data root of its own), so the launch chains the preparation jobs before it; waited for.
+    Its job, run dir, final scontrol record, data root and the launch's stdout, for the tests
+    that inspect the training and the preparation (one training job for both: each took a
+    job, its torchrun and two ranks' start-up, about 8 s)."""
+    root = tmp_path_factory.mktemp("submit")
+    data_root, runs = root / "data", root / "runs"
+    out = launch([*gloo_run(work_dir, runs, "submit", SUBMIT_STEPS), f"data.root={data_root}"],
+                 work_dir, slurm)
+    match = re.search(r"submitted job (\d+)", out)
+    assert match, out
+    job = int(match.group(1))
+    return {"job": job, "run": runs / "submit", "info": wait_job(job, slurm),
+            "data_root": data_root, "stdout": out}
 
 
 def test_launch_submits_a_two_process_gloo_run(slurm, submitted):
-    job, run, info = submitted
+    job, run, info = submitted["job"], submitted["run"], submitted["info"]
     log = (run / f"slurm-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-3000:]
     assert (run / "train.sbatch").exists()
@@ -150,9 +153,28 @@ def test_launch_submits_a_two_process_gloo_run(slurm, submitted):
 
 
 def test_submitted_run_writes_a_checkpoint(submitted):
-    job, run, info = submitted
-    assert info["JobState"] == "COMPLETED"
-    assert (run / "checkpoints" / f"step_{SUBMIT_STEPS:07d}").is_dir()
+    assert submitted["info"]["JobState"] == "COMPLETED"
+    assert (submitted["run"] / "checkpoints" / f"step_{SUBMIT_STEPS:07d}").is_dir()
+
+
+def test_launch_prepares_the_data_in_jobs_then_trains(slurm, submitted):
+    """Unprepared data: tools/launch.py submits plan -> 2 encode tasks -> merge, and the
+    training job after them; every job completes and training reads what they wrote."""
+    out, info, run = submitted["stdout"], submitted["info"], submitted["run"]
+    prep = re.search(r"preparation jobs plan (\d+), encode (\d+) \(array of 2\), merge (\d+)",
+                     out)
+    job = re.search(r"submitted job (\d+): .*after preparation job (\d+)", out)
+    assert prep and job and job.group(2) == prep.group(3), out
+    logs = {p.name: p.read_text() for p in run.glob("*.out")}
+    assert info["JobState"] == "COMPLETED", logs
+    plan, encode, merge = prep.groups()
+    jobs = [plan, f"{encode}_0", f"{encode}_1", merge, job.group(1)]
+    assert sacct_states(jobs, slurm) == {j: "COMPLETED" for j in jobs}
+    index = submitted["data_root"] / DATA_NAME / "index.json"
+    assert json.loads(index.read_text())["splits"]["train"]
+    # written by the merge job, before training started (which then only read it)
+    assert index.stat().st_mtime <= datetime.fromisoformat(info["StartTime"]).timestamp() + 1
+    assert read_result(run)["steps"] == SUBMIT_STEPS
 
 
 STUB_WORKER = """
@@ -206,37 +228,12 @@ def test_usr1_reaches_the_workers_and_the_job_requeues(slurm, tmp_path):
     assert read_result(run) == {"resumed_from": "step_0000003"}
 
 
-def test_launch_prepares_the_data_in_jobs_then_trains(slurm, work_dir, tmp_path):
-    """Unprepared data: tools/launch.py submits plan -> 2 encode tasks -> merge, and the
-    training job after them; every job completes and training reads what they wrote."""
-    data_root, runs = tmp_path / "data", tmp_path / "runs"
-    args = [*gloo_run(work_dir, runs, "staged", 2), f"data.root={data_root}"]
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), *args],
-                          cwd=work_dir, env=slurm, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    prep = re.search(r"preparation jobs plan (\d+), encode (\d+) \(array of 2\), merge (\d+)",
-                     proc.stdout)
-    job = re.search(r"submitted job (\d+): .*after preparation job (\d+)", proc.stdout)
-    assert prep and job and job.group(2) == prep.group(3), proc.stdout
-    info = wait_job(int(job.group(1)), slurm, timeout=300)
-    run = runs / "staged"
-    logs = {p.name: p.read_text() for p in run.glob("*.out")}
-    assert info["JobState"] == "COMPLETED", logs
-    plan, encode, merge = prep.groups()
-    jobs = [plan, f"{encode}_0", f"{encode}_1", merge, job.group(1)]
-    assert sacct_states(jobs, slurm) == {j: "COMPLETED" for j in jobs}
-    index = data_root / DATA_NAME / "index.json"
-    assert json.loads(index.read_text())["splits"]["train"]
-    # written by the merge job, before training started (which then only read it)
-    assert index.stat().st_mtime <= datetime.fromisoformat(info["StartTime"]).timestamp() + 1
-    assert read_result(run)["steps"] == 2
-
-
 def test_hydra_multirun_of_the_tiny_ladder_through_submitit(slurm, work_dir, prepared,
                                                             tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
                         reason="hydra-submitit-launcher (the slurm extra) is not installed")
-    widths = (16, 32, 48)
+    # the widest first: two tasks at a time (a CPU each), the quickest one waits for a CPU
+    widths = (48, 32, 16)
     runs = tmp_path / "runs"
     proc = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "-m", "+recipe=ladder-tiny",
@@ -245,7 +242,10 @@ def test_hydra_multirun_of_the_tiny_ladder_through_submitit(slurm, work_dir, pre
          "hydra/launcher=submitit_slurm", "hydra.launcher.partition=local",
          "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=1",
          "hydra.launcher.timeout_min=10"],
-        cwd=work_dir, env=slurm, capture_output=True, text=True, timeout=400)
+        # one thread a task, as its one CPU allows (two teams of two threads on two cores
+        # spin-wait for each other): what each pytest-xdist worker's environment says anyway
+        cwd=work_dir, env={**slurm, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     sweep = runs / "sweeps" / "ladder-tiny"
     n_params = set()
@@ -262,11 +262,10 @@ def test_hydra_multirun_of_the_tiny_ladder_through_submitit(slurm, work_dir, pre
     assert len(tasks) == len(widths), tasks
     states = sacct_states(tasks, slurm)
     assert states == {t: "COMPLETED" for t in tasks}, states
-    # and the scaling-law tool fits and plots these real runs
+    # and the scaling-law tool fits and plots these real runs (its main, in this process)
+    from pretrain.tools import scaling_law
+
     out = tmp_path / "fit"
-    fit = subprocess.run([sys.executable, str(REPO / "tools" / "scaling_law.py"), str(sweep),
-                          "--out", str(out), "--bootstrap", "20"], capture_output=True,
-                         text=True, timeout=300)
-    assert fit.returncode == 0, fit.stderr
+    assert scaling_law.main([str(sweep), "--out", str(out), "--bootstrap", "20"]) == 0
     assert len(json.loads((out / "fit.json").read_text())["runs"]) == len(widths)
     assert (out / "loss_vs_compute.png").stat().st_size > 10_000

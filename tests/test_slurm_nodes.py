@@ -44,7 +44,7 @@ from helpers import (
     read_metrics,
     read_result,
 )
-from slurm_cluster import TERMINAL, job_info, sbin_path, unavailable, wait_job
+from slurm_cluster import TERMINAL, job_info, launch, sbin_path, unavailable, wait_job
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -145,12 +145,9 @@ def one_process(work_dir: Path, runs: Path, name: str, steps: int, **kw) -> dict
 
 
 def submit(args: list[str], cwd: Path, env: dict[str, str]) -> int:
-    args = [*args, f"cluster.env.GLOO_SOCKET_IFNAME={env[GLOO_IF]}"]
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    match = re.search(r"submitted job (\d+)", proc.stdout)
-    assert match, proc.stdout
+    out = launch([*args, f"cluster.env.GLOO_SOCKET_IFNAME={env[GLOO_IF]}"], cwd, env)
+    match = re.search(r"submitted job (\d+)", out)
+    assert match, out
     return int(match.group(1))
 
 
@@ -268,9 +265,9 @@ def test_a_four_node_pipeline_of_ddp_equals_one_process(nodes, work_dir, prepare
     steps, runs = 4, tmp_path / "runs"
     job = submit([*run_args(work_dir, runs, "nodes", steps, "pp2"), "parallel.dp_mode=ddp",
                   "--nodes=4"], work_dir, nodes)
+    want = one_process(work_dir, runs, "one", steps)  # while the job starts
     wait_job(job, nodes)
-    check_across_nodes(job, runs / "nodes", 4, one_process(work_dir, runs, "one", steps),
-                       nodes, dp=2)
+    check_across_nodes(job, runs / "nodes", 4, want, nodes, dp=2)
     assert '"pp": 2' in (runs / "nodes" / "plan.json").read_text()
 
 
