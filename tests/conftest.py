@@ -155,6 +155,15 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session) -> None:
+    """What collection imported (torch, the project, the test modules) stays for the whole
+    session: frozen out of the garbage collector's sight, as train.py does, so that the full
+    collections between and inside ~1,400 tests do not walk it again each time."""
+    import gc
+
+    gc.freeze()
+
+
 def module_rank(item) -> int:
     """0 for the modules of Slurm jobs, 1 for the other slow ones (multi-process runs), 2 for
     the rest: under ``-n auto`` the longest first (worksteal hands out the collection in
