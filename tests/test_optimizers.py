@@ -7,7 +7,7 @@ it and (Muon) on another. All 2-process runs share one set of processes
 The runs take micro-batches of 8 (MICRO_BATCH), not the layout test's 2: two a step on one
 process, tp2 and pp2, one on each zero3 rank. An optimizer sees the accumulated gradient,
 not how it was accumulated (accumulation over 8 micro-batches a step is
-test_parallel_layouts's), and the group's fixture took 30 s instead of 40 (issue 69;
+test_parallel_layouts's), and the group's fixture took 29-36 s instead of 40 (issue 69;
 ``pytest -q -p no:cacheprovider --durations=0 tests/test_optimizers.py``, one process).
 
 Muon's runs set optim.muon_ns_dtype=float32. In bf16 (torch's and the GPU default) the
