@@ -43,7 +43,7 @@ def huber(r: np.ndarray, delta: float = HUBER_DELTA) -> tuple[np.ndarray, np.nda
     """Huber loss of residuals and its derivative (quadratic inside delta, linear outside)."""
     a = np.abs(r)
     value = np.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta))
-    return value, np.clip(r, -delta, delta)
+    return value, np.minimum(np.maximum(r, -delta), delta)  # np.clip's, without its wrapper
 
 
 @functools.cache
@@ -144,14 +144,13 @@ def _fit(form: str, n: Sequence[float], d: Sequence[float], loss: Sequence[float
         return out
 
     def objective(x: np.ndarray, base: np.ndarray) -> tuple[float, np.ndarray]:
-        theta = full(x, base)
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            pred, jac = spec.log_model(theta, ln_n, ln_d)
-            value, dh = huber(pred - log_l, delta)
-            total = float(value.sum())
+        theta = full(x, base)  # under the descents' np.errstate (below)
+        pred, jac = spec.log_model(theta, ln_n, ln_d)
+        value, dh = huber(pred - log_l, delta)
+        total = float(value.sum())
         if not math.isfinite(total):
             return math.inf, np.zeros(int(free.sum()))
-        return total, np.sum(dh[:, None] * jac, axis=0)[free]  # numpy's sum, not BLAS
+        return total, (dh[:, None] * jac).sum(axis=0)[free]  # numpy's sum, not BLAS
 
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         grid, _ = spec.log_model(starts.T[..., None], ln_n, ln_d, jac=False)
@@ -159,7 +158,7 @@ def _fit(form: str, n: Sequence[float], d: Sequence[float], loss: Sequence[float
     screened = np.where(np.isfinite(screened), screened, np.inf)
     best_x, best_f = None, math.inf
     bounds = list(zip(lo[free], hi[free], strict=True))
-    with _one_blas_thread():
+    with _one_blas_thread(), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for i in [i for i in np.argsort(screened) if math.isfinite(screened[i])][:keep]:
             res = minimize(objective, starts[i][free], args=(starts[i],), jac=True,
                            method="L-BFGS-B", bounds=bounds,

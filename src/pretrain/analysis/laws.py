@@ -59,7 +59,7 @@ class Form:
     def predict(self, constants: dict[str, float], n, d) -> np.ndarray:
         ln_n, ln_d = np.log(np.asarray(n, float)), np.log(np.asarray(d, float))
         value, _ = self.log_model(self.theta(constants), np.atleast_1d(ln_n),
-                                  np.atleast_1d(ln_d))
+                                  np.atleast_1d(ln_d), jac=False)
         out = np.exp(value)
         return out.reshape(np.broadcast(ln_n, ln_d).shape)
 
@@ -73,7 +73,13 @@ def _sum_of_terms(terms: list[np.ndarray], grads: list[np.ndarray] | None
     total = functools.reduce(operator.add, terms)  # in order, as summing the stack did
     if grads is None:
         return np.log(total), None
-    return np.log(total), (np.stack(grads, 1) + 0.0) / total[:, None]
+    # runs x params in C order, as np.stack(grads, 1) was: the fit sums its columns over
+    # the runs, and numpy sums a C-ordered axis 0 in another order than an F-ordered one
+    if total.ndim != 1:  # not a fit's runs
+        return np.log(total), (np.stack(grads, 1) + 0.0) / total[:, None]
+    jac = np.empty((len(total), len(grads)))
+    np.divide((np.array(grads) + 0.0).T, total[:, None], out=jac)
+    return np.log(total), jac
 
 
 # Each model takes theta either as one vector (a fit step: values and Jacobian) or as
