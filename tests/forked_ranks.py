@@ -20,6 +20,7 @@ first failure's status (a child's exception: 1, with its traceback on stderr).
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
 import signal
@@ -41,6 +42,7 @@ def free_port() -> int:
 def run_rank(main, rank: int, argv: list[str]) -> int:
     """In a forked child: this rank's variables, then the worker's ``main()``; its status."""
     die_with_parent()
+    faulthandler.enable()  # a rank that dies of a signal (SIGSEGV) prints where, on stderr
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
     sys.argv = argv
     try:
