@@ -21,6 +21,7 @@ Hydra and exit status included, without the 3 s of imports a call.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -115,6 +116,7 @@ def serve(module: str, preload: list[str]) -> None:
         importlib.import_module(name)
     main = script_main(module) if module.endswith(".py") else importlib.import_module(
         module).main
+    gc.freeze()  # the imports, out of every call's collections (train.py does the same)
     for line in sys.stdin:
         request = json.loads(line)
         sys.stdout.flush()

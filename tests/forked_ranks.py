@@ -21,6 +21,7 @@ first failure's status (a child's exception: 1, with its traceback on stderr).
 from __future__ import annotations
 
 import faulthandler
+import gc
 import importlib
 import os
 import signal
@@ -58,6 +59,7 @@ def run_rank(main, rank: int, argv: list[str]) -> int:
 def launch(nproc: int, script: Path, args: list[str]) -> int:
     sys.path.insert(0, str(script.parent))  # the worker imports its neighbours (helpers)
     main = importlib.import_module(script.stem).main
+    gc.freeze()  # the imports, out of the ranks' collections and this launcher's exit
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                       WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     sys.stdout.flush()
