@@ -70,6 +70,15 @@ def cpu_peaks(tmp_path_factory) -> None:
                                                           lambda _: measure_cpu_peaks()))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_fits(tmp_path_factory) -> None:
+    """Each scaling-law fit computed by one worker of the pytest run and read by the others
+    (tests/fit_cache.py): the fit modules refit the same published ladders."""
+    from fit_cache import share_fits
+
+    share_fits(tmp_path_factory)
+
+
 def measure_cpu_peaks() -> dict[str, float]:
     import torch
 

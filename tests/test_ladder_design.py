@@ -99,9 +99,22 @@ def test_unidentifiable_or_unaffordable_designs_are_refused_with_the_knob(kw, ne
 
 
 @pytest.mark.slow
-def test_the_plan_tool_on_the_byte_ladder_recipe(capsys):
+def test_the_plan_tool_on_the_byte_ladder_recipe(capsys, monkeypatch):
     """``tools/ladder.py --plan`` composes the real recipe (counts, LR, branch points) and
-    prints the design; it refuses a data-limited one with exit code 2."""
+    prints the design; it refuses a data-limited one with exit code 2. The second plan
+    composes no size the first did not (a Hydra composition and a dry run each, 38 in all
+    when composed again): each size is composed once here."""
+    from pretrain.tools import ladder_plan
+
+    composed, compose = {}, ladder_plan.compose_size
+
+    def compose_once(recipe, width, overrides):
+        key = (recipe, width, tuple(overrides))
+        if key not in composed:
+            composed[key] = compose(recipe, width, overrides)
+        return composed[key]
+
+    monkeypatch.setattr(ladder_plan, "compose_size", compose_once)
     args = ["--recipe", "ladder-bytes", "--sizes", "16,24,32,48,60,72", "--seed-sizes", "16,72",
             "--plan", "--no-measure", "--core-hours", "2"]
     assert ladder.main(args) == 0
@@ -250,14 +263,20 @@ def test_bytes_are_the_smallest_bpe(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_real_byte_ladder_runs_branches_a_second_seed_and_predicts(tmp_path, capsys):
+def test_a_real_byte_ladder_runs_branches_a_second_seed_and_predicts(tmp_path,
+                                                                       monkeypatch):
     """The whole path at tiny scale with real training: tools/ladder.py runs recipes/
     ladder-bytes (on the standard library alone, in bytes) at three widths, their cooldown
     branches, a second seed of one width whose branches find their own source; then the fit
     with the seed spread and a prediction of a larger run from its plan. Kept small for CI:
     the first 300 files of the standard library, one layer, sources to 8 tokens/param (the
     branches' 1 and 4 below it; the recipe's 24 tripled the training for nothing checked;
-    4 with branches at 1 and 2 left the fit policy nothing to predict with, issue 69)."""
+    4 with branches at 1 and 2 left the fit policy nothing to predict with, issue 69). The
+    streams' train.py commands run as tools/ladder.py starts them, side by side, each in a
+    fork of a process that imported train.py's modules (tests/train_forks.py): six
+    interpreter starts of torch and Hydra were a third of the test's CPU."""
+    from train_forks import forked_processes
+
     runs = tmp_path / "runs"
     data = ["data.root=" + str(tmp_path / "data"),
             "data.mixture=[{name:stdlib,weight:1.0,source:stdlib,max_documents:300}]",
@@ -268,9 +287,12 @@ def test_a_real_byte_ladder_runs_branches_a_second_seed_and_predicts(tmp_path, c
 
     prepare_mixture(prep.data)
     out = tmp_path / "fit"
-    assert ladder.main(["--recipe", "ladder-bytes", "--sizes", "16,24,32", "--seed-sizes", "16",
-                        "--jobs", "2", "--bootstrap", "8", "--no-plots", "--out", str(out),
-                        "--predict", "1e5,4e5", "--", *data, f"runs_dir={runs}"]) == 0
+    with forked_processes() as processes:
+        monkeypatch.setattr(ladder, "subprocess", processes)
+        assert ladder.main(["--recipe", "ladder-bytes", "--sizes", "16,24,32", "--seed-sizes",
+                            "16", "--jobs", "2", "--bootstrap", "8", "--no-plots", "--out",
+                            str(out), "--predict", "1e5,4e5", "--", *data,
+                            f"runs_dir={runs}"]) == 0
     fitted = json.loads((out / "fit.json").read_text())
     assert len(fitted["runs"]) == 12  # 4 widths-and-seeds x (source + 2 branches)
     assert fitted["seed_spread"]["groups"] == 3
