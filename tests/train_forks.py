@@ -46,7 +46,6 @@ def train_py(*args: str, cwd: Path | str, timeout: float = 300,
     return subprocess.CompletedProcess([TRAIN, *args], code, out, err)
 
 
-
 class Servers:
     """SERVER, and more servers of train.py for the runs started while it is busy."""
 
