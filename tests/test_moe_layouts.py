@@ -5,7 +5,14 @@ The nano GPT with 4 SwiGLU experts of width 32, 2 per token, in both layers: the
 loss and the z-loss on (their gradient travels through AuxLoss with each micro batch's
 weight), and an aux_free run whose biases follow the load summed over the DP ranks. ZeRO-3
 shards the 3-D expert tensors, DDP replicates them, a pipeline puts one MoE layer on each
-stage. Tensor parallelism refuses an MoE (test_moe.py)."""
+stage. Tensor parallelism refuses an MoE (test_moe.py).
+
+Three training steps (LAYOUT_STEPS), as the dense layouts train and for the same reasons: a
+wrong gradient shows in the first step, a wrong optimizer state or a bias moved on the wrong
+counts from the second on (observed after 3: loss 9.5e-7, param 1.0e-6, update 1.4e-5
+against the bounds 1e-4, lr / 4 and 1e-3, native and under the AVX2 imitation). Five steps
+cost 5 s more of CPU (issue 69). The reference still learns: 5.5613, 5.5451, 5.5348 (both
+runs, both ISAs), falling at every step and by 0.026 in all, MOE_LEARNS = 0.015 below that."""
 
 from __future__ import annotations
 
@@ -14,10 +21,11 @@ import functools
 import pytest
 from built_once import built_once
 from helpers import run_group
-from test_parallel_layouts import COMMON, FEWER_EVAL_BATCHES, assert_same_training
+from test_parallel_layouts import BASE, LAYOUT_STEPS, assert_same_training
 
 MOE = ["model.mlp=swiglu", "model.bias=false", "model.moe_experts=4", "model.moe_top_k=2",
        "model.moe_d_ff=32", "model.moe_z_coeff=0.001"]
+MOE_LEARNS = 0.015  # the reference's drop over LAYOUT_STEPS (module docstring)
 AUX_FREE = ["model.moe_balance=aux_free", "model.moe_bias_rate=0.01"]
 
 LAYOUTS = {
@@ -54,7 +62,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def moe_env(tmp_path_factory, markov_root):
     root = tmp_path_factory.mktemp("moe_layouts")
-    return root, [*COMMON, *MOE, f"data.root={markov_root}", f"runs_dir={root / 'runs'}"]
+    return root, [*BASE, f"budget.steps={LAYOUT_STEPS}", *MOE, f"data.root={markov_root}",
+                  f"runs_dir={root / 'runs'}"]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +74,7 @@ def runs(moe_env, tmp_path_factory):
         layouts = ({"single": ["parallel.dp=1"], "single_aux_free": ["parallel.dp=1", *AUX_FREE]}
                    if nproc == 1 else LAYOUTS if nproc == 2 else LAYOUTS_4)
         return built_once(tmp_path_factory, f"moe-layouts-{nproc}", lambda root: run_group(
-            root, moe_env[1], nproc, layouts, [FEWER_EVAL_BATCHES]))
+            root, moe_env[1], nproc, layouts))
 
     return get
 
@@ -82,6 +91,10 @@ def test_moe_layout_trains_like_one_process(runs, name):
 
 
 def test_the_moe_reference_learns(runs):
+    """The comparisons above are of runs that train: the loss falls at every step and by
+    MOE_LEARNS over the three (module docstring)."""
     for name in ("single", "single_aux_free"):
         losses = runs(1)[name]["losses"]
-        assert losses[-1] < losses[0] - 0.05, (name, losses)
+        print(f"moe {name}: losses {', '.join(f'{x:.4f}' for x in losses)}")
+        assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), (name, losses)
+        assert losses[-1] < losses[0] - MOE_LEARNS, (name, losses)

@@ -30,9 +30,9 @@ Initial parameters must be identical, bit for bit.
 Three steps, not five (issue 69: the TP layouts' DTensor steps were a third of the module's
 time): a wrong gradient shows in the first step, a wrong optimizer state (sharded, gathered,
 carried over) from the second on, and the reference still learns (5.558 -> 5.485, the
-bound's 0.05 with a margin of 0.02). The modules that share COMMON keep STEPS = 5: the MoE
-reference learns 0.05 only after five (tests/test_moe_layouts.py), and the optimizers'
-resumes continue from step 3 (tests/test_optimizers.py).
+bound's 0.05 with a margin of 0.02). tests/test_moe_layouts.py and tests/test_optimizers.py
+train LAYOUT_STEPS too, with bounds of their own on how much their references learn; COMMON
+(STEPS = 5) is left for a module that needs five.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from helpers import MARKOV_DATA, VOCAB, run_group
 
 from pretrain import torch_compat
 
-STEPS, LR = 5, 1e-3  # COMMON's budget: the MoE's and the optimizers' runs
+STEPS, LR = 5, 1e-3  # COMMON's budget (no module trains it now: the docstring)
 LAYOUT_STEPS = 3  # this module's runs (the docstring says why)
 LOSS_ATOL = 1e-4
 PARAM_ATOL = LR / 4
